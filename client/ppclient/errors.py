@@ -1,0 +1,20 @@
+"""Errors raised by the client; all derive from ppclient.Error."""
+
+from __future__ import annotations
+
+
+class Error(Exception):
+    """Any failure reported by or about the server."""
+
+
+class ServerUnavailable(Error):
+    """The server did not answer within the client's timeout."""
+
+
+class MapperError(Error):
+    """A mapper raised on the server (or its output failed validation)."""
+
+    def __init__(self, message: str, *, seq_tag=None, remote_traceback: str = ""):
+        super().__init__(f"{message} (seq {seq_tag!r})" if seq_tag is not None else message)
+        self.seq_tag = seq_tag
+        self.remote_traceback = remote_traceback

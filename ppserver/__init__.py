@@ -1,0 +1,1 @@
+"""ppserver: a long-running data postprocessing service on ZeroMQ."""

@@ -1,0 +1,191 @@
+"""Running the user's mappers: seeding, meta entries, output validation.
+
+Kept free of I/O so the worker, the in-process reference run and the tests share one
+definition of what "the mapped epoch" is.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import numpy
+
+from ppclient.wire import META_KEYS
+
+_SEQ_STREAM = 0
+_PARTITION_STREAM = 1
+
+
+class MappingError(Exception):
+    """A mapper raised or produced an output that does not fit the templates."""
+
+    def __init__(self, message: str, seq_tag: Optional[str] = None):
+        super().__init__(message)
+        self.seq_tag = seq_tag
+
+
+def _rng(seed: int, epoch: int, kind: int, index: int) -> numpy.random.RandomState:
+    state = numpy.random.SeedSequence([seed, epoch, kind, index]).generate_state(1)[0]
+    return numpy.random.RandomState(int(state))
+
+
+def seq_rng(seed: int, epoch: int, seq_idx: int) -> numpy.random.RandomState:
+    """The rng given to map_seq for one seq: a function of (seed, epoch, seq_idx) only."""
+    return _rng(seed, epoch, _SEQ_STREAM, seq_idx)
+
+
+def partition_rng(seed: int, epoch: int, partition: int) -> numpy.random.RandomState:
+    """The rng given to one map_seq_stream partition."""
+    return _rng(seed, epoch, _PARTITION_STREAM, partition)
+
+
+def fwd_compat_kwargs() -> Dict[str, Any]:
+    """An extra, randomly named keyword: mappers must take **kwargs to stay forward compatible."""
+    return {f"_fwd_compat_arg_{random.randrange(1000)}": None}
+
+
+def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
+    """Check a mapper output against the output templates; the error names the key."""
+    tag = seq.get("seq_tag") if isinstance(seq, dict) else None
+    if not isinstance(seq, dict):
+        raise MappingError(f"mapper must return a dict, got {type(seq).__name__}")
+    for key, value in seq.items():
+        if key in META_KEYS:
+            continue
+        if not isinstance(value, numpy.ndarray):
+            raise MappingError(f"output {key!r} is a {type(value).__name__}, expected a numpy array", tag)
+    for key, tpl in templates.items():
+        if key not in seq:
+            raise MappingError(f"output is missing key {key!r}", tag)
+        value = seq[key]
+        shape = tpl["shape"]
+        if value.ndim != len(shape):
+            raise MappingError(
+                f"ndim mismatch for {key!r}: got {value.ndim}, expected {len(shape)} (shape {tuple(shape)})", tag
+            )
+        if value.dtype.name != tpl["dtype"]:
+            raise MappingError(f"dtype mismatch for {key!r}: got {value.dtype.name}, expected {tpl['dtype']}", tag)
+        for axis, (got, want) in enumerate(zip(value.shape, shape)):
+            if want is not None and got != want:
+                raise MappingError(f"dim {axis} mismatch for {key!r}: got {got}, expected {want}", tag)
+    cf = seq.get("complete_frac")
+    if cf is not None and not 0.0 <= float(cf) <= 1.0:
+        raise MappingError(f"complete_frac must be in [0, 1], got {cf}", tag)
+
+
+def apply_map_seq(
+    map_seq: Callable,
+    seq: Dict[str, Any],
+    *,
+    epoch: int,
+    seed: int,
+    templates: Dict[str, Dict[str, Any]],
+    expected_tag: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Apply map_seq to one seq with its own rng; restore dropped meta entries; validate."""
+    meta = {k: seq[k] for k in META_KEYS if k in seq}
+    seq_idx = int(meta["seq_idx"])
+    try:
+        out = map_seq(dict(seq), epoch=epoch, seq_idx=seq_idx, rng=seq_rng(seed, epoch, seq_idx), **fwd_compat_kwargs())
+    except MappingError:
+        raise
+    if not isinstance(out, dict):
+        raise MappingError(f"map_seq must return a dict, got {type(out).__name__}", meta.get("seq_tag"))
+    for k, v in meta.items():
+        out.setdefault(k, v)
+    validate(out, templates)
+    if expected_tag is not None and out["seq_tag"] != expected_tag:
+        raise MappingError(f"seq tag mismatch: {out['seq_tag']!r} != {expected_tag!r} (seq_list given)", expected_tag)
+    return out
+
+
+class StreamValidator:
+    """Validates one stream's outputs, including a non-decreasing complete_frac."""
+
+    def __init__(self, templates: Dict[str, Dict[str, Any]]):
+        self.templates = templates
+        self.last_complete_frac = 0.0
+
+    def __call__(self, seq: Any) -> Dict[str, Any]:
+        validate(seq, self.templates)
+        cf = seq.get("complete_frac")
+        if cf is not None:
+            cf = float(cf)
+            if cf < self.last_complete_frac:
+                raise MappingError(
+                    f"complete_frac must not decrease: got {cf} after {self.last_complete_frac}", seq.get("seq_tag")
+                )
+            self.last_complete_frac = cf
+        return seq
+
+
+def run_stream(
+    map_seq_stream: Callable,
+    inputs: Iterator[Dict[str, Any]],
+    *,
+    epoch: int,
+    seed: int,
+    partition: int,
+    templates: Dict[str, Dict[str, Any]],
+) -> Iterator[Dict[str, Any]]:
+    """Run map_seq_stream over one partition's inputs, validating every output."""
+    out = map_seq_stream(inputs, epoch=epoch, rng=partition_rng(seed, epoch, partition), **fwd_compat_kwargs())
+    if not isinstance(out, Iterator):
+        raise MappingError(f"map_seq_stream must return an iterator, got {type(out).__name__}")
+    check = StreamValidator(templates)
+    for seq in out:
+        yield check(seq)
+
+
+def reference_epoch(
+    cfg,
+    dataset,
+    epoch: int,
+    templates: Dict[str, Dict[str, Any]],
+    *,
+    seq_list=None,
+    seq_order=None,
+) -> Iterator[Dict[str, Any]]:
+    """The epoch as the service must deliver it, computed in one process (for checks and benchmarks)."""
+    dataset.init_seq_order(epoch, seq_list=seq_list, seq_order=seq_order)
+    n = dataset.num_seqs
+    if cfg.map_seq is not None:
+        for pos in range(n):
+            seq = dataset.get_seq(pos)
+            yield apply_map_seq(
+                cfg.map_seq,
+                seq,
+                epoch=epoch,
+                seed=cfg.seed,
+                templates=templates,
+                expected_tag=seq["seq_tag"] if seq_list is not None else None,
+            )
+        return
+    parts = cfg.partitions
+    streams = [
+        run_stream(
+            cfg.map_seq_stream,
+            (dataset.get_seq(pos) for pos in range(p, n, parts)),
+            epoch=epoch,
+            seed=cfg.seed,
+            partition=p,
+            templates=templates,
+        )
+        for p in range(parts)
+    ]
+    yield from interleave(streams)
+
+
+def interleave(streams) -> Iterator[Dict[str, Any]]:
+    """Round-robin over the partition streams, skipping exhausted ones (the delivery order)."""
+    live = list(streams)
+    done = [False] * len(live)
+    i = 0
+    while not all(done):
+        if not done[i]:
+            try:
+                yield next(live[i])
+            except StopIteration:
+                done[i] = True
+        i = (i + 1) % len(live)

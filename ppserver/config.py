@@ -1,0 +1,207 @@
+"""Reading and checking the Python config file that the server and every worker load.
+
+The config is a Python file, as in RETURNN: its top-level lowercase names are the settings.
+Modules, functions, classes and names starting with ``_`` or written in UPPER_CASE are
+helpers and are ignored; any other lowercase name must be a known key, so a typo is an
+error instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy
+
+from .errors import ConfigError
+
+KNOWN_KEYS = {
+    "dataset",
+    "map_seq",
+    "map_seq_stream",
+    "map_outputs",
+    "map_seq_stream_preserves_num_seqs",
+    "buf_size",
+    "num_workers",
+    "seed",
+    "stream_partitions",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "max_seq_retries",
+    "max_message_bytes",
+}
+
+
+@dataclass
+class Config:
+    path: str
+    fingerprint: str
+    dataset: Dict[str, Any]
+    map_seq: Optional[Callable] = None
+    map_seq_stream: Optional[Callable] = None
+    map_outputs: Optional[Dict[str, Dict[str, Any]]] = None
+    preserves_num_seqs: Optional[bool] = None
+    buf_size: int = 1
+    num_workers: int = 1
+    seed: int = 0
+    stream_partitions: Optional[int] = None
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    max_seq_retries: int = 3
+    max_message_bytes: int = 1 << 30
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_stream(self) -> bool:
+        return self.map_seq_stream is not None
+
+    @property
+    def partitions(self) -> int:
+        return self.stream_partitions or self.num_workers
+
+
+def _is_helper(name: str, value: Any) -> bool:
+    if name.startswith("_") or name != name.lower() or name.isupper():
+        return True
+    return isinstance(value, (types.ModuleType, type)) or (
+        callable(value) and name not in ("map_seq", "map_seq_stream")
+    )
+
+
+def load_config(path: str) -> Config:
+    """Execute the config file and return the checked settings; raises ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path!r}: {exc.strerror}") from None
+    namespace: Dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__ppserver_config__"}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except Exception as exc:
+        line = ""
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == path:
+                line = f" (line {tb.tb_lineno})"
+            tb = tb.tb_next
+        raise ConfigError("config", f"{path} failed to load{line}: {type(exc).__name__}: {exc}") from None
+    settings = {k: v for k, v in namespace.items() if k != "__builtins__" and not _is_helper(k, v)}
+    unknown = sorted(set(settings) - KNOWN_KEYS)
+    if unknown:
+        raise ConfigError(unknown[0], "unknown config key (helpers must be UPPER_CASE or start with '_')")
+    return from_settings(settings, path=path, source=source)
+
+
+def from_settings(settings: Dict[str, Any], *, path: str = "<settings>", source: bytes = b"") -> Config:
+    if "dataset" not in settings:
+        raise ConfigError("dataset", "missing: set dataset = {'class': ..., ...}")
+    dataset = settings["dataset"]
+    if not isinstance(dataset, dict) or "class" not in dataset:
+        raise ConfigError("dataset", "must be a dict with a 'class' entry")
+    map_seq = settings.get("map_seq")
+    map_seq_stream = settings.get("map_seq_stream")
+    if map_seq is None and map_seq_stream is None:
+        raise ConfigError("map_seq", "set exactly one of map_seq and map_seq_stream (neither is set)")
+    if map_seq is not None and map_seq_stream is not None:
+        raise ConfigError("map_seq_stream", "set exactly one of map_seq and map_seq_stream (both are set)")
+    for key, fn in (("map_seq", map_seq), ("map_seq_stream", map_seq_stream)):
+        if fn is not None and not callable(fn):
+            raise ConfigError(key, f"must be callable, got {type(fn).__name__}")
+
+    preserves = settings.get("map_seq_stream_preserves_num_seqs")
+    if preserves is not None:
+        if map_seq is not None:
+            raise ConfigError("map_seq_stream_preserves_num_seqs", "only allowed with map_seq_stream")
+        if not isinstance(preserves, bool):
+            raise ConfigError("map_seq_stream_preserves_num_seqs", f"must be a bool, got {preserves!r}")
+    elif map_seq_stream is not None:
+        attr = getattr(map_seq_stream, "preserves_num_seqs", None)
+        preserves = attr if isinstance(attr, bool) else None
+
+    cfg = Config(
+        path=path,
+        fingerprint=fingerprint(source, [map_seq, map_seq_stream]),
+        dataset=dataset,
+        map_seq=map_seq,
+        map_seq_stream=map_seq_stream,
+        map_outputs=_check_map_outputs(settings.get("map_outputs")),
+        preserves_num_seqs=preserves,
+        buf_size=_int(settings, "buf_size", 1, minimum=1),
+        num_workers=_int(settings, "num_workers", 1, minimum=1),
+        seed=_int(settings, "seed", 0, minimum=0),
+        max_seq_retries=_int(settings, "max_seq_retries", 3, minimum=1),
+        max_message_bytes=_int(settings, "max_message_bytes", 1 << 30, minimum=1024),
+        heartbeat_interval=_float(settings, "heartbeat_interval", 1.0),
+        heartbeat_timeout=_float(settings, "heartbeat_timeout", 5.0),
+    )
+    if settings.get("stream_partitions") is not None:
+        cfg.stream_partitions = _int(settings, "stream_partitions", 1, minimum=1)
+        if map_seq is not None:
+            raise ConfigError("stream_partitions", "only allowed with map_seq_stream")
+    if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
+        raise ConfigError("heartbeat_timeout", "must be larger than heartbeat_interval")
+    return cfg
+
+
+def _int(settings, key, default, *, minimum):
+    value = settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < minimum:
+        raise ConfigError(key, f"must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _float(settings, key, default):
+    value = settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(key, f"must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_map_outputs(map_outputs) -> Optional[Dict[str, Dict[str, Any]]]:
+    if map_outputs is None:
+        return None
+    if not isinstance(map_outputs, dict) or not map_outputs:
+        raise ConfigError("map_outputs", "must be a non-empty dict {key: {'shape': ..., 'dtype': ...}}")
+    out = {}
+    for key, spec in map_outputs.items():
+        if not isinstance(key, str) or not isinstance(spec, dict):
+            raise ConfigError("map_outputs", f"entry {key!r} must map a str key to a dict")
+        shape = spec.get("shape")
+        if not isinstance(shape, (list, tuple)) or not all(d is None or (isinstance(d, int) and d >= 0) for d in shape):
+            raise ConfigError("map_outputs", f"{key!r}: 'shape' must be a tuple of ints or None, got {shape!r}")
+        try:
+            dtype = numpy.dtype(spec.get("dtype", "float32"))
+        except TypeError:
+            raise ConfigError("map_outputs", f"{key!r}: unknown dtype {spec.get('dtype')!r}") from None
+        out[key] = {"shape": list(shape), "dtype": dtype.name}
+    return out
+
+
+def _source_of(obj: Any, seen: set) -> List[str]:
+    if obj is None or id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    parts = []
+    target = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+    try:
+        parts.append(inspect.getsource(target))
+    except (OSError, TypeError):
+        parts.append(f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}")
+    for inner in getattr(obj, "funcs", ()) or ():  # composed mappers such as Sequential
+        parts.extend(_source_of(inner, seen))
+    return parts
+
+
+def fingerprint(source: bytes, mappers: List[Optional[Callable]]) -> str:
+    """Hash of the config file and the source of its mappers: equal on hosts that agree."""
+    h = hashlib.sha256(source)
+    seen: set = set()
+    for fn in mappers:
+        for part in _source_of(fn, seen):
+            h.update(part.encode("utf8", "replace"))
+    return h.hexdigest()[:16]

@@ -1,0 +1,75 @@
+"""Built-in ``map_seq`` functions: ``f(seq, **kwargs) -> seq``.
+
+They return new dicts and never modify the input arrays, since the same seq object may
+still be referenced by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["spec_augment", "double"]
+
+
+def _randint(rng: Any, low: int, high: int) -> int:
+    """Integer in [low, high]; accepts RandomState and Generator."""
+    if hasattr(rng, "integers"):
+        return int(rng.integers(low, high + 1))
+    return int(rng.randint(low, high + 1))
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"spec_augment: {name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def spec_augment(
+    seq: dict[str, Any],
+    *,
+    rng: Any,
+    epoch: int | None = None,
+    seq_idx: int | None = None,
+    max_time_masks: int = 2,
+    max_time_width: int = 20,
+    max_freq_masks: int = 2,
+    max_freq_width: int = 10,
+    key: str = "data",
+    **kwargs,
+) -> dict[str, Any]:
+    """SpecAugment-style masking of ``seq[key]`` (time on axis 0, features on the last axis).
+
+    Draws 1..max_*_masks masks of each kind (none if the max is 0), each 1..max_*_width wide,
+    and zeroes them. All randomness comes from `rng`, so a seeded rng reproduces the result.
+    """
+    max_time_masks = _check_count("max_time_masks", max_time_masks)
+    max_time_width = _check_count("max_time_width", max_time_width)
+    max_freq_masks = _check_count("max_freq_masks", max_freq_masks)
+    max_freq_width = _check_count("max_freq_width", max_freq_width)
+    x = np.array(seq[key], copy=True)
+    if x.ndim < 2:
+        raise ValueError(f"spec_augment: seq[{key!r}] must have shape (time, ..., features), got {x.shape}")
+    for axis, max_masks, max_width in ((0, max_time_masks, max_time_width), (x.ndim - 1, max_freq_masks, max_freq_width)):
+        size = x.shape[axis]
+        if max_masks == 0 or max_width == 0 or size == 0:
+            continue
+        for _ in range(_randint(rng, 1, max_masks)):
+            width = min(_randint(rng, 1, max_width), size)
+            start = _randint(rng, 0, size - width)
+            index = [slice(None)] * x.ndim
+            index[axis] = slice(start, start + width)
+            x[tuple(index)] = 0
+    out = dict(seq)
+    out[key] = x
+    return out
+
+
+def double(seq: dict[str, Any], **kwargs) -> dict[str, Any]:
+    """Multiplies every floating-point array by 2 (dtype kept); a cheap, visible transformation for benchmarks."""
+    out = dict(seq)
+    for k, v in seq.items():
+        if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating):
+            out[k] = v * v.dtype.type(2)
+    return out

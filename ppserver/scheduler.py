@@ -1,0 +1,513 @@
+"""Scheduler state: which seq is where, what may be sent next, what is delivered in order.
+
+No sockets here. The server loop feeds events in (an input from the feeder, a result or a
+heartbeat from a worker, client credit, a worker lost) and sends what the scheduler puts
+in its outbox. Keeping the state apart from the I/O makes every transition explicit.
+
+Two modes:
+- map_seq: every seq is a task; any worker may run it; results wait in a reorder buffer
+  and leave in index order. Input frames stay here until their result arrives, so the
+  seqs of a worker that dies are sent again elsewhere.
+- map_seq_stream: seq i belongs to partition i mod P; a partition is one stream on one
+  worker; its outputs are delivered round-robin across partitions. A partition whose
+  worker dies restarts elsewhere from its first input (re-read from the dataset), and
+  the outputs already received are skipped.
+
+Memory is bounded by credits: a worker holds at most buf_size tasks (or buf_size
+unconsumed inputs and undelivered outputs per partition), and the feeder is read only
+while fewer than `window` seqs are between the feeder and the client.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+
+from ppclient import wire
+
+log = logging.getLogger("ppserver.scheduler")
+
+CLIENT_WINDOW_SLACK = 8
+
+
+@dataclass
+class WorkerState:
+    wid: bytes
+    host: str
+    pid: int
+    capacity: int
+    joined: float
+    last_seen: float
+    inflight: Set[int] = field(default_factory=set)
+    partitions: Set[int] = field(default_factory=set)
+    done: int = 0
+
+    def free(self) -> int:
+        return self.capacity - len(self.inflight)
+
+    def describe(self, now: float) -> Dict[str, Any]:
+        return {
+            "id": self.wid.decode("utf8", "replace"),
+            "host": self.host,
+            "pid": self.pid,
+            "seqs_done": self.done,
+            "in_flight": len(self.inflight) + len(self.partitions),
+            "partitions": sorted(self.partitions),
+            "last_heartbeat_s": round(now - self.last_seen, 3),
+        }
+
+
+@dataclass
+class Partition:
+    index: int
+    wid: Optional[bytes] = None
+    queue: Deque[Tuple[int, List[Any]]] = field(default_factory=deque)  # (j, frames) not yet sent
+    fed: int = 0  # inputs of this partition received from the feeder
+    sent: int = 0  # inputs sent to the current worker
+    in_credit: int = 0
+    replay_until: int = 0  # inputs j < replay_until must be re-read from the dataset
+    eof_sent: bool = False
+    outputs: Deque[List[Any]] = field(default_factory=deque)
+    received: int = 0  # outputs received (in order) across restarts
+    skip: int = 0  # outputs the current worker regenerates that were already received
+    done: bool = False
+    deaths: int = 0
+    last_tag: Optional[str] = None
+
+
+@dataclass
+class Run:
+    run: int
+    epoch: int
+    num_seqs: int
+    stream_id: bytes
+    stream: bool
+    partitions: int = 0
+    started: float = field(default_factory=time.monotonic)
+    fed: int = 0
+    feed_done: bool = False
+    finished: bool = False
+    ended: Optional[float] = None
+    failed: Optional[str] = None
+    client_credit: int = 0
+    delivered: int = 0
+    delivered_bytes: int = 0
+    complete_frac: float = 0.0
+    check_tags: bool = False
+    # map_seq
+    pending: Dict[int, List[Any]] = field(default_factory=dict)
+    tags: Dict[int, str] = field(default_factory=dict)
+    todo: List[int] = field(default_factory=list)  # heap: redo before new
+    inflight: Dict[int, bytes] = field(default_factory=dict)
+    results: Dict[int, List[Any]] = field(default_factory=dict)
+    deaths: Dict[int, int] = field(default_factory=dict)
+    # map_seq_stream
+    parts: List[Partition] = field(default_factory=list)
+    rr: int = 0
+
+
+class Scheduler:
+    def __init__(self, *, buf_size: int, max_seq_retries: int, seed: int, reread: Callable[[int, int], List[Any]]):
+        self.buf_size = buf_size
+        self.max_seq_retries = max_seq_retries
+        self.seed = seed
+        self.reread = reread  # (run, pos) -> input frames, for replaying a stream partition
+        self.workers: Dict[bytes, WorkerState] = {}
+        self.run: Optional[Run] = None
+        self.outbox: List[Tuple[str, bytes, List[Any]]] = []
+        self.total_delivered = 0
+        self.departed = 0
+
+    # ---- output helpers -------------------------------------------------------------
+    def _to_worker(self, wid: bytes, header: Dict[str, Any], bufs: Tuple = ()) -> None:
+        self.outbox.append(("worker", wid, [wire.pack(header), *bufs]))
+
+    def _to_client(self, header: Dict[str, Any], bufs: Tuple = ()) -> None:
+        assert self.run is not None
+        self.outbox.append(("client", self.run.stream_id, [b"", wire.pack(header), *bufs]))
+
+    # ---- workers ---------------------------------------------------------------------
+    def add_worker(self, wid: bytes, host: str, pid: int, now: float) -> WorkerState:
+        w = WorkerState(wid=wid, host=host, pid=pid, capacity=self.buf_size, joined=now, last_seen=now)
+        self.workers[wid] = w
+        run = self.run
+        if run is not None and not run.finished:
+            self._to_worker(wid, self._run_header(run))
+            if run.stream:
+                self._assign_partitions()
+        self.pump()
+        return w
+
+    def touch(self, wid: bytes, now: float) -> bool:
+        w = self.workers.get(wid)
+        if w is None:
+            return False
+        w.last_seen = now
+        return True
+
+    def remove_worker(self, wid: bytes, reason: str) -> None:
+        """Forget a worker (dead, departed or replaced); its work goes back to the queue."""
+        w = self.workers.pop(wid, None)
+        if w is None:
+            return
+        run = self.run
+        lost = sorted(w.inflight) if run is not None else []
+        log.warning(
+            "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back",
+            wid.decode("utf8", "replace"), w.host, w.pid, reason, len(lost), len(w.partitions),
+        )
+        if run is None or run.finished:
+            return
+        crashed = reason.startswith("lost") or reason.startswith("died")
+        if not run.stream:
+            for pos in lost:
+                if run.inflight.get(pos) != wid:
+                    continue
+                del run.inflight[pos]
+                if crashed:
+                    run.deaths[pos] = run.deaths.get(pos, 0) + 1
+                    if run.deaths[pos] >= self.max_seq_retries:
+                        tag = run.tags.get(pos, f"#{pos}")
+                        self.fail_run(
+                            f"seq {tag!r} was in flight on {run.deaths[pos]} workers that died processing it",
+                            seq_tag=tag, kind="mapper")
+                        return
+                heapq.heappush(run.todo, pos)
+        else:
+            for p in sorted(w.partitions):
+                part = run.parts[p]
+                if crashed:
+                    part.deaths += 1
+                    if part.deaths >= self.max_seq_retries:
+                        tag = part.last_tag or f"partition {p}"
+                        self.fail_run(
+                            f"stream partition {p} (last input {tag!r}) killed {part.deaths} workers",
+                            seq_tag=tag, kind="mapper")
+                        return
+                self._reset_partition(part)
+            self._assign_partitions()
+        self.pump()
+
+    def _reset_partition(self, part: Partition) -> None:
+        part.wid = None
+        part.replay_until = part.fed - len(part.queue)
+        part.sent = 0
+        part.in_credit = 0
+        part.eof_sent = False
+        part.skip = part.received
+        part.done = False
+
+    # ---- runs ------------------------------------------------------------------------
+    def start_run(self, *, run: int, epoch: int, num_seqs: int, stream_id: bytes, stream: bool,
+                  partitions: int, check_tags: bool) -> None:
+        self.run = Run(run=run, epoch=epoch, num_seqs=num_seqs, stream_id=stream_id, stream=stream,
+                       partitions=partitions, check_tags=check_tags)
+        for w in self.workers.values():
+            w.inflight.clear()
+            w.partitions.clear()
+            self._to_worker(w.wid, self._run_header(self.run))
+        if stream:
+            self.run.parts = [Partition(index=p) for p in range(partitions)]
+            self._assign_partitions()
+        if num_seqs == 0:
+            self.run.feed_done = True
+        self.pump()
+
+    @staticmethod
+    def _run_header(run: Run) -> Dict[str, Any]:
+        """Tells a worker which run is current: everything of other runs is dropped."""
+        return {"t": "cancel", "run": run.run, "epoch": run.epoch, "check_tags": run.check_tags}
+
+    def fail_run(self, message: str, *, seq_tag: Optional[str] = None, kind: str = "mapper",
+                 traceback: str = "") -> None:
+        run = self.run
+        if run is None or run.finished:
+            return
+        log.error("epoch %d (run %d) failed: %s", run.epoch, run.run, message)
+        run.failed = message
+        run.finished = True
+        run.ended = time.monotonic()
+        self._to_client({"t": "error", "run": run.run, "kind": kind, "message": message,
+                         "seq_tag": seq_tag, "traceback": traceback})
+        self._release_run()
+
+    def _release_run(self) -> None:
+        run = self.run
+        assert run is not None
+        for w in self.workers.values():
+            if w.inflight or w.partitions:
+                self._to_worker(w.wid, {"t": "cancel", "run": run.run + 1_000_000_000})
+            w.inflight.clear()
+            w.partitions.clear()
+        run.pending.clear()
+        run.results.clear()
+        run.todo.clear()
+        run.inflight.clear()
+        for part in run.parts:
+            part.queue.clear()
+            part.outputs.clear()
+
+    def wants_input(self) -> bool:
+        """Whether the loop should pull the next seq from the feeder now."""
+        run = self.run
+        if run is None or run.finished or run.feed_done:
+            return False
+        if not run.stream:
+            capacity = sum(w.capacity for w in self.workers.values())
+            if capacity == 0:
+                return False
+            free = sum(max(w.free(), 0) for w in self.workers.values())
+            window = capacity + CLIENT_WINDOW_SLACK
+            return len(run.todo) < free and (run.fed - run.delivered) < window
+        # stream: pull only when an assigned partition can take an input and has none queued
+        for part in run.parts:
+            if part.wid is not None and part.in_credit > 0 and not part.queue and part.replay_until <= part.sent:
+                return True
+        return False
+
+    def on_input(self, run_id: int, pos: int, frames: List[Any], tag: Optional[str]) -> None:
+        run = self.run
+        if run is None or run.run != run_id or run.finished:
+            return
+        run.fed = max(run.fed, pos + 1)
+        if not run.stream:
+            run.pending[pos] = frames
+            if tag is not None:
+                run.tags[pos] = tag
+            heapq.heappush(run.todo, pos)
+        else:
+            part = run.parts[pos % run.partitions]
+            part.queue.append((part.fed, frames))
+            part.fed += 1
+        self.pump()
+
+    def on_fed(self, run_id: int, count: int) -> None:
+        run = self.run
+        if run is None or run.run != run_id or run.finished:
+            return
+        run.feed_done = True
+        run.num_seqs = count
+        self.pump()
+
+    def on_result(self, wid: bytes, header: Dict[str, Any], bufs: List[Any]) -> None:
+        run = self.run
+        w = self.workers.get(wid)
+        if run is None or w is None or header.get("run") != run.run or run.finished or run.stream:
+            return
+        pos = header.get("i")
+        if not isinstance(pos, int) or run.inflight.get(pos) != wid:
+            return  # late or duplicate: the seq was handed to another worker
+        del run.inflight[pos]
+        w.inflight.discard(pos)
+        w.done += 1
+        run.pending.pop(pos, None)
+        run.tags.pop(pos, None)
+        run.results[pos] = [header, bufs]
+        self.pump()
+
+    def on_failure(self, wid: bytes, header: Dict[str, Any]) -> None:
+        run = self.run
+        if run is None or wid not in self.workers or header.get("run") != run.run:
+            return
+        self.fail_run(str(header.get("message", "mapper failed")), seq_tag=header.get("seq_tag"),
+                      traceback=str(header.get("traceback", "")))
+
+    def on_client_credit(self, stream_id: bytes, run_id: Any, n: Any) -> None:
+        run = self.run
+        if run is None or run.run != run_id or run.stream_id != stream_id or not isinstance(n, int) or n <= 0:
+            return
+        run.client_credit += min(n, 1 << 20)
+        self.pump()
+
+    # ---- stream mode ----------------------------------------------------------------
+    def _assign_partitions(self) -> None:
+        run = self.run
+        if run is None or run.finished or not self.workers:
+            return
+        for part in run.parts:
+            if part.wid is not None or part.done:
+                continue
+            w = min(self.workers.values(), key=lambda w: (len(w.partitions), w.joined))
+            part.wid = w.wid
+            w.partitions.add(part.index)
+            part.in_credit = self.buf_size
+            self._to_worker(w.wid, {"t": "sopen", "run": run.run, "epoch": run.epoch, "p": part.index,
+                                    "skip": part.skip, "credit": self.buf_size})
+
+    def on_stream_ack(self, wid: bytes, header: Dict[str, Any]) -> None:
+        part = self._owned_partition(wid, header)
+        if part is None:
+            return
+        n = header.get("n")
+        if isinstance(n, int) and n > 0:
+            part.in_credit += n
+        self.pump()
+
+    def on_stream_output(self, wid: bytes, header: Dict[str, Any], bufs: List[Any]) -> None:
+        part = self._owned_partition(wid, header)
+        if part is None:
+            return
+        if part.skip > 0:
+            part.skip -= 1
+            self._to_worker(wid, {"t": "scredit", "run": self.run.run, "p": part.index, "n": 1})
+            return
+        part.outputs.append([header, bufs])
+        part.received += 1
+        self.workers[wid].done += 1
+        self.pump()
+
+    def on_stream_done(self, wid: bytes, header: Dict[str, Any]) -> None:
+        part = self._owned_partition(wid, header)
+        if part is None:
+            return
+        part.done = True
+        part.wid = None
+        self.workers[wid].partitions.discard(part.index)
+        self.pump()
+
+    def _owned_partition(self, wid: bytes, header: Dict[str, Any]) -> Optional[Partition]:
+        run = self.run
+        if run is None or run.finished or not run.stream or header.get("run") != run.run:
+            return None
+        p = header.get("p")
+        if not isinstance(p, int) or not 0 <= p < len(run.parts):
+            return None
+        part = run.parts[p]
+        return part if part.wid == wid and wid in self.workers else None
+
+    def _feed_partitions(self) -> None:
+        run = self.run
+        assert run is not None
+        for part in run.parts:
+            if part.wid is None:
+                continue
+            while part.in_credit > 0:
+                if part.sent < part.replay_until:
+                    pos = part.index + part.sent * run.partitions
+                    frames = self.reread(run.run, pos)
+                elif part.queue:
+                    _, frames = part.queue.popleft()
+                else:
+                    break
+                hdr = wire.unpack(frames[0])
+                part.last_tag = (hdr.get("meta") or {}).get("seq_tag")
+                hdr["t"] = "sin"
+                hdr["p"] = part.index
+                self._to_worker(part.wid, hdr, tuple(frames[1:]))
+                part.sent += 1
+                part.in_credit -= 1
+            if run.feed_done and not part.eof_sent and part.sent >= part.fed and not part.queue:
+                part.eof_sent = True
+                self._to_worker(part.wid, {"t": "seof", "run": run.run, "p": part.index})
+
+    def _deliver_stream(self) -> None:
+        run = self.run
+        assert run is not None
+        n = len(run.parts)
+        while run.client_credit > 0:
+            if all(part.done and not part.outputs for part in run.parts):
+                self._finish()
+                return
+            part = run.parts[run.rr]
+            if part.outputs:
+                header, bufs = part.outputs.popleft()
+                self._send_seq(header, bufs)
+                if part.wid is not None:
+                    self._to_worker(part.wid, {"t": "scredit", "run": run.run, "p": part.index, "n": 1})
+                run.rr = (run.rr + 1) % n
+            elif part.done:
+                run.rr = (run.rr + 1) % n
+            else:
+                return
+
+    # ---- delivery --------------------------------------------------------------------
+    def _send_seq(self, header: Dict[str, Any], bufs: List[Any]) -> None:
+        run = self.run
+        assert run is not None
+        meta = header.get("meta") or {}
+        cf = meta.get("complete_frac")
+        if cf is not None:
+            run.complete_frac = max(run.complete_frac, float(cf))
+            meta["complete_frac"] = run.complete_frac
+        out = {"t": "seq", "run": run.run, "i": run.delivered, "meta": meta, "arrays": header.get("arrays", [])}
+        self._to_client(out, tuple(bufs))
+        run.delivered += 1
+        run.client_credit -= 1
+        run.delivered_bytes += sum(len(b) for b in bufs)
+        self.total_delivered += 1
+
+    def _finish(self) -> None:
+        run = self.run
+        assert run is not None
+        run.finished = True
+        run.ended = time.monotonic()
+        self._to_client({"t": "end", "run": run.run, "count": run.delivered})
+        elapsed = max(time.monotonic() - run.started, 1e-9)
+        log.info("epoch %d (run %d) done: %d seqs in %.2f s (%.1f seqs/s)",
+                 run.epoch, run.run, run.delivered, elapsed, run.delivered / elapsed)
+        self._release_run()
+
+    def pump(self) -> None:
+        """Send whatever the current state allows: tasks to workers, results to the client."""
+        run = self.run
+        if run is None or run.finished:
+            return
+        if run.stream:
+            self._feed_partitions()
+            self._deliver_stream()
+            return
+        # dispatch: lowest positions first, to the worker with the most free credit
+        while run.todo:
+            w = max(self.workers.values(), key=lambda w: w.free(), default=None)
+            if w is None or w.free() <= 0:
+                break
+            pos = heapq.heappop(run.todo)
+            frames = run.pending.get(pos)
+            if frames is None or pos in run.inflight:
+                continue
+            run.inflight[pos] = w.wid
+            w.inflight.add(pos)
+            self.outbox.append(("worker", w.wid, list(frames)))
+        while run.client_credit > 0 and run.delivered in run.results:
+            header, bufs = run.results.pop(run.delivered)
+            self._send_seq(header, bufs)
+        if run.feed_done and run.delivered >= run.num_seqs:
+            self._finish()
+
+    # ---- status ------------------------------------------------------------------------
+    def status(self, now: float) -> Dict[str, Any]:
+        run = self.run
+        st: Dict[str, Any] = {
+            "workers_alive": len(self.workers),
+            "workers": [w.describe(now) for w in self.workers.values()],
+            "seqs_delivered_total": self.total_delivered,
+        }
+        if run is None:
+            st.update({"epoch": None, "state": "idle", "seqs_delivered": 0, "num_seqs": None,
+                       "seqs_per_sec": 0.0, "queues": {}})
+            return st
+        elapsed = max(now - run.started, 1e-9)
+        state = "failed" if run.failed else "done" if run.finished else "running"
+        st.update({
+            "epoch": run.epoch,
+            "run": run.run,
+            "state": state,
+            "num_seqs": run.num_seqs if run.feed_done or not run.stream else None,
+            "seqs_delivered": run.delivered,
+            "seqs_per_sec": round(run.delivered / elapsed, 2) if state == "running" else
+            round(run.delivered / max((run.ended or now) - run.started, 1e-9), 2),
+            "mb_delivered": round(run.delivered_bytes / 1e6, 3),
+            "error": run.failed,
+            "queues": {
+                "fed": run.fed,
+                "waiting_for_worker": len(run.todo) + sum(len(p.queue) for p in run.parts),
+                "in_flight": len(run.inflight) + sum(1 for p in run.parts if p.wid is not None),
+                "reorder_buffer": len(run.results) + sum(len(p.outputs) for p in run.parts),
+                "client_credit": run.client_credit,
+            },
+        })
+        return st

@@ -1,0 +1,134 @@
+"""Starting, watching, respawning and reaping worker processes on one host.
+
+Used by `ppserver serve` for its local workers and by `ppserver worker --procs N`. Children
+get SIGTERM when their parent dies (Linux parent-death signal), so a killed server or
+worker host process never leaves orphans behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional, Tuple
+
+log = logging.getLogger("ppserver.supervisor")
+
+EXIT_REFUSED = 2  # a child that exits with this was refused by the server: do not respawn
+_PR_SET_PDEATHSIG = 1
+RESPAWN_MIN_INTERVAL = 0.5
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class ProcessPool:
+    """N numbered child processes, each started from argv_for(index)."""
+
+    def __init__(self, argv_for: Callable[[int], List[str]], n: int, *, name: str, respawn: bool = True):
+        self.argv_for = argv_for
+        self.n = n
+        self.name = name
+        self.respawn = respawn
+        self.procs: List[Optional[subprocess.Popen]] = [None] * n
+        self.started_at = [0.0] * n
+        self.refused = False
+        self.respawns = 0
+
+    def start(self) -> None:
+        for i in range(self.n):
+            self._spawn(i)
+
+    def _spawn(self, i: int) -> None:
+        self.procs[i] = subprocess.Popen(
+            self.argv_for(i),
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self.started_at[i] = time.monotonic()
+
+    @property
+    def pids(self) -> List[int]:
+        return [p.pid for p in self.procs if p is not None and p.poll() is None]
+
+    def poll(self) -> List[Tuple[int, int, int]]:
+        """Reap exited children and respawn them; returns (index, pid, returncode) of each exit."""
+        exited = []
+        now = time.monotonic()
+        for i, p in enumerate(self.procs):
+            if p is None:
+                if self.respawn and not self.refused and now - self.started_at[i] >= RESPAWN_MIN_INTERVAL:
+                    self._spawn(i)
+                    self.respawns += 1
+                continue
+            rc = p.poll()
+            if rc is None:
+                continue
+            exited.append((i, p.pid, rc))
+            self.procs[i] = None
+            if rc == EXIT_REFUSED:
+                self.refused = True
+                log.error("%s process %d (pid %d) was refused by the server", self.name, i, p.pid)
+                continue
+            if self.respawn:
+                log.warning("%s process %d (pid %d) exited with %s; respawning", self.name, i, p.pid, _describe(rc))
+                if now - self.started_at[i] >= RESPAWN_MIN_INTERVAL:
+                    self._spawn(i)
+                    self.respawns += 1
+        return exited
+
+    def alive(self) -> int:
+        return sum(1 for p in self.procs if p is not None and p.poll() is None)
+
+    def stop(self, timeout: float = 4.0) -> None:
+        """SIGTERM every child, wait up to timeout, SIGKILL the rest, reap all."""
+        self.respawn = False
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in live:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                log.warning("%s pid %d did not stop in %.1f s; killing it", self.name, p.pid, timeout)
+                p.kill()
+                p.wait(timeout=5)
+        self.procs = [None] * self.n
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"code {rc}"
+
+
+def worker_argv(config_path: str, connect: str, *, index: int, keys: Optional[str] = None) -> List[str]:
+    argv = [sys.executable, "-m", "ppserver.worker", config_path, "--connect", connect, "--index", str(index)]
+    if keys:
+        argv += ["--keys", keys]
+    return argv
+
+
+def set_process_title(title: str) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{os.getpid()}/comm", "w") as f:
+                f.write(title[:15])
+        except OSError:
+            pass
