@@ -177,6 +177,7 @@ class Server:
             self._send(sock, [ident, *frames])
 
     def _reply(self, ident: bytes, header: Dict[str, Any]) -> None:
+        header.setdefault("proto", wire.PROTOCOL)
         self._send(self.control, [ident, b"", wire.pack(header)])
 
     # ---- control socket ---------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""Shared fixtures: real `ppserver serve` processes on loopback and helpers to read epochs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import pytest
+
+from ppclient import Client
+from ppserver.cli import wait_ready
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_config(tmp_path, body: str, name: str = "config.py") -> str:
+    path = os.path.join(str(tmp_path), name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(body))
+    return path
+
+
+def children_of(pid: int) -> List[int]:
+    """Direct and indirect child pids of pid, read from /proc."""
+    parents: Dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+        except (OSError, IndexError):
+            continue
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out.extend(kids)
+        frontier.extend(kids)
+    return out
+
+
+def wait_gone(pids: List[int], timeout: float) -> List[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ServerProc:
+    def __init__(self, proc: subprocess.Popen, address: str):
+        self.proc = proc
+        self.address = address
+
+    def client(self, **kw) -> Client:
+        kw.setdefault("timeout", 30.0)
+        return Client(self.address, **kw)
+
+    def worker_pids(self) -> List[int]:
+        with self.client(timeout=10) as c:
+            return [w["pid"] for w in c.status()["workers"]]
+
+    def wait_workers(self, n: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.client(timeout=10) as c:
+                if c.status()["workers_alive"] >= n:
+                    return
+            time.sleep(0.05)
+        raise AssertionError(f"fewer than {n} workers registered within {timeout} s")
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@contextmanager
+def run_server(config: str, *, workers: Optional[int] = None, extra: Optional[List[str]] = None,
+               wait_workers: bool = True) -> Iterator[ServerProc]:
+    argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"]
+    if workers is not None:
+        argv += ["--workers", str(workers)]
+    argv += extra or []
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    kids: List[int] = []
+    try:
+        server = ServerProc(proc, wait_ready(proc, timeout=60))
+        if wait_workers and workers != 0:
+            server.wait_workers(workers or 1)
+        kids = children_of(proc.pid)
+        yield server
+    finally:
+        kids = sorted(set(kids + (children_of(proc.pid) if proc.poll() is None else [])))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pid in wait_gone(kids, 5.0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def collect(it) -> List[dict]:
+    return [dict(seq) for seq in it]
+
+
+def assert_same_epoch(got: List[dict], want: List[dict]) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["seq_tag"] == w["seq_tag"], (i, g["seq_tag"], w["seq_tag"])
+        assert set(g) == set(w), (i, set(g) ^ set(w))
+        for k in w:
+            if isinstance(w[k], np.ndarray):
+                assert g[k].dtype == w[k].dtype, (i, k)
+                assert np.array_equal(g[k], w[k]), (i, k, g["seq_tag"])
+            elif k == "complete_frac":
+                assert g[k] == pytest.approx(w[k], abs=1e-6), (i, k)
+            else:
+                assert g[k] == w[k], (i, k)
+
+
+def reference(config: str, epoch: int, **kw) -> List[dict]:
+    """The epoch computed in this process by the same definition the service implements."""
+    from ppserver.apply import reference_epoch
+    from ppserver.config import load_config
+    from ppserver.datasets import make_dataset
+
+    cfg = load_config(config)
+    ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
+    templates = cfg.map_outputs or ds.data_keys()
+    out = list(reference_epoch(cfg, ds, epoch, templates, **kw))
+    # delivery enforces a non-decreasing complete_frac across the interleaved stream
+    best = 0.0
+    for seq in out:
+        if seq.get("complete_frac") is not None:
+            best = max(best, float(seq["complete_frac"]))
+            seq["complete_frac"] = best
+    return out
+
+
+NUMPY_DATA = """
+import numpy as np
+_r = np.random.RandomState(7)
+_LENS = [int(x) for x in _r.randint(5, 60, size={n})]
+SEQS = [{{"data": _r.randn(l, 8).astype("float32"), "classes": np.arange(l // 2 + 1, dtype="int32")}} for l in _LENS]
+dataset = {{"class": "NumpyDataset", "seqs": SEQS, "seq_ordering": "{ordering}"}}
+"""
+
+
+def numpy_config(tmp_path, mapper_body: str, *, n: int = 40, ordering: str = "default", extra: str = "",
+                 name: str = "config.py") -> str:
+    return write_config(tmp_path, NUMPY_DATA.format(n=n, ordering=ordering) + textwrap.dedent(mapper_body)
+                        + textwrap.dedent(extra), name=name)

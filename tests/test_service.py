@@ -1,0 +1,398 @@
+"""End-to-end behaviour of `ppserver serve` with local workers and ppclient, over loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import ppclient
+from ppclient import wire
+
+from conftest import (
+    REPO,
+    assert_same_epoch,
+    children_of,
+    collect,
+    numpy_config,
+    reference,
+    run_server,
+    wait_gone,
+    write_config,
+)
+
+NOISY_MAP_SEQ = """
+def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
+    seq["data"] = seq["data"] * 2 + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+
+SLOW_MAP_SEQ = """
+import time
+def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
+    time.sleep({delay})
+    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+
+# Concatenates pairs of seqs and drops every 5th input: changes the number of seqs.
+STREAM_MAPPER = """
+import numpy as np
+def map_seq_stream(seqs, *, epoch, rng, **kwargs):
+    held = None
+    for n, seq in enumerate(seqs):
+        if n % 5 == 4:
+            continue
+        if held is None:
+            held = seq
+            continue
+        yield {
+            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
+            "classes": np.concatenate([held["classes"], seq["classes"]]),
+            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
+            "complete_frac": seq["complete_frac"],
+        }
+        held = None
+    if held is not None:
+        yield held
+"""
+
+
+def test_epoch_in_order_matches_reference(tmp_path):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=60, extra="buf_size = 3\n")
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        info = c.info()
+        assert info["protocol"] == ppclient.PROTOCOL
+        assert info["num_seqs"] == 60
+        assert info["data_keys"]["data"] == {"shape": [None, 8], "dtype": "float32"}
+        it = c.epoch(1)
+        assert len(it) == 60
+        got = collect(it)
+    assert [s["seq_idx"] for s in got] == list(range(60))
+    assert [s["seq_tag"] for s in got] == [f"seq-{i}" for i in range(60)]
+    fracs = [s["complete_frac"] for s in got]
+    assert fracs == sorted(fracs) and fracs[-1] == pytest.approx(1.0)
+    assert_same_epoch(got, reference(cfg, 1))
+
+
+def test_back_to_back_epochs_and_random_ordering(tmp_path):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=30, ordering="random")
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        epochs = {e: collect(c.epoch(e)) for e in (1, 2, 3)}
+        again = collect(c.epoch(1))
+    for e, got in epochs.items():
+        assert_same_epoch(got, reference(cfg, e))
+    assert [s["seq_tag"] for s in epochs[1]] != [s["seq_tag"] for s in epochs[2]]
+    assert_same_epoch(again, epochs[1])
+
+
+@pytest.mark.parametrize("ordering", ["default", "reverse", "sorted", "sorted_reverse", "random", "laplace:.7"])
+def test_every_seq_ordering(tmp_path, ordering):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=25, ordering=ordering)
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        got = collect(c.epoch(4))
+    want = reference(cfg, 4)
+    assert_same_epoch(got, want)
+    lens = [s["data"].shape[0] for s in got]
+    if ordering == "sorted":
+        assert lens == sorted(lens)
+    if ordering == "sorted_reverse":
+        assert lens == sorted(lens, reverse=True)
+
+
+def test_seq_list_and_seq_order(tmp_path):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=20)
+    tags = ["seq-7", "seq-3", "seq-19", "seq-0"]
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        by_tag = collect(c.epoch(2, seq_list=tags))
+        by_idx = collect(c.epoch(2, seq_order=[5, 1, 1, 12]))
+        with pytest.raises(ppclient.Error, match="no-such-tag"):
+            c.epoch(2, seq_list=["seq-1", "no-such-tag"])
+        assert len(collect(c.epoch(3))) == 20  # the server still serves
+    assert [s["seq_tag"] for s in by_tag] == tags
+    assert_same_epoch(by_tag, reference(cfg, 2, seq_list=tags))
+    assert [s["seq_tag"] for s in by_idx] == ["seq-5", "seq-1", "seq-1", "seq-12"]
+    assert_same_epoch(by_idx, reference(cfg, 2, seq_order=[5, 1, 1, 12]))
+
+
+def test_new_epoch_cancels_old_feeder(tmp_path):
+    # 200 seqs x 50 ms on 2 workers: finishing the old epoch would take 5 s.
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200, extra="buf_size = 8\n")
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        old = c.epoch(1)
+        first = [next(old) for _ in range(5)]
+        assert [s["seq_idx"] for s in first] == list(range(5))
+        start = time.monotonic()
+        new = c.epoch(2, seq_order=[3, 2, 1])
+        seq = next(new)
+        latency = time.monotonic() - start
+        rest = collect(new)
+        with pytest.raises(ppclient.Error, match="superseded"):
+            next(old)
+        status = c.status()
+    assert [s["seq_tag"] for s in [seq] + rest] == ["seq-3", "seq-2", "seq-1"]
+    assert_same_epoch([seq] + rest, reference(cfg, 2, seq_order=[3, 2, 1]))
+    # the old epoch's queued work (buf_size 8 per worker, 50 ms each) was dropped, not finished
+    assert latency < 1.0, latency
+    assert status["epoch"] == 2 and status["state"] == "done"
+
+
+def test_map_seq_stream_matches_reference(tmp_path):
+    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        info = c.info()
+        assert info["num_seqs"] is None
+        it = c.epoch(1)
+        assert it.num_seqs is None
+        got = collect(it)
+        got2 = collect(c.epoch(2))
+        with pytest.raises(ppclient.Error, match="seq_list"):
+            c.epoch(1, seq_list=["seq-1"])
+    want = reference(cfg, 1)
+    assert len(want) < 47
+    assert_same_epoch(got, want)
+    assert_same_epoch(got2, reference(cfg, 2))
+
+
+def test_laplace_ordering_stream_mapper(tmp_path):
+    body = """
+    from ppserver.mapping import LaplaceOrdering, Sequential
+    def _scale(seqs, *, rng, **kwargs):
+        for s in seqs:
+            s["data"] = s["data"] * rng.uniform(0.9, 1.1)
+            yield s
+    _scale.preserves_num_seqs = True
+    map_seq_stream = Sequential(_scale, LaplaceOrdering(4))
+    """
+    cfg = numpy_config(tmp_path, body, n=30)
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        assert c.info()["num_seqs"] == 30
+        it = c.epoch(1)
+        assert len(it) == 30
+        got = collect(it)
+    assert_same_epoch(got, reference(cfg, 1))
+    fracs = [s["complete_frac"] for s in got]
+    assert fracs == sorted(fracs)
+
+
+@pytest.mark.parametrize("mode", ["map_seq", "map_seq_stream"])
+def test_outputs_identical_for_1_2_3_workers(tmp_path, mode):
+    if mode == "map_seq":
+        body = "from ppserver.mappers import spec_augment as map_seq\n"
+        extra = "buf_size = 2\n"
+    else:
+        body = STREAM_MAPPER
+        extra = "buf_size = 2\nnum_workers = 2\n"
+    cfg = numpy_config(tmp_path, body, n=40, ordering="random", extra=extra)
+    runs = []
+    for workers in (1, 2, 3):
+        with run_server(cfg, workers=workers) as srv, srv.client() as c:
+            runs.append(collect(c.epoch(5)))
+    assert_same_epoch(runs[1], runs[0])
+    assert_same_epoch(runs[2], runs[0])
+    assert_same_epoch(runs[0], reference(cfg, 5))
+
+
+def test_mapper_exception_reaches_client_and_server_stays_up(tmp_path):
+    body = """
+    def map_seq(seq, *, epoch, **kwargs):
+        if epoch == 1 and seq["seq_tag"] == "seq-13":
+            raise RuntimeError("bad seq on purpose")
+        return seq
+    """
+    cfg = numpy_config(tmp_path, body, n=30)
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        with pytest.raises(ppclient.MapperError) as info:
+            collect(c.epoch(1))
+        assert info.value.seq_tag == "seq-13"
+        assert "bad seq on purpose" in str(info.value)
+        assert "RuntimeError" in info.value.remote_traceback
+        assert "map_seq" in info.value.remote_traceback
+        assert len(collect(c.epoch(2))) == 30
+
+
+@pytest.mark.parametrize(
+    "ret, match",
+    [
+        ('{**seq, "data": seq["data"].astype("float64")}', "dtype mismatch for 'data'"),
+        ('{**seq, "data": seq["data"][None]}', "ndim mismatch for 'data'"),
+        ('{**seq, "data": seq["data"][:, :3]}', "dim 1 mismatch for 'data'"),
+        ('{**seq, "classes": [1, 2]}', "'classes'"),
+        ('{k: v for k, v in seq.items() if k != "classes"}', "missing key 'classes'"),
+    ],
+)
+def test_output_validation_names_the_key(tmp_path, ret, match):
+    cfg = numpy_config(tmp_path, f"def map_seq(seq, **kwargs):\n    return {ret}\n", n=6)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        with pytest.raises(ppclient.MapperError, match=match.replace("[", r"\[")):
+            collect(c.epoch(1))
+
+
+def test_map_outputs_template_and_dropped_meta(tmp_path):
+    body = """
+    import numpy as np
+    def map_seq(seq, **kwargs):
+        return {"feat": np.asarray(seq["data"].mean(axis=0), dtype="float32")}
+    map_outputs = {"feat": {"shape": (8,), "dtype": "float32"}}
+    """
+    cfg = numpy_config(tmp_path, body, n=10)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        assert c.info()["data_keys"] == {"feat": {"shape": [8], "dtype": "float32"}}
+        got = collect(c.epoch(1))
+    assert [s["seq_tag"] for s in got] == [f"seq-{i}" for i in range(10)]  # meta put back
+    assert all(set(s) == {"feat", "seq_tag", "seq_idx", "complete_frac"} for s in got)
+
+
+def test_mapper_must_accept_kwargs(tmp_path):
+    cfg = numpy_config(tmp_path, "def map_seq(seq, *, epoch, seq_idx, rng):\n    return seq\n", n=3)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        with pytest.raises(ppclient.MapperError, match="unexpected keyword"):
+            collect(c.epoch(1))
+
+
+def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n")
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        pids = srv.worker_pids()
+        got = []
+        for seq in c.epoch(1):
+            got.append(seq)
+            if len(got) == 30:
+                os.kill(pids[0], signal.SIGKILL)
+        status = c.status()
+        assert status["local_worker_respawns"] >= 1
+        srv.wait_workers(2)
+        assert pids[0] not in srv.worker_pids()
+        again = collect(c.epoch(2))
+    assert_same_epoch(got, reference(cfg, 1))
+    assert_same_epoch(again, reference(cfg, 2))
+
+
+def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
+    slow_stream = STREAM_MAPPER.replace("for n, seq in enumerate(seqs):",
+                                        "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)")
+    cfg = numpy_config(tmp_path, slow_stream, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        pids = srv.worker_pids()
+        got = []
+        for seq in c.epoch(1):
+            got.append(seq)
+            if len(got) == 15:
+                os.kill(pids[1], signal.SIGKILL)
+    assert_same_epoch(got, reference(cfg, 1))
+
+
+def test_server_killed_client_raises_unavailable(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200)
+    with run_server(cfg, workers=2) as srv:
+        kids = children_of(srv.proc.pid)
+        with srv.client(timeout=2.0) as c:
+            it = c.epoch(1)
+            next(it)
+            srv.proc.kill()
+            srv.proc.wait()
+            start = time.monotonic()
+            with pytest.raises(ppclient.ServerUnavailable):
+                collect(it)
+            assert time.monotonic() - start < 4.0
+            start = time.monotonic()
+            with pytest.raises(ppclient.ServerUnavailable):
+                c.status()
+            assert time.monotonic() - start < 4.0
+        # local workers follow their parent instead of lingering
+        assert wait_gone(kids, 10.0) == []
+
+
+def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=100)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with run_server(cfg, workers=2) as srv, srv.client() as c:
+            it = c.epoch(1)
+            next(it)
+            kids = children_of(srv.proc.pid)
+            assert len(kids) >= 2
+            start = time.monotonic()
+            srv.proc.send_signal(sig)
+            assert srv.proc.wait(timeout=5) == 0
+            assert time.monotonic() - start < 5.0
+            assert wait_gone(kids, 1.0) == []
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ("map_seq = lambda s, **k: s\n", "dataset"),
+        ("dataset = {'class': 'DemoDataset'}\n", "map_seq"),
+        ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nmap_seq_stream = lambda s, **k: s\n",
+         "map_seq_stream"),
+        ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nbuf_size = 0\n", "buf_size"),
+        ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nbuf_sise = 2\n", "buf_sise"),
+        ("dataset = {'class': 'no_such_pkg.mod:Thing'}\nmap_seq = lambda s, **k: s\n", "dataset"),
+        ("dataset = {'class': 'DemoDataset', 'seq_ordering': 'shuffled'}\nmap_seq = lambda s, **k: s\n",
+         "seq_ordering"),
+        ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nnum_workers = 0\n", "num_workers"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(tmp_path, body, key):
+    cfg = write_config(tmp_path, body)
+    res = subprocess.run([sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert f"'{key}'" in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_protocol_mismatch_is_a_clear_error(tmp_path):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=5)
+    with run_server(cfg, workers=1) as srv:
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.REQ)
+        req.linger = 0
+        req.connect(srv.address)
+        req.send(wire.pack({"op": "info", "proto": wire.PROTOCOL + 1}))
+        assert req.poll(10000)
+        reply = wire.unpack(req.recv())
+        req.close()
+        ctx.term()
+        assert reply["ok"] is False and "protocol version mismatch" in reply["error"]
+        with srv.client() as c:  # still serving
+            assert len(collect(c.epoch(1))) == 5
+
+
+def test_status_cli_and_json(tmp_path):
+    import json
+
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=12)
+    with run_server(cfg, workers=2) as srv:
+        with srv.client() as c:
+            collect(c.epoch(3))
+            st = c.status()
+        res = subprocess.run([sys.executable, "-m", "ppserver", "status", srv.address, "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        js = json.loads(res.stdout)
+        assert js["epoch"] == 3 and js["seqs_delivered"] == 12 and js["workers_alive"] == 2
+        assert set(js) == set(st)
+        res = subprocess.run([sys.executable, "-m", "ppserver", "status", srv.address],
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0
+        assert "epoch       3" in res.stdout and "2 alive" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "ppserver", "status", srv.address, "--timeout", "1"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1 and "no answer" in res.stderr
+
+
+def test_demo_runs_two_epochs_and_exits_0():
+    res = subprocess.run([sys.executable, "-m", "ppserver", "demo"], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
+    assert "seqs/s" in res.stdout and "MB/s" in res.stdout
