@@ -70,18 +70,44 @@ def server_side(sock: zmq.Socket, keys: Optional[str]) -> None:
     sock.curve_server = True
 
 
+class _KeyRing:
+    """The authorised client public keys; every refusal is logged."""
+
+    def __init__(self, keys):
+        self.keys = set(keys)
+
+    def callback(self, domain, client_key) -> bool:
+        if client_key in self.keys:
+            return True
+        log.warning("refused a connection: CURVE client key %s is not authorised", client_key.decode()[:16] + "...")
+        return False
+
+
+def authorized_keys(keys: str):
+    """Public keys in KEYS/authorized/, or every *.key in KEYS when that folder is absent."""
+    import glob
+
+    import zmq.auth
+
+    folder = os.path.join(keys, AUTHORIZED)
+    if not os.path.isdir(folder):
+        folder = keys
+    found = [zmq.auth.load_certificate(p)[0] for p in sorted(glob.glob(os.path.join(folder, "*.key")))]
+    if not found:
+        raise FileNotFoundError(f"no authorised public keys (*.key) in {folder}")
+    return found
+
+
 def start_authenticator(ctx: zmq.Context, keys: Optional[str]):
-    """Accept only clients whose public key lies in KEYS/authorized; refusals are logged."""
+    """Accept only clients and workers whose public key is authorised; refusals are logged."""
     if not keys:
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
-    auth_dir = os.path.join(keys, AUTHORIZED)
-    if not os.path.isdir(auth_dir):
-        raise FileNotFoundError(f"{auth_dir} is missing (make keys with `ppserver keygen {keys}`)")
+    ring = _KeyRing(authorized_keys(keys))
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("ppserver.auth"))
     auth.start()
-    auth.configure_curve(domain="*", location=auth_dir)
+    auth.configure_curve_callback(domain="*", credentials_provider=ring)
     return auth
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -70,6 +71,7 @@ class Server:
         self.workers_sock = self._router(worker_bind)
         self.address = self.control.last_endpoint.decode()
         self.worker_address = self.workers_sock.last_endpoint.decode()
+        self.monitors = self._monitors() if keys else []
         self.feed = self.ctx.socket(zmq.PULL)
         self.feed.rcvhwm = 2
         self.feed.bind(FEEDER_ENDPOINT)
@@ -82,6 +84,11 @@ class Server:
         self.pool: Optional[ProcessPool] = None
         self.local_pids: Dict[int, int] = {}
         self.last_hb = 0.0
+        self.hostname = socket.gethostname()
+        self.bad_messages = 0
+        self.refused_handshakes = 0
+        self.refused_logged_at = 0.0
+        self.bad_logged_at = 0.0
 
     def _router(self, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -97,6 +104,28 @@ class Server:
             sock.close(linger=0)
             raise OSError(f"cannot bind {endpoint}: {exc}") from None
         return sock
+
+    def _monitors(self) -> List[zmq.Socket]:
+        """Watch CURVE handshakes so that peers with wrong or missing keys show up in the log."""
+        events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        return [self.control.get_monitor_socket(events), self.workers_sock.get_monitor_socket(events)]
+
+    def _on_monitor(self, sock: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            self.refused_handshakes += 1
+            if now - self.refused_logged_at >= 1.0:
+                self.refused_logged_at = now
+                log.warning("refused a connection on %s: CURVE handshake failed (%s; wrong or missing keys)",
+                            event.get("endpoint", b"?").decode(errors="replace"),
+                            zmq.Event(event["event"]).name)
 
     # ---- lifecycle --------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
@@ -117,6 +146,8 @@ class Server:
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.workers_sock, zmq.POLLIN)
         poller.register(self.feed, zmq.POLLIN)
+        for mon in self.monitors:
+            poller.register(mon, zmq.POLLIN)
         feeding = True
         while not self.stopping:
             want = self.sched.wants_input()
@@ -130,6 +161,9 @@ class Server:
                 self._drain(self.control, self._on_control)
             if self.feed in events:
                 self._pull_inputs()
+            for mon in self.monitors:
+                if mon in events:
+                    self._on_monitor(mon)
             self._housekeeping()
             self._flush()
 
@@ -141,6 +175,8 @@ class Server:
             self.pool.stop(timeout=3.0)
         if self.feeder is not None:
             self.feeder.join(timeout=1.0)
+        for sock in self.monitors:
+            sock.close(linger=0)
         for sock in (self.control, self.workers_sock, self.feed):
             sock.close(linger=0)
         if self.auth is not None:
@@ -156,8 +192,17 @@ class Server:
                 return
             try:
                 handler(frames)
-            except wire.WireError as exc:
-                log.warning("dropped a malformed message: %s", exc)
+            except Exception as exc:  # nothing a peer sends may stop the loop
+                self._bad_message(exc)
+
+    def _bad_message(self, exc: Exception) -> None:
+        """Log malformed messages, at most a few lines per second under a flood."""
+        self.bad_messages += 1
+        now = time.monotonic()
+        if now - self.bad_logged_at >= 1.0:
+            extra = f" ({self.bad_messages} malformed messages so far)" if self.bad_messages > 1 else ""
+            log.warning("dropped a malformed message: %s: %s%s", type(exc).__name__, exc, extra)
+            self.bad_logged_at = now
 
     def _send(self, sock: zmq.Socket, frames: List[Any]) -> bool:
         try:
@@ -184,12 +229,12 @@ class Server:
     def _on_control(self, frames: List[Any]) -> None:
         ident = frames[0].bytes
         if len(frames) < 3 or len(frames[1]) != 0:
-            log.warning("dropped a control message without an envelope from %r", ident[:32])
+            self._bad_message(wire.WireError("control message without an empty delimiter frame"))
             return
         try:
             header, _ = wire.split(frames[2:], max_bytes=self.cfg.max_message_bytes)
         except wire.WireError as exc:
-            log.warning("bad control message: %s", exc)
+            self._bad_message(exc)
             self._reply(ident, {"ok": False, "error": f"malformed request: {exc}", "proto": wire.PROTOCOL})
             return
         op = header.get("op")
@@ -231,6 +276,7 @@ class Server:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "local_workers": self.pool.alive() if self.pool else 0,
             "local_worker_respawns": self.pool.respawns if self.pool else 0,
+            "malformed_messages": self.bad_messages,
         })
         return st
 
@@ -353,7 +399,7 @@ class Server:
         if self.pool is not None:
             for _, pid, rc in self.pool.poll():
                 for wid, w in list(self.sched.workers.items()):
-                    if w.pid == pid:
+                    if w.pid == pid and w.host == self.hostname:
                         self.sched.remove_worker(wid, f"died (exit {rc})")
         timeout = self.cfg.heartbeat_timeout
         for wid, w in list(self.sched.workers.items()):

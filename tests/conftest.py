@@ -102,12 +102,14 @@ class ServerProc:
 
 @contextmanager
 def run_server(config: str, *, workers: Optional[int] = None, extra: Optional[List[str]] = None,
-               wait_workers: bool = True) -> Iterator[ServerProc]:
-    argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"]
+               wait_workers: bool = True, bind: str = "tcp://127.0.0.1:0",
+               log_path: Optional[str] = None) -> Iterator[ServerProc]:
+    argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", bind]
     if workers is not None:
         argv += ["--workers", str(workers)]
     argv += extra or []
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    log_file = open(log_path, "a") if log_path else None
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     kids: List[int] = []
     try:
         server = ServerProc(proc, wait_ready(proc, timeout=60))
@@ -126,6 +128,8 @@ def run_server(config: str, *, workers: Optional[int] = None, extra: Optional[Li
             proc.wait()
         for pid in wait_gone(kids, 5.0):
             os.kill(pid, signal.SIGKILL)
+        if log_file is not None:
+            log_file.close()
 
 
 def collect(it) -> List[dict]:
@@ -179,3 +183,41 @@ def numpy_config(tmp_path, mapper_body: str, *, n: int = 40, ordering: str = "de
                  name: str = "config.py") -> str:
     return write_config(tmp_path, NUMPY_DATA.format(n=n, ordering=ordering) + textwrap.dedent(mapper_body)
                         + textwrap.dedent(extra), name=name)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def run_worker_host(config: str, connect: str, *, procs: int = 2, extra: Optional[List[str]] = None,
+                    log_path: Optional[str] = None, prefix: Optional[List[str]] = None) -> Iterator[subprocess.Popen]:
+    """`ppserver worker` as a separate 'host' process; always stopped and reaped."""
+    argv = (prefix or []) + [sys.executable, "-m", "ppserver", "worker", config, "--connect", connect,
+                             "--procs", str(procs)] + (extra or [])
+    log_file = open(log_path, "a") if log_path else None
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, cwd=REPO)
+    try:
+        yield proc
+    finally:
+        kids = children_of(proc.pid)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pid in wait_gone(kids, 5.0):
+            os.kill(pid, signal.SIGKILL)
+        if log_file is not None:
+            log_file.close()
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()

@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+"""Throughput of ppserver against an in-process loop and RETURNN's PostprocessingDataset.
+
+Three cases, each run through three pipelines, one after the other on the same machine:
+
+  ppserver    `python -m ppserver serve CONFIG --workers N`, consumed through ppclient
+  in-process  the same arrays (NumpyDataset) and the same map_seq, applied in a plain loop
+              with ppserver.apply.apply_map_seq (what a worker does, minus the transport)
+  RETURNN     returnn.datasets.postprocessing.PostprocessingDataset over a StaticDataset of
+              the same arrays, num_workers=N, buf_size=10 (skipped if returnn does not import)
+
+Every pipeline runs one warm-up epoch (process start, worker registration) and then
+--epochs timed epochs. seqs/s and MB/s (bytes of the arrays handed to the consumer, meta
+entries excluded) are totals over the timed epochs.
+
+Usage:  python3 bench/throughput.py [--quick] [--cases a,b,c] [--epochs N] [--json PATH|-]
+See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+# Module level on purpose: RETURNN's workers are spawned processes that import this file
+# again (as __mp_main__) and unpickle the mapper functions below by name. Everything that
+# does real work is behind `if __name__ == "__main__"`.
+
+BURN_SECONDS = 0.002  # CPU time (of the calling thread) case (c) burns per seq
+BUF_SIZE = 10
+
+
+def burn_cpu(seconds: float) -> None:
+    """Busy loop until this thread has used `seconds` of CPU time (preemption does not count)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def returnn_double(tensor_dict, **kwargs):
+    """RETURNN map_seq: data * 2 (dtype kept)."""
+    t = tensor_dict.data["data"]
+    x = t.raw_tensor
+    t.raw_tensor = x * x.dtype.type(2)
+    return tensor_dict
+
+
+def returnn_burn_double(tensor_dict, **kwargs):
+    """RETURNN map_seq for case (c): burn BURN_SECONDS of CPU, then data * 2."""
+    burn_cpu(BURN_SECONDS)
+    return returnn_double(tensor_dict, **kwargs)
+
+
+# ppserver configs. The server and each worker execute the file; the in-process baseline
+# loads it with ppserver.config.load_config, so all three use the very same map_seq.
+CONFIG_DOUBLE = '''\
+from ppserver.mappers import double
+
+dataset = {{"class": "NumpyDataset", "path": {path!r}}}
+map_seq = double
+buf_size = {buf_size}
+num_workers = {workers}
+seed = 0
+'''
+
+CONFIG_BURN = '''\
+import time
+
+from ppserver.mappers import double
+
+BURN_SECONDS = {burn!r}
+
+
+def map_seq(seq, **kwargs):
+    """Burn BURN_SECONDS of this thread's CPU time, then multiply float arrays by 2."""
+    end = time.thread_time() + BURN_SECONDS
+    while time.thread_time() < end:
+        pass
+    return double(seq)
+
+
+dataset = {{"class": "NumpyDataset", "path": {path!r}}}
+buf_size = {buf_size}
+num_workers = {workers}
+seed = 0
+'''
+
+
+@dataclass
+class Case:
+    key: str
+    title: str
+    shape: Tuple[int, int]
+    seqs_full: int
+    seqs_quick: int
+    burn: bool
+
+    @property
+    def seq_bytes(self) -> int:
+        return int(np.prod(self.shape)) * 4
+
+
+CASES: Dict[str, Case] = {
+    "a": Case("a", "32 KB seqs (100x80 f32), x*2", (100, 80), 5000, 1000, False),
+    "b": Case("b", "1.28 MB seqs (4000x80 f32), x*2", (4000, 80), 500, 100, False),
+    "c": Case("c", "2 ms CPU/seq + x*2 (100x80 f32)", (100, 80), 1000, 200, True),
+}
+
+PIPELINES = ("ppserver", "in-process", "RETURNN")
+
+TARGETS = [
+    # (case, what, min ratio of ppserver over RETURNN)
+    ("a", "seqs/s", 4.0),
+    ("b", "MB/s", 2.0),
+]
+
+
+@dataclass
+class Result:
+    case: str
+    pipeline: str
+    seqs: int = 0  # delivered over the timed epochs
+    nbytes: int = 0
+    seconds: float = 0.0
+    epoch_seconds: List[float] = field(default_factory=list)
+    warmup_seconds: Optional[float] = None
+    error: Optional[str] = None
+    note: Optional[str] = None
+    check: Optional[str] = None  # "ok", "MISMATCH: ..." or None (not checked)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.seconds > 0
+
+    @property
+    def seqs_per_s(self) -> Optional[float]:
+        return self.seqs / self.seconds if self.ok else None
+
+    @property
+    def mb_per_s(self) -> Optional[float]:
+        return self.nbytes / self.seconds / 1e6 if self.ok else None
+
+    def as_json(self) -> Dict[str, Any]:
+        return {
+            "case": self.case, "pipeline": self.pipeline, "seqs": self.seqs, "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6), "epoch_seconds": [round(s, 6) for s in self.epoch_seconds],
+            "warmup_seconds": None if self.warmup_seconds is None else round(self.warmup_seconds, 6),
+            "seqs_per_s": self.seqs_per_s, "mb_per_s": self.mb_per_s,
+            "error": self.error, "note": self.note, "check": self.check,
+        }
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def array_bytes(seq: Dict[str, Any]) -> int:
+    return sum(v.nbytes for v in seq.values() if isinstance(v, np.ndarray))
+
+
+# ---- the epoch loop shared by all pipelines ---------------------------------------------
+
+EpochFn = Callable[[int], Tuple[int, int, Any, Any]]  # epoch -> (seqs, bytes, first seq, last seq)
+
+
+def measure(res: Result, one_epoch: EpochFn, *, timed_epochs: int, expect: int) -> Tuple[Any, Any]:
+    """Warm-up epoch 1, then timed epochs 2..; returns first/last seq of the last timed epoch."""
+    t0 = time.perf_counter()
+    n, _, _, _ = one_epoch(1)
+    res.warmup_seconds = time.perf_counter() - t0
+    if n != expect:
+        raise RuntimeError(f"warm-up epoch delivered {n} seqs, expected {expect}")
+    first = last = None
+    for epoch in range(2, 2 + timed_epochs):
+        t0 = time.perf_counter()
+        n, nbytes, first, last = one_epoch(epoch)
+        dt = time.perf_counter() - t0
+        if n != expect:
+            raise RuntimeError(f"epoch {epoch} delivered {n} seqs, expected {expect}")
+        res.seqs += n
+        res.nbytes += nbytes
+        res.seconds += dt
+        res.epoch_seconds.append(dt)
+        log(f"  {res.pipeline:<10} epoch {epoch}: {n} seqs in {dt:.3f} s ({n / dt:.0f} seqs/s, "
+            f"{nbytes / dt / 1e6:.1f} MB/s)")
+    return first, last
+
+
+# ---- pipelines --------------------------------------------------------------------------
+
+def run_in_process(res: Result, config: str, seqs: List[Dict[str, np.ndarray]], timed_epochs: int):
+    from ppserver.apply import apply_map_seq
+    from ppserver.config import load_config
+    from ppserver.datasets import NumpyDataset
+
+    cfg = load_config(config)
+    dataset = NumpyDataset(seqs=seqs)  # the arrays the server reads from the same npz
+    templates = cfg.map_outputs or dataset.data_keys()
+
+    def one_epoch(epoch: int):
+        dataset.init_seq_order(epoch)
+        n = nbytes = 0
+        first = out = None
+        for pos in range(dataset.num_seqs):
+            out = apply_map_seq(cfg.map_seq, dataset.get_seq(pos), epoch=epoch, seed=cfg.seed, templates=templates)
+            nbytes += array_bytes(out)
+            n += 1
+            if first is None:
+                first = out
+        return n, nbytes, first, out
+
+    return measure(res, one_epoch, timed_epochs=timed_epochs, expect=len(seqs))
+
+
+def stop_server(proc: subprocess.Popen) -> Optional[int]:
+    """SIGTERM, wait up to 10 s, then SIGKILL; always reaps. Returns the exit code."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log(f"  ppserver pid {proc.pid} ignored SIGTERM for 10 s; killing it")
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode
+
+
+def tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, "r", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_ppserver(res: Result, config: str, n_seqs: int, timed_epochs: int, workers: int, log_path: str):
+    from ppclient import Client
+    from ppserver.cli import wait_ready
+
+    argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0",
+            "--workers", str(workers)]
+    with open(log_path, "w") as server_log:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=server_log, text=True)
+    try:
+        address = wait_ready(proc, timeout=60)
+        with Client(address, timeout=60) as client:
+            def one_epoch(epoch: int):
+                n = nbytes = 0
+                first = seq = None
+                for seq in client.epoch(epoch):
+                    nbytes += array_bytes(seq)
+                    n += 1
+                    if first is None:
+                        first = seq
+                return n, nbytes, first, seq
+
+            return measure(res, one_epoch, timed_epochs=timed_epochs, expect=n_seqs)
+    finally:
+        rc = stop_server(proc)
+        if rc not in (0, None):
+            note = f"server exited with code {rc} after SIGTERM (log: {log_path})"
+            res.note = f"{res.note}; {note}" if res.note else note
+
+
+def returnn_version() -> Tuple[Optional[str], Optional[str]]:
+    """(version, None) if RETURNN's PostprocessingDataset imports, else (None, reason)."""
+    try:
+        import returnn
+        from returnn.datasets.postprocessing import PostprocessingDataset  # noqa: F401
+    except Exception as exc:  # any import problem means: skip the column
+        return None, f"{type(exc).__name__}: {exc}"
+    return str(getattr(returnn, "__version__", "?")), None
+
+
+def run_returnn(res: Result, case: Case, seqs: List[Dict[str, np.ndarray]], timed_epochs: int, workers: int):
+    from returnn.datasets.postprocessing import PostprocessingDataset
+
+    ds = PostprocessingDataset(
+        dataset={"class": "StaticDataset", "data": seqs},
+        map_seq=returnn_burn_double if case.burn else returnn_double,
+        num_workers=workers,
+        buf_size=BUF_SIZE,
+    )
+    ds.initialize()
+    keys = ds.get_data_keys()
+    procs: List[Any] = []
+    try:
+        def one_epoch(epoch: int):
+            ds.init_seq_order(epoch=epoch)
+            if not procs:
+                procs.extend(wp.worker_proc for wp in (getattr(ds, "_worker_procs", None) or []))
+            n = nbytes = 0
+            first = last = None
+            while ds.is_less_than_num_seqs(n):
+                ds.load_seqs(n, n + 1)
+                last = {k: ds.get_data(n, k) for k in keys}
+                nbytes += array_bytes(last)
+                if first is None:
+                    first = last
+                n += 1
+            return n, nbytes, first, last
+
+        return measure(res, one_epoch, timed_epochs=timed_epochs, expect=len(seqs))
+    finally:
+        try:
+            ds.finish_epoch(free_resources=True)  # stops the feeder thread, joins the workers
+        except Exception as exc:
+            log(f"  RETURNN finish_epoch failed: {type(exc).__name__}: {exc}")
+        for p in procs:  # only if finish_epoch could not stop them
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        del ds
+
+
+# ---- correctness ------------------------------------------------------------------------
+
+def compare(got: Dict[str, Any], want: Dict[str, Any], *, meta: bool) -> Optional[str]:
+    """None if equal, else what differs. Arrays by numpy.array_equal (and dtype)."""
+    want_arrays = {k for k, v in want.items() if isinstance(v, np.ndarray)}
+    got_arrays = {k for k, v in got.items() if isinstance(v, np.ndarray)}
+    if want_arrays != got_arrays:
+        return f"array keys {sorted(got_arrays)} != {sorted(want_arrays)}"
+    for k in sorted(want_arrays):
+        a, b = got[k], want[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
+            return f"{k!r} differs ({a.dtype}{a.shape} vs {b.dtype}{b.shape})"
+    if meta:
+        for k in ("seq_tag", "seq_idx", "complete_frac"):
+            if got.get(k) != want.get(k):
+                return f"{k} {got.get(k)!r} != {want.get(k)!r}"
+    return None
+
+
+def check(res: Result, got: Tuple[Any, Any], ref: Optional[Tuple[Any, Any]], *, meta: bool) -> None:
+    if ref is None or got[0] is None:
+        return
+    problems = []
+    for which, g, w in (("first", got[0], ref[0]), ("last", got[1], ref[1])):
+        diff = compare(g, w, meta=meta)
+        if diff:
+            problems.append(f"{which} seq: {diff}")
+    res.check = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
+
+
+# ---- one case ---------------------------------------------------------------------------
+
+def make_data(case: Case, n: int, path: str) -> List[Dict[str, np.ndarray]]:
+    from ppserver.datasets import load_npz, save_npz
+
+    rng = np.random.default_rng(1234 + ord(case.key))
+    save_npz(path, [{"data": rng.standard_normal(case.shape, dtype=np.float32)} for _ in range(n)])
+    seqs, _ = load_npz(path)  # exactly the arrays the server will read
+    return seqs
+
+
+def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Result]:
+    n = case.seqs_quick if args.quick else case.seqs_full
+    log(f"case ({case.key}) {case.title}: {n} seqs x {case.seq_bytes / 1e6:.3f} MB, "
+        f"1 warm-up + {args.epochs} timed epochs per pipeline")
+    npz = os.path.join(tmpdir, f"case_{case.key}.npz")
+    seqs = make_data(case, n, npz)
+    config = os.path.join(tmpdir, f"config_{case.key}.py")
+    template = CONFIG_BURN if case.burn else CONFIG_DOUBLE
+    with open(config, "w") as f:
+        f.write(template.format(path=npz, buf_size=BUF_SIZE, workers=args.workers, burn=BURN_SECONDS))
+
+    results = {p: Result(case.key, p) for p in PIPELINES}
+
+    def attempt(res: Result, fn: Callable[[], Tuple[Any, Any]]) -> Optional[Tuple[Any, Any]]:
+        log(f"  {res.pipeline} ...")
+        try:
+            return fn()
+        except Exception as exc:
+            res.error = f"{type(exc).__name__}: {exc}"
+            log(f"  {res.pipeline} failed: {res.error}")
+            traceback.print_exc(file=sys.stderr)
+            return None
+
+    ref = attempt(results["in-process"], lambda: run_in_process(results["in-process"], config, seqs, args.epochs))
+
+    server_log = os.path.join(tmpdir, f"server_{case.key}.log")
+    got = attempt(results["ppserver"], lambda: run_ppserver(results["ppserver"], config, n, args.epochs,
+                                                           args.workers, server_log))
+    if results["ppserver"].error:
+        log(f"  last lines of the server log {server_log}:\n{tail(server_log)}")
+    if got is not None:
+        check(results["ppserver"], got, ref, meta=True)
+
+    if rt_reason is None:
+        got = attempt(results["RETURNN"], lambda: run_returnn(results["RETURNN"], case, seqs, args.epochs,
+                                                             args.workers))
+        if got is not None:
+            check(results["RETURNN"], got, ref, meta=False)
+    else:
+        results["RETURNN"].error = "skipped (returnn not importable)"
+    del seqs
+    return [results[p] for p in PIPELINES]
+
+
+# ---- report -----------------------------------------------------------------------------
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def ratios(rows: List[Result]) -> Dict[str, Dict[str, Optional[float]]]:
+    by = {(r.case, r.pipeline): r for r in rows}
+    out = {}
+    for case in dict.fromkeys(r.case for r in rows):
+        pp, rt, ip = by[(case, "ppserver")], by[(case, "RETURNN")], by[(case, "in-process")]
+        out[case] = {
+            "pp_over_returnn_seqs": ratio(pp.seqs_per_s, rt.seqs_per_s),
+            "pp_over_returnn_mb": ratio(pp.mb_per_s, rt.mb_per_s),
+            "pp_over_inprocess_seqs": ratio(pp.seqs_per_s, ip.seqs_per_s),
+        }
+    return out
+
+
+def target_verdicts(rows: List[Result], rt_reason: Optional[str]) -> List[Dict[str, Any]]:
+    r = ratios(rows)
+    verdicts = []
+    for case, what, want in TARGETS:
+        label = f"({case}) ppserver >= {want:g}x RETURNN {what}"
+        if case not in r:
+            verdicts.append({"target": label, "ratio": None, "verdict": "not run"})
+            continue
+        got = r[case]["pp_over_returnn_seqs" if what == "seqs/s" else "pp_over_returnn_mb"]
+        if got is None:
+            why = "RETURNN not available" if rt_reason else "missing measurement"
+            verdicts.append({"target": label, "ratio": None, "verdict": f"n/a ({why})"})
+        else:
+            verdicts.append({"target": label, "ratio": got, "verdict": "PASS" if got >= want else "FAIL"})
+    return verdicts
+
+
+def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
+    r = ratios(rows)
+    cols = ["case", "pipeline", "seqs/s", "MB/s", "pp/RT seqs/s", "pp/RT MB/s", "pp/in-proc", "check"]
+    table = []
+    for res in rows:
+        is_pp = res.pipeline == "ppserver"
+        rr = r[res.case]
+        if res.ok:
+            status = res.check or ("reference" if res.pipeline == "in-process" else "-")
+        else:
+            status = res.error or "-"
+        table.append([
+            res.case, res.pipeline, fmt(res.seqs_per_s, ".0f"), fmt(res.mb_per_s, ".1f"),
+            fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
+            fmt(rr["pp_over_returnn_mb"], ".2f", "x") if is_pp else "",
+            fmt(rr["pp_over_inprocess_seqs"], ".2f", "x") if is_pp else "",
+            status,
+        ])
+    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
+    right = {2, 3, 4, 5, 6}
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print()
+    for h in header:
+        print(h)
+    print()
+    print(line(cols).rstrip())
+    print("  ".join("-" * w for w in widths))
+    last_case = None
+    for res, row in zip(rows, table):
+        if last_case is not None and res.case != last_case:
+            print()
+        last_case = res.case
+        print(line(row).rstrip())
+    print()
+    print("ratios are ppserver over RETURNN (RT) and over the in-process loop, from the same run;")
+    print("MB/s counts the array bytes handed to the consumer; check = first and last seq of the last")
+    print("timed epoch equal the in-process result (numpy.array_equal; for ppserver also tag/idx/frac)")
+    print()
+    print("targets:")
+    for v in verdicts:
+        shown = "" if v["ratio"] is None else f"{v['ratio']:.2f}x  "
+        print(f"  {v['target']:<40} {shown}{v['verdict']}")
+    notes = [f"  {res.case}/{res.pipeline}: {res.note}" for res in rows if res.note]
+    if notes:
+        print()
+        print("notes:")
+        print("\n".join(notes))
+    sys.stdout.flush()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="ppserver throughput vs an in-process loop and RETURNN "
+                                "PostprocessingDataset (see bench/README.md)")
+    p.add_argument("--quick", action="store_true", help="fewer seqs per case (a smoke run, ~1/5 of the data)")
+    p.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="timed epochs per pipeline after the warm-up epoch (default 2, 1 with --quick)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="ppserver --workers and RETURNN num_workers (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
+    p.add_argument("--strict", action="store_true", help="exit with 1 if a target FAILs")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (data, configs, server logs)")
+    args = p.parse_args(argv)
+    keys = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in keys if c not in CASES]
+    if bad or not keys:
+        p.error(f"--cases: unknown case(s) {bad or keys!r}; choose from {','.join(CASES)}")
+    keys = list(dict.fromkeys(keys))
+    if args.epochs is None:
+        args.epochs = 1 if args.quick else 2
+    if args.epochs < 1 or args.workers < 1:
+        p.error("--epochs and --workers must be >= 1")
+
+    rt_version, rt_reason = returnn_version()
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
+    header = [
+        f"command:   {command}",
+        f"machine:   nproc {affinity if affinity is not None else os.cpu_count()} "
+        f"(cpu_count {os.cpu_count()}), {platform.machine()}, {platform.system()} {platform.release()}",
+        f"software:  python {platform.python_version()}, numpy {np.__version__}, "
+        f"RETURNN {rt_version if rt_version else 'not available: ' + str(rt_reason)}",
+        f"setup:     {args.workers} workers, buf_size {BUF_SIZE}, 1 warm-up + {args.epochs} timed epochs; "
+        + "; ".join(f"({c}) {CASES[c].seqs_quick if args.quick else CASES[c].seqs_full} seqs" for c in keys),
+    ]
+    if rt_reason:
+        log(f"RETURNN column skipped: {rt_reason}")
+
+    tmpdir = tempfile.mkdtemp(prefix="ppbench-")
+    started = time.perf_counter()
+    rows: List[Result] = []
+    try:
+        for key in keys:
+            rows.extend(run_case(CASES[key], args, tmpdir, rt_reason))
+    finally:
+        if args.keep:
+            log(f"kept {tmpdir}")
+        else:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    total = time.perf_counter() - started
+    header.append(f"wall time: {total:.1f} s")
+
+    verdicts = target_verdicts(rows, rt_reason)
+    print_report(rows, verdicts, header)
+
+    if args.json:
+        doc = {
+            "command": command,
+            "machine": {"nproc": affinity, "cpu_count": os.cpu_count(), "arch": platform.machine(),
+                        "python": platform.python_version(), "numpy": np.__version__,
+                        "returnn": rt_version, "returnn_skipped": rt_reason},
+            "settings": {"workers": args.workers, "buf_size": BUF_SIZE, "timed_epochs": args.epochs,
+                         "quick": args.quick, "burn_seconds": BURN_SECONDS},
+            "cases": {c: {"title": CASES[c].title, "shape": list(CASES[c].shape), "dtype": "float32",
+                          "seqs": CASES[c].seqs_quick if args.quick else CASES[c].seqs_full,
+                          "seq_bytes": CASES[c].seq_bytes} for c in keys},
+            "results": [r.as_json() for r in rows],
+            "ratios": ratios(rows),
+            "targets": verdicts,
+            "wall_seconds": round(total, 3),
+        }
+        text = json.dumps(doc, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            log(f"wrote {args.json}")
+
+    failed = [r for r in rows if r.error and not r.error.startswith("skipped")]
+    mismatched = [r for r in rows if r.check and r.check != "ok"]
+    if failed or mismatched:
+        return 1
+    if args.strict and any(v["verdict"] == "FAIL" for v in verdicts):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Set-up and everyday tasks with nothing but Python 3.10+ and pip.
+
+    python3 make.py demo    # create .venv if missing, install, run `ppserver demo`
+    python3 make.py test    # create .venv if missing, install, run the test suite
+    python3 make.py bench   # run the throughput benchmark (by hand; prints ratios)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VENV = os.path.join(ROOT, ".venv")
+PY = os.path.join(VENV, "bin", "python")
+STAMP = os.path.join(VENV, ".installed")
+
+
+def _inputs_hash() -> str:
+    h = hashlib.sha256()
+    for name in ("pyproject.toml", os.path.join("client", "pyproject.toml")):
+        with open(os.path.join(ROOT, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def ensure_venv() -> None:
+    if not os.path.exists(PY):
+        print(f"creating {VENV}", flush=True)
+        venv.create(VENV, with_pip=True)
+    want = _inputs_hash()
+    if os.path.exists(STAMP) and open(STAMP).read() == want:
+        return
+    subprocess.run([PY, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=False)
+    subprocess.run([PY, "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"], check=True)
+    with open(STAMP, "w") as f:
+        f.write(want)
+
+
+def main(argv: list[str]) -> int:
+    task = argv[0] if argv else "help"
+    rest = argv[1:]
+    if task not in ("demo", "test", "bench"):
+        print(__doc__)
+        return 0 if task == "help" else 2
+    ensure_venv()
+    if task == "demo":
+        cmd = [PY, "-m", "ppserver", "demo", *rest]
+    elif task == "test":
+        cmd = [PY, "-m", "pytest", "-q", *rest]
+    else:
+        cmd = [PY, os.path.join(ROOT, "bench", "throughput.py"), *rest]
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

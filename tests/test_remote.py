@@ -1,0 +1,285 @@
+"""Remote worker hosts (`ppserver worker`), registration checks, CURVE keys and fuzzing, on loopback."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+import ppclient
+from ppclient import wire
+
+from conftest import (
+    REPO,
+    assert_same_epoch,
+    collect,
+    free_port,
+    numpy_config,
+    read,
+    reference,
+    run_server,
+    run_worker_host,
+)
+
+SLOW = """
+import time
+def map_seq(seq, *, rng, **kwargs):
+    time.sleep({delay})
+    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+FAST_HB = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.5\n"
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_worker_host_joins_mid_epoch_and_leaves_on_sigterm(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=240, extra=FAST_HB + "buf_size = 2\n")
+    slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv, srv.client() as c:
+        got = []
+        with run_worker_host(cfg, srv.address, procs=2, log_path=wlog) as host:
+            it = c.epoch(1)
+            for seq in it:
+                got.append(seq)
+                if len(got) == 40:
+                    wait_for(lambda: c.status()["workers_alive"] == 3, 20, "the worker host to join")
+                if len(got) == 120:
+                    st = c.status()
+                    remote = [w for w in st["workers"] if w["pid"] not in srv.worker_pids()[:0]]
+                    assert sum(w["seqs_done"] for w in remote) > 0
+                    start = time.monotonic()
+                    host.send_signal(signal.SIGTERM)
+                    assert host.wait(timeout=5) == 0
+                    assert time.monotonic() - start < 5
+                    break
+            got.extend(collect(it))
+        assert c.status()["workers_alive"] == 1
+    assert_same_epoch(got, reference(cfg, 1))
+    assert read(slog).count("departed") >= 2 or "lost" in read(slog)
+    done = [w for w in read(slog).splitlines() if "joined" in w]
+    assert len(done) >= 3
+
+
+def test_worker_started_before_server_waits_and_joins(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=30, extra=FAST_HB)
+    port = free_port()
+    wlog = str(tmp_path / "worker.log")
+    address = f"tcp://127.0.0.1:{port}"
+    with run_worker_host(cfg, address, procs=2, log_path=wlog):
+        wait_for(lambda: "waiting for server" in read(wlog), 20, "the worker to report waiting")
+        with run_server(cfg, workers=0, bind=address, wait_workers=False) as srv:
+            srv.wait_workers(2, timeout=20)
+            with srv.client() as c:
+                assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+
+
+def test_config_fingerprint_mismatch_is_refused(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=10)
+    other = numpy_config(tmp_path, SLOW.format(delay=0.0) + "# edited\n", n=10, name="other.py")
+    slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv:
+        with run_worker_host(other, srv.address, procs=1, log_path=wlog) as host:
+            assert host.wait(timeout=30) == 2
+        assert "config fingerprint mismatch" in read(wlog)
+        assert "refused worker" in read(slog) and "config fingerprint mismatch" in read(slog)
+        with srv.client() as c:
+            assert c.status()["workers_alive"] == 1
+            assert len(collect(c.epoch(1))) == 10
+
+
+def _worker_endpoint(srv) -> str:
+    with srv.client() as c:
+        return c.status()["worker_address"]
+
+
+def test_worker_protocol_mismatch_is_refused(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=5)
+    with run_server(cfg, workers=1) as srv:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(_worker_endpoint(srv))
+        sock.send(wire.pack({"t": "hello", "proto": wire.PROTOCOL + 7, "fingerprint": "x", "host": "h", "pid": 1}))
+        assert sock.poll(10000)
+        reply = wire.unpack(sock.recv())
+        sock.close()
+        ctx.term()
+        assert reply["t"] == "refuse" and "protocol version mismatch" in reply["reason"]
+
+
+def test_poison_seq_fails_epoch_after_max_retries(tmp_path):
+    body = """
+    import os
+    def map_seq(seq, *, epoch, **kwargs):
+        if epoch == 1 and seq["seq_tag"] == "seq-5":
+            os.kill(os.getpid(), 9)
+        return seq
+    max_seq_retries = 3
+    """
+    cfg = numpy_config(tmp_path, body, n=20)
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        with pytest.raises(ppclient.MapperError) as info:
+            collect(c.epoch(1))
+        assert info.value.seq_tag == "seq-5"
+        assert "3 workers" in str(info.value)
+        srv.wait_workers(2)
+        assert len(collect(c.epoch(2))) == 20
+
+
+def test_curve_keys_admit_authorised_peers_only(tmp_path):
+    good, bad = str(tmp_path / "keys"), str(tmp_path / "other")
+    for d in (good, bad):
+        res = subprocess.run([sys.executable, "-m", "ppserver", "keygen", d], capture_output=True, text=True,
+                             timeout=30)
+        assert res.returncode == 0, res.stderr
+    # the stranger knows the server's public key, but its own key is not authorised
+    shutil.copy(os.path.join(good, "server.key"), os.path.join(bad, "server.key"))
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=12)
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, extra=["--keys", good], log_path=slog, wait_workers=False) as srv:
+        with ppclient.Client(srv.address, keys=good, timeout=20) as c:
+            wait_for(lambda: c.status()["workers_alive"] == 2, 20, "keyed workers")
+            assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+        for keys in (bad, None):
+            with ppclient.Client(srv.address, keys=keys, timeout=1.5) as c:
+                with pytest.raises(ppclient.ServerUnavailable):
+                    c.info()
+        wait_for(lambda: "not authorised" in read(slog), 10, "the refusal in the server log")
+        wait_for(lambda: "handshake failed" in read(slog), 10, "the keyless client in the server log")
+
+
+def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=6)
+    res = subprocess.run([sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://0.0.0.0:0"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2
+    assert "'--bind'" in res.stderr and "--insecure" in res.stderr
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=1, bind="tcp://0.0.0.0:0", extra=["--insecure"], log_path=slog,
+                    wait_workers=False) as srv:
+        port = srv.address.rsplit(":", 1)[1]
+        with ppclient.Client(f"tcp://127.0.0.1:{port}") as c:
+            wait_for(lambda: c.status()["workers_alive"] == 1, 20, "the local worker")
+            assert len(collect(c.epoch(1))) == 6
+    assert "--insecure" in read(slog)
+
+
+# ---- fuzzing ------------------------------------------------------------------------------
+
+def _valid_messages(rng: random.Random):
+    arr = [["data", "<f4", [2, 8]]]
+    buf = bytes(64)
+    return [
+        [{"op": "info", "proto": 1}],
+        [{"op": "status", "proto": 1}],
+        [{"op": "epoch", "proto": 1, "epoch": rng.randrange(5), "stream_id": os.urandom(4)}],
+        [{"op": "credit", "run": rng.randrange(5), "n": rng.randrange(-5, 50)}],
+        [{"op": "worker_hello", "proto": 1}],
+        [{"t": "hello", "proto": 1, "fingerprint": "0" * 16, "host": "fuzz", "pid": 1}],
+        [{"t": "result", "run": rng.randrange(5), "i": rng.randrange(50), "meta": {"seq_tag": "x"}, "arrays": arr},
+         buf],
+        [{"t": "sout", "run": 1, "p": 0, "k": 0, "meta": {}, "arrays": arr}, buf],
+        [{"t": "sack", "run": 1, "p": rng.randrange(-2, 4), "n": 1}],
+        [{"t": "sdone", "run": 1, "p": 0, "count": 3}],
+        [{"t": "fail", "run": 1, "i": 0, "message": "x"}],
+        [{"t": "bye"}],
+        [{"t": "hb"}],
+    ]
+
+
+_WEIRD = [None, -1, 0, 2 ** 63 - 1, -(2 ** 63), 1.5, float("nan"), "", "x" * 300, b"\x00" * 40, [], {}, [1, [2]],
+          {"a": {"b": None}}, True, [["data", "|O", [1]]], [["k", "<f4", [-1]]], [["k", "<f4", [10 ** 9, 10 ** 9]]]]
+
+
+def _mutate(rng: random.Random, msg):
+    header = dict(msg[0])
+    bufs = list(msg[1:])
+    choice = rng.randrange(6)
+    if choice == 0 and header:
+        header[rng.choice(list(header))] = rng.choice(_WEIRD)
+    elif choice == 1:
+        header[rng.choice(["t", "op", "run", "i", "p", "arrays", "meta", "proto", "n"])] = rng.choice(_WEIRD)
+    elif choice == 2:
+        packed = bytearray(msgpack.packb(header, use_bin_type=True))
+        for _ in range(rng.randrange(1, 4)):
+            packed[rng.randrange(len(packed))] = rng.randrange(256)
+        return [bytes(packed)] + bufs
+    elif choice == 3:
+        packed = msgpack.packb(header, use_bin_type=True)
+        return [packed[: rng.randrange(len(packed))]] + bufs
+    elif choice == 4:
+        bufs = [os.urandom(rng.randrange(0, 200)) for _ in range(rng.randrange(0, 4))]
+    else:
+        return [os.urandom(rng.randrange(0, 100)) for _ in range(rng.randrange(1, 5))]
+    return [msgpack.packb(header, use_bin_type=True)] + bufs
+
+
+def test_fuzzed_frames_never_break_the_server(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=30, extra="max_message_bytes = 65536\n")
+    rng = random.Random(1234)
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv:
+        control = srv.address
+        workers = _worker_endpoint(srv)
+        ctx = zmq.Context()
+        sent = 0
+        try:
+            for endpoint in (control, workers):
+                socks = []
+                for k in range(8):
+                    s = ctx.socket(zmq.DEALER)
+                    s.linger = 0
+                    s.sndhwm = 0
+                    if k % 2:
+                        s.identity = os.urandom(6) + (b"|hb" if k == 3 else b"")
+                    s.connect(endpoint)
+                    socks.append(s)
+                for n in range(6000):
+                    valid = rng.choice(_valid_messages(rng))
+                    if rng.random() < 0.3:
+                        frames = [msgpack.packb(valid[0], use_bin_type=True)] + list(valid[1:])
+                    else:
+                        frames = _mutate(rng, valid)
+                    if endpoint == control and rng.random() < 0.7:
+                        frames = [b""] + frames  # REQ-style envelope
+                    rng.choice(socks).send_multipart(frames)
+                    sent += 1
+                    if n % 500 == 0:  # oversized message: the peer is disconnected, the server lives
+                        rng.choice(socks).send_multipart([b"", b"\x81\xa2op\xa4info", os.urandom(200_000)])
+                        sent += 1
+                # raw bytes that are not ZMTP at all
+                host, port = endpoint.rsplit(":", 1)[0][6:], int(endpoint.rsplit(":", 1)[1])
+                for _ in range(20):
+                    with socket.create_connection((host, port), timeout=5) as raw:
+                        raw.sendall(os.urandom(rng.randrange(1, 3000)))
+                    sent += 1
+                time.sleep(0.5)
+                for s in socks:
+                    s.close(linger=0)
+        finally:
+            ctx.term()
+        assert sent >= 10_000
+        assert srv.proc.poll() is None
+        with srv.client() as c:
+            srv.wait_workers(1)
+            assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+            assert c.status()["malformed_messages"] > 0
+    assert "Traceback" not in read(slog)
