@@ -277,7 +277,7 @@ def run_ppserver(res: Result, config: str, n_seqs: int, timed_epochs: int, worke
     finally:
         rc = stop_server(proc)
         if rc not in (0, None):
-            note = f"server exited with code {rc} after SIGTERM (log: {log_path})"
+            note = f"ppserver serve exit code {rc} (its log tail is printed on stderr on errors)"
             res.note = f"{res.note}; {note}" if res.note else note
 
 
@@ -401,7 +401,7 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
     server_log = os.path.join(tmpdir, f"server_{case.key}.log")
     got = attempt(results["ppserver"], lambda: run_ppserver(results["ppserver"], config, n, args.epochs,
                                                            args.workers, server_log))
-    if results["ppserver"].error:
+    if results["ppserver"].error or results["ppserver"].note:
         log(f"  last lines of the server log {server_log}:\n{tail(server_log)}")
     if got is not None:
         check(results["ppserver"], got, ref, meta=True)
@@ -468,6 +468,9 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
             status = res.check or ("reference" if res.pipeline == "in-process" else "-")
         else:
             status = res.error or "-"
+            if len(status) > 60:
+                status = status[:57] + "..."
+                res.note = f"{res.note}; {res.error}" if res.note else res.error
         table.append([
             res.case, res.pipeline, fmt(res.seqs_per_s, ".0f"), fmt(res.mb_per_s, ".1f"),
             fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
@@ -542,6 +545,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"(cpu_count {os.cpu_count()}), {platform.machine()}, {platform.system()} {platform.release()}",
         f"software:  python {platform.python_version()}, numpy {np.__version__}, "
         f"RETURNN {rt_version if rt_version else 'not available: ' + str(rt_reason)}",
+        f"load avg:  {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min, before the run)",
         f"setup:     {args.workers} workers, buf_size {BUF_SIZE}, 1 warm-up + {args.epochs} timed epochs; "
         + "; ".join(f"({c}) {CASES[c].seqs_quick if args.quick else CASES[c].seqs_full} seqs" for c in keys),
     ]

@@ -263,13 +263,7 @@ class Lab:
 
     def destroy(self) -> None:
         """Kill what runs in the lab's namespaces, delete them and the client link. Idempotent."""
-        with self.lock:
-            procs, self.procs = self.procs, []
-        for p in reversed(procs):
-            try:
-                p.stop(timeout=10.0)
-            except Exception as exc:  # keep tearing down
-                print(f"netns: stopping {p.name} failed: {exc}", file=sys.stderr)
+        self.stop_all()
         for ns in self.created:
             pids = [int(x) for x in ip("netns", "pids", ns, check=False).stdout.split() if x.isdigit()]
             for pid in pids:
@@ -314,6 +308,16 @@ class Lab:
         with self.lock:
             self.procs.append(proc)
         return proc
+
+    def stop_all(self) -> None:
+        """Stop every process started in the lab (workers before servers: reverse start order)."""
+        with self.lock:
+            procs, self.procs = self.procs, []
+        for p in reversed(procs):
+            try:
+                p.stop(timeout=10.0)
+            except Exception as exc:  # keep tearing down
+                print(f"netns: stopping {p.name} failed: {exc}", file=sys.stderr)
 
     def stop(self, proc: Proc, timeout: float = 10.0) -> Optional[int]:
         with self.lock:
