@@ -42,6 +42,7 @@ import numpy as np
 
 BURN_SECONDS = 0.002  # CPU time (of the calling thread) case (c) burns per seq
 BUF_SIZE = 10
+NCPU = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def burn_cpu(seconds: float) -> None:
@@ -141,6 +142,16 @@ class Result:
     error: Optional[str] = None
     note: Optional[str] = None
     check: Optional[str] = None  # "ok", "MISMATCH: ..." or None (not checked)
+    # CPU time used outside this benchmark's process tree during the timed epochs (other
+    # processes, hypervisor steal), in core-seconds; None where /proc is not readable
+    other_cpu: Optional[float] = 0.0
+
+    @property
+    def other_cpu_frac(self) -> Optional[float]:
+        """other_cpu as a fraction of the machine's capacity (cores x timed seconds)."""
+        if self.other_cpu is None or self.seconds <= 0:
+            return None
+        return max(self.other_cpu, 0.0) / (self.seconds * NCPU)
 
     @property
     def ok(self) -> bool:
@@ -161,7 +172,62 @@ class Result:
             "warmup_seconds": None if self.warmup_seconds is None else round(self.warmup_seconds, 6),
             "seqs_per_s": self.seqs_per_s, "mb_per_s": self.mb_per_s,
             "error": self.error, "note": self.note, "check": self.check,
+            "other_cpu_core_seconds": None if self.other_cpu is None else round(self.other_cpu, 3),
+            "other_cpu_fraction": self.other_cpu_frac,
         }
+
+
+OTHER_CPU_WARN = 0.10  # warn when others used more than this share of the machine during timing
+
+
+# ---- CPU accounting: is anything else running on the machine? ----------------------------
+
+def _stat_fields(pid: str) -> Optional[List[str]]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].decode().split()
+    except (OSError, IndexError):
+        return None
+
+
+def own_cpu_seconds() -> float:
+    """CPU time of this process and all its live descendants, including their reaped children."""
+    parent: Dict[str, str] = {}
+    cpu: Dict[str, int] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        f = _stat_fields(pid)
+        if f is None:
+            continue
+        parent[pid] = f[1]
+        cpu[pid] = int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # utime stime cutime cstime
+    me = str(os.getpid())
+    total, todo = 0, [me]
+    children: Dict[str, List[str]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """Busy plus stolen CPU time of the whole machine, summed over cores."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_sample() -> Optional[Tuple[float, float]]:
+    try:
+        return machine_cpu_seconds(), own_cpu_seconds()
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def log(msg: str) -> None:
@@ -186,9 +252,15 @@ def measure(res: Result, one_epoch: EpochFn, *, timed_epochs: int, expect: int) 
         raise RuntimeError(f"warm-up epoch delivered {n} seqs, expected {expect}")
     first = last = None
     for epoch in range(2, 2 + timed_epochs):
+        before = cpu_sample()
         t0 = time.perf_counter()
         n, nbytes, first, last = one_epoch(epoch)
         dt = time.perf_counter() - t0
+        after = cpu_sample()
+        if before is None or after is None or res.other_cpu is None:
+            res.other_cpu = None
+        else:
+            res.other_cpu += (after[0] - before[0]) - (after[1] - before[1])
         if n != expect:
             raise RuntimeError(f"epoch {epoch} delivered {n} seqs, expected {expect}")
         res.seqs += n
@@ -459,7 +531,7 @@ def target_verdicts(rows: List[Result], rt_reason: Optional[str]) -> List[Dict[s
 
 def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     r = ratios(rows)
-    cols = ["case", "pipeline", "seqs/s", "MB/s", "pp/RT seqs/s", "pp/RT MB/s", "pp/in-proc", "check"]
+    cols = ["case", "pipeline", "seqs/s", "MB/s", "pp/RT seqs/s", "pp/RT MB/s", "pp/in-proc", "other CPU", "check"]
     table = []
     for res in rows:
         is_pp = res.pipeline == "ppserver"
@@ -476,10 +548,11 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
             fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
             fmt(rr["pp_over_returnn_mb"], ".2f", "x") if is_pp else "",
             fmt(rr["pp_over_inprocess_seqs"], ".2f", "x") if is_pp else "",
+            fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%") if res.ok else "",
             status,
         ])
     widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
-    right = {2, 3, 4, 5, 6}
+    right = {2, 3, 4, 5, 6, 7}
 
     def line(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -499,7 +572,14 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     print()
     print("ratios are ppserver over RETURNN (RT) and over the in-process loop, from the same run;")
     print("MB/s counts the array bytes handed to the consumer; check = first and last seq of the last")
-    print("timed epoch equal the in-process result (numpy.array_equal; for ppserver also tag/idx/frac)")
+    print("timed epoch equal the in-process result (numpy.array_equal; for ppserver also tag/idx/frac);")
+    print(f"other CPU = CPU used outside this benchmark during its timed epochs (other processes, VM steal),")
+    print(f"as a share of the machine ({NCPU} cores x timed seconds)")
+    busy = [r for r in rows if r.ok and (r.other_cpu_frac or 0) > OTHER_CPU_WARN]
+    if busy:
+        print()
+        print(f"WARNING: other processes used more than {OTHER_CPU_WARN:.0%} of the machine during "
+              + ", ".join(f"{r.case}/{r.pipeline}" for r in busy) + "; those numbers are not reliable.")
     print()
     print("targets:")
     for v in verdicts:

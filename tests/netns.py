@@ -117,6 +117,8 @@ class Proc:
         self.popen = popen
         self.log_path = log_path
         self.pid = popen.pid
+        self.is_server = False
+        self._kids: List[int] = []
 
     def running(self) -> bool:
         return self.popen.poll() is None
@@ -133,14 +135,20 @@ class Proc:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 10.0) -> Optional[int]:
-        """SIGTERM, wait up to timeout, then SIGKILL; descendants left behind are killed too."""
-        kids = self.children()
-        for pid in kids:  # a stopped process would not see the SIGTERM its parent sends
+    def terminate(self) -> None:
+        """Send SIGTERM (and SIGCONT, so a stopped process or child sees it); does not wait."""
+        self._kids = self.children()
+        for pid in self._kids:
             _signal(pid, signal.SIGCONT)
         if self.running():
             _signal(self.pid, signal.SIGCONT)
             _signal(self.pid, signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> Optional[int]:
+        """SIGTERM, wait up to timeout, then SIGKILL; descendants left behind are killed too."""
+        if self.running():
+            self.terminate()
+        kids = self._kids
         try:
             rc = self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -310,14 +318,17 @@ class Lab:
         return proc
 
     def stop_all(self) -> None:
-        """Stop every process started in the lab (workers before servers: reverse start order)."""
+        """Stop every process started in the lab: all worker hosts at once, then the servers."""
         with self.lock:
             procs, self.procs = self.procs, []
-        for p in reversed(procs):
-            try:
-                p.stop(timeout=10.0)
-            except Exception as exc:  # keep tearing down
-                print(f"netns: stopping {p.name} failed: {exc}", file=sys.stderr)
+        for group in ([p for p in procs if not p.is_server], [p for p in procs if p.is_server]):
+            for p in group:
+                p.terminate()
+            for p in group:
+                try:
+                    p.stop(timeout=10.0)
+                except Exception as exc:  # keep tearing down
+                    print(f"netns: stopping {p.name} failed: {exc}", file=sys.stderr)
 
     def stop(self, proc: Proc, timeout: float = 10.0) -> Optional[int]:
         with self.lock:
@@ -333,6 +344,7 @@ class Lab:
         argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", f"tcp://0.0.0.0:{port}",
                 "--insecure", "--workers", "0", *extra]
         proc = self.start(self.server_ns, argv, name=name, stdout_pipe=True)
+        proc.is_server = True
         try:
             printed = wait_ready(proc.popen, timeout=ready_timeout)
         except Exception:

@@ -396,3 +396,29 @@ def test_demo_runs_two_epochs_and_exits_0():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
     assert "seqs/s" in res.stdout and "MB/s" in res.stdout
+
+
+def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
+    body = """
+    dataset = {"class": "DemoDataset", "num_seqs": 3000, "seed": 3, "min_frames": 5, "max_frames": 20}
+    def map_seq(seq, **kwargs):
+        return seq
+    buf_size = 2
+    """
+    cfg = write_config(tmp_path, body)
+    with run_server(cfg, workers=2) as srv, srv.client(window=6) as c:
+        it = c.epoch(1)
+        next(it)
+        time.sleep(1.0)  # a stalled trainer: the server must stop reading, not buffer the epoch
+        st = c.status()
+        q = st["queues"]
+        assert st["seqs_delivered"] <= 6 + 1
+        assert q["fed"] - st["seqs_delivered"] <= 2 * 2 + 8
+        assert q["client_credit"] == 0
+        assert sum(1 for _ in it) == 2999
+
+
+def test_client_package_does_not_import_the_server():
+    code = "import sys, ppclient; bad = [m for m in sys.modules if m.startswith('ppserver')]; assert not bad, bad"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert res.returncode == 0, res.stderr
