@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+from typing import Any, Dict, List, Tuple
 
 import zmq
 
@@ -17,7 +18,9 @@ from ppclient import wire
 
 log = logging.getLogger("ppserver.feeder")
 
-SEND_TIMEOUT_MS = 10
+SEND_TIMEO_MS = 10
+MAX_BATCH = 16
+MAX_BATCH_BYTES = 4 << 20
 
 
 class Feeder(threading.Thread):
@@ -38,8 +41,10 @@ class Feeder(threading.Thread):
         sock = self.ctx.socket(zmq.PUSH)
         sock.sndhwm = 2
         sock.linger = 0
-        sock.sndtimeo = SEND_TIMEOUT_MS
+        sock.sndtimeo = SEND_TIMEO_MS
         sock.connect(self.endpoint)
+        batch: List[Tuple[Dict[str, Any], List[Any]]] = []
+        nbytes = 0
         try:
             for pos in range(self.num_seqs):
                 if self.quit.is_set():
@@ -48,9 +53,17 @@ class Feeder(threading.Thread):
                     if self.quit.is_set():
                         return
                     seq = self.dataset.get_seq(pos)
-                frames = wire.seq_to_frames({"t": "in", "run": self.run_id, "i": pos}, seq)
-                if not self._send(sock, frames):
-                    return
+                item = wire.seq_to_item(seq, i=pos)
+                batch.append(item)
+                nbytes += sum(b.nbytes if hasattr(b, "nbytes") else len(b) for b in item[1])
+                # Adaptive batching: send as soon as the loop has room; while it is busy,
+                # gather seqs so one message carries several (fewer wake-ups per seq).
+                if len(batch) >= MAX_BATCH or nbytes >= MAX_BATCH_BYTES or sock.poll(0, zmq.POLLOUT):
+                    if not self._send(sock, wire.pack_batch({"t": "in", "run": self.run_id}, batch)):
+                        return
+                    batch, nbytes = [], 0
+            if batch and not self._send(sock, wire.pack_batch({"t": "in", "run": self.run_id}, batch)):
+                return
             self._send(sock, [wire.pack({"t": "fed", "run": self.run_id, "count": self.num_seqs})])
         except Exception as exc:
             log.error("reading the dataset failed in run %d: %s", self.run_id, exc)

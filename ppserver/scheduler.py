@@ -32,6 +32,9 @@ from ppclient import wire
 log = logging.getLogger("ppserver.scheduler")
 
 CLIENT_WINDOW_SLACK = 8
+MAX_DISPATCH_BATCH = 16
+
+Item = Tuple[Dict[str, Any], List[Any]]  # (item header: i, meta, arrays; its buffer frames)
 
 
 @dataclass
@@ -65,13 +68,13 @@ class WorkerState:
 class Partition:
     index: int
     wid: Optional[bytes] = None
-    queue: Deque[Tuple[int, List[Any]]] = field(default_factory=deque)  # (j, frames) not yet sent
+    queue: Deque[Item] = field(default_factory=deque)  # inputs not yet sent
     fed: int = 0  # inputs of this partition received from the feeder
     sent: int = 0  # inputs sent to the current worker
     in_credit: int = 0
     replay_until: int = 0  # inputs j < replay_until must be re-read from the dataset
     eof_sent: bool = False
-    outputs: Deque[List[Any]] = field(default_factory=deque)
+    outputs: Deque[Item] = field(default_factory=deque)
     received: int = 0  # outputs received (in order) across restarts
     skip: int = 0  # outputs the current worker regenerates that were already received
     done: bool = False
@@ -99,11 +102,11 @@ class Run:
     complete_frac: float = 0.0
     check_tags: bool = False
     # map_seq
-    pending: Dict[int, List[Any]] = field(default_factory=dict)
+    pending: Dict[int, Item] = field(default_factory=dict)
     tags: Dict[int, str] = field(default_factory=dict)
     todo: List[int] = field(default_factory=list)  # heap: redo before new
     inflight: Dict[int, bytes] = field(default_factory=dict)
-    results: Dict[int, List[Any]] = field(default_factory=dict)
+    results: Dict[int, Item] = field(default_factory=dict)
     deaths: Dict[int, int] = field(default_factory=dict)
     # map_seq_stream
     parts: List[Partition] = field(default_factory=list)
@@ -111,16 +114,16 @@ class Run:
 
 
 class Scheduler:
-    def __init__(self, *, buf_size: int, max_seq_retries: int, seed: int, reread: Callable[[int, int], List[Any]]):
+    def __init__(self, *, buf_size: int, max_seq_retries: int, seed: int, reread: Callable[[int], Item]):
         self.buf_size = buf_size
         self.max_seq_retries = max_seq_retries
         self.seed = seed
-        self.reread = reread  # (run, pos) -> input frames, for replaying a stream partition
+        self.reread = reread  # pos -> input item, for replaying a stream partition
         self.workers: Dict[bytes, WorkerState] = {}
         self.run: Optional[Run] = None
         self.outbox: List[Tuple[str, bytes, List[Any]]] = []
         self.total_delivered = 0
-        self.departed = 0
+        self.client_batch: List[Item] = []
 
     # ---- output helpers -------------------------------------------------------------
     def _to_worker(self, wid: bytes, header: Dict[str, Any], bufs: Tuple = ()) -> None:
@@ -128,7 +131,17 @@ class Scheduler:
 
     def _to_client(self, header: Dict[str, Any], bufs: Tuple = ()) -> None:
         assert self.run is not None
+        self._flush_client()
         self.outbox.append(("client", self.run.stream_id, [b"", wire.pack(header), *bufs]))
+
+    def _flush_client(self) -> None:
+        """Seqs ready for the client leave as one message per pump."""
+        if self.client_batch:
+            run = self.run
+            assert run is not None
+            frames = wire.pack_batch({"t": "seq", "run": run.run}, self.client_batch)
+            self.outbox.append(("client", run.stream_id, [b"", *frames]))
+            self.client_batch = []
 
     # ---- workers ---------------------------------------------------------------------
     def add_worker(self, wid: bytes, host: str, pid: int, now: float) -> WorkerState:
@@ -269,20 +282,23 @@ class Scheduler:
                 return True
         return False
 
-    def on_input(self, run_id: int, pos: int, frames: List[Any], tag: Optional[str]) -> None:
+    def on_inputs(self, run_id: int, items: List[Item]) -> None:
         run = self.run
         if run is None or run.run != run_id or run.finished:
             return
-        run.fed = max(run.fed, pos + 1)
-        if not run.stream:
-            run.pending[pos] = frames
-            if tag is not None:
-                run.tags[pos] = tag
-            heapq.heappush(run.todo, pos)
-        else:
-            part = run.parts[pos % run.partitions]
-            part.queue.append((part.fed, frames))
-            part.fed += 1
+        for item in items:
+            pos = item[0]["i"]
+            run.fed = max(run.fed, pos + 1)
+            if not run.stream:
+                run.pending[pos] = item
+                tag = item[0]["meta"].get("seq_tag")
+                if tag is not None:
+                    run.tags[pos] = tag
+                heapq.heappush(run.todo, pos)
+            else:
+                part = run.parts[pos % run.partitions]
+                part.queue.append(item)
+                part.fed += 1
         self.pump()
 
     def on_fed(self, run_id: int, count: int) -> None:
@@ -293,20 +309,21 @@ class Scheduler:
         run.num_seqs = count
         self.pump()
 
-    def on_result(self, wid: bytes, header: Dict[str, Any], bufs: List[Any]) -> None:
+    def on_results(self, wid: bytes, run_id: Any, items: List[Item]) -> None:
         run = self.run
         w = self.workers.get(wid)
-        if run is None or w is None or header.get("run") != run.run or run.finished or run.stream:
+        if run is None or w is None or run_id != run.run or run.finished or run.stream:
             return
-        pos = header.get("i")
-        if not isinstance(pos, int) or run.inflight.get(pos) != wid:
-            return  # late or duplicate: the seq was handed to another worker
-        del run.inflight[pos]
-        w.inflight.discard(pos)
-        w.done += 1
-        run.pending.pop(pos, None)
-        run.tags.pop(pos, None)
-        run.results[pos] = [header, bufs]
+        for item in items:
+            pos = item[0].get("i")
+            if not isinstance(pos, int) or run.inflight.get(pos) != wid:
+                continue  # late or duplicate: the seq was handed to another worker
+            del run.inflight[pos]
+            w.inflight.discard(pos)
+            w.done += 1
+            run.pending.pop(pos, None)
+            run.tags.pop(pos, None)
+            run.results[pos] = item
         self.pump()
 
     def on_failure(self, wid: bytes, header: Dict[str, Any]) -> None:
@@ -347,17 +364,18 @@ class Scheduler:
             part.in_credit += n
         self.pump()
 
-    def on_stream_output(self, wid: bytes, header: Dict[str, Any], bufs: List[Any]) -> None:
+    def on_stream_outputs(self, wid: bytes, header: Dict[str, Any], items: List[Item]) -> None:
         part = self._owned_partition(wid, header)
         if part is None:
             return
-        if part.skip > 0:
-            part.skip -= 1
-            self._to_worker(wid, {"t": "scredit", "run": self.run.run, "p": part.index, "n": 1})
-            return
-        part.outputs.append([header, bufs])
-        part.received += 1
-        self.workers[wid].done += 1
+        for item in items:
+            if part.skip > 0:
+                part.skip -= 1
+                self._to_worker(wid, {"t": "scredit", "run": header["run"], "p": part.index, "n": 1})
+                continue
+            part.outputs.append(item)
+            part.received += 1
+            self.workers[wid].done += 1
         self.pump()
 
     def on_stream_done(self, wid: bytes, header: Dict[str, Any]) -> None:
@@ -385,21 +403,21 @@ class Scheduler:
         for part in run.parts:
             if part.wid is None:
                 continue
+            batch: List[Item] = []
             while part.in_credit > 0:
                 if part.sent < part.replay_until:
-                    pos = part.index + part.sent * run.partitions
-                    frames = self.reread(run.run, pos)
+                    item = self.reread(part.index + part.sent * run.partitions)
                 elif part.queue:
-                    _, frames = part.queue.popleft()
+                    item = part.queue.popleft()
                 else:
                     break
-                hdr = wire.unpack(frames[0])
-                part.last_tag = (hdr.get("meta") or {}).get("seq_tag")
-                hdr["t"] = "sin"
-                hdr["p"] = part.index
-                self._to_worker(part.wid, hdr, tuple(frames[1:]))
+                part.last_tag = item[0]["meta"].get("seq_tag")
+                batch.append(item)
                 part.sent += 1
                 part.in_credit -= 1
+            if batch:
+                self.outbox.append(("worker", part.wid,
+                                    wire.pack_batch({"t": "sin", "run": run.run, "p": part.index}, batch)))
             if run.feed_done and not part.eof_sent and part.sent >= part.fed and not part.queue:
                 part.eof_sent = True
                 self._to_worker(part.wid, {"t": "seof", "run": run.run, "p": part.index})
@@ -414,8 +432,7 @@ class Scheduler:
                 return
             part = run.parts[run.rr]
             if part.outputs:
-                header, bufs = part.outputs.popleft()
-                self._send_seq(header, bufs)
+                self._send_seq(part.outputs.popleft())
                 if part.wid is not None:
                     self._to_worker(part.wid, {"t": "scredit", "run": run.run, "p": part.index, "n": 1})
                 run.rr = (run.rr + 1) % n
@@ -425,16 +442,16 @@ class Scheduler:
                 return
 
     # ---- delivery --------------------------------------------------------------------
-    def _send_seq(self, header: Dict[str, Any], bufs: List[Any]) -> None:
+    def _send_seq(self, item: Item) -> None:
         run = self.run
         assert run is not None
+        header, bufs = item
         meta = header.get("meta") or {}
         cf = meta.get("complete_frac")
-        if cf is not None:
+        if isinstance(cf, (int, float)):
             run.complete_frac = max(run.complete_frac, float(cf))
             meta["complete_frac"] = run.complete_frac
-        out = {"t": "seq", "run": run.run, "i": run.delivered, "meta": meta, "arrays": header.get("arrays", [])}
-        self._to_client(out, tuple(bufs))
+        self.client_batch.append(({"i": run.delivered, "meta": meta, "arrays": header.get("arrays", [])}, bufs))
         run.delivered += 1
         run.client_credit -= 1
         run.delivered_bytes += sum(len(b) for b in bufs)
@@ -459,24 +476,29 @@ class Scheduler:
         if run.stream:
             self._feed_partitions()
             self._deliver_stream()
+            self._flush_client()
             return
-        # dispatch: lowest positions first, to the worker with the most free credit
+        # dispatch: lowest positions first, to the worker with the most free credit, in batches
         while run.todo:
             w = max(self.workers.values(), key=lambda w: w.free(), default=None)
             if w is None or w.free() <= 0:
                 break
-            pos = heapq.heappop(run.todo)
-            frames = run.pending.get(pos)
-            if frames is None or pos in run.inflight:
-                continue
-            run.inflight[pos] = w.wid
-            w.inflight.add(pos)
-            self.outbox.append(("worker", w.wid, list(frames)))
+            batch: List[Item] = []
+            while run.todo and len(batch) < min(w.free(), MAX_DISPATCH_BATCH):
+                pos = heapq.heappop(run.todo)
+                item = run.pending.get(pos)
+                if item is None or pos in run.inflight:
+                    continue
+                run.inflight[pos] = w.wid
+                batch.append(item)
+            if batch:
+                w.inflight.update(item[0]["i"] for item in batch)
+                self.outbox.append(("worker", w.wid, wire.pack_batch({"t": "in", "run": run.run}, batch)))
         while run.client_credit > 0 and run.delivered in run.results:
-            header, bufs = run.results.pop(run.delivered)
-            self._send_seq(header, bufs)
+            self._send_seq(run.results.pop(run.delivered))
         if run.feed_done and run.delivered >= run.num_seqs:
             self._finish()
+        self._flush_client()
 
     # ---- status ------------------------------------------------------------------------
     def status(self, now: float) -> Dict[str, Any]:

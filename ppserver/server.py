@@ -39,6 +39,7 @@ log = logging.getLogger("ppserver.server")
 FEEDER_ENDPOINT = "inproc://ppserver-feeder"
 HB_SUFFIX = b"|hb"
 LOOP_MS = 100
+HOUSEKEEPING_S = 0.01
 
 
 class Server:
@@ -84,6 +85,7 @@ class Server:
         self.pool: Optional[ProcessPool] = None
         self.local_pids: Dict[int, int] = {}
         self.last_hb = 0.0
+        self.last_housekeeping = 0.0
         self.hostname = socket.gethostname()
         self.bad_messages = 0
         self.refused_handshakes = 0
@@ -189,10 +191,9 @@ class Server:
     # ---- I/O helpers ------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, handler, limit: int = 256) -> None:
         for _ in range(limit):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
+            frames = sock.recv_multipart(copy=False)
             try:
                 handler(frames)
             except Exception as exc:  # nothing a peer sends may stop the loop
@@ -320,24 +321,20 @@ class Server:
         known = not self.cfg.is_stream or self.cfg.preserves_num_seqs is True
         return {"ok": True, "proto": wire.PROTOCOL, "run": run, "num_seqs": num_seqs if known else None}
 
-    def _reread(self, run: int, pos: int) -> List[Any]:
+    def _reread(self, pos: int):
         """Read one input again (a stream partition restarting on another worker)."""
         with self.dataset_lock:
             seq = self.dataset.get_seq(pos)
-        return wire.seq_to_frames({"t": "in", "run": run, "i": pos}, seq)
+        return wire.seq_to_item(seq, i=pos)
 
     # ---- feeder -----------------------------------------------------------------------
     def _pull_inputs(self) -> None:
-        while self.sched.wants_input():
-            try:
-                frames = self.feed.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            header = wire.unpack(frames[0].buffer)
+        while self.sched.wants_input() and self.feed.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = self.feed.recv_multipart(copy=False)
+            header, bufs = wire.split(frames)
             t = header.get("t")
             if t == "in":
-                tag = (header.get("meta") or {}).get("seq_tag")
-                self.sched.on_input(header["run"], header["i"], frames, tag)
+                self.sched.on_inputs(header["run"], wire.unpack_batch(header, bufs))
             elif t == "fed":
                 self.sched.on_fed(header["run"], header["count"])
             elif t == "feed_error":
@@ -363,9 +360,9 @@ class Server:
                 self._send(self.workers_sock, [ident, wire.pack({"t": "unknown"})])
             return
         if t == "result":
-            self.sched.on_result(ident, header, bufs)
+            self.sched.on_results(ident, header.get("run"), wire.unpack_batch(header, bufs))
         elif t == "sout":
-            self.sched.on_stream_output(ident, header, bufs)
+            self.sched.on_stream_outputs(ident, header, wire.unpack_batch(header, bufs))
         elif t == "sack":
             self.sched.on_stream_ack(ident, header)
         elif t == "sdone":
@@ -399,6 +396,9 @@ class Server:
     # ---- periodic ---------------------------------------------------------------------
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if now - self.last_housekeeping < HOUSEKEEPING_S:
+            return
+        self.last_housekeeping = now
         if self.pool is not None:
             for _, pid, rc in self.pool.poll():
                 for wid, w in list(self.sched.workers.items()):

@@ -120,6 +120,9 @@ class Worker:
         self.rr = 0
         self.done = 0
         self.epoch: Optional[int] = None
+        self.results: List[Any] = []
+        self.messages_in = self.messages_out = 0
+        self.flush_every = max(1, min(cfg.buf_size // 2, 16))
         self.check_tags = False
         self.forgotten = False
 
@@ -226,7 +229,8 @@ class Worker:
         finally:
             self.unregister(say_bye=self.stopping)
             self.ctx.term()
-        log.info("worker stopped after %d seqs", self.done)
+        log.info("worker stopped after %d seqs (%d task and %d result messages)", self.done, self.messages_in,
+                 self.messages_out)
         return 0
 
     def _server_lost(self) -> bool:
@@ -253,22 +257,23 @@ class Worker:
         assert sock is not None
         if not sock.poll(timeout_ms):
             return
-        while True:
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(copy=False)
             try:
                 header, bufs = wire.split(frames)
             except wire.WireError as exc:
                 log.warning("dropped a malformed message from the server: %s", exc)
                 continue
-            self._handle(header, bufs, frames)
+            try:
+                self._handle(header, bufs)
+            except wire.WireError as exc:
+                log.warning("dropped a malformed message from the server: %s", exc)
 
-    def _handle(self, header: Dict[str, Any], bufs: List[Any], frames: List[Any]) -> None:
+    def _handle(self, header: Dict[str, Any], bufs: List[Any]) -> None:
         t = header.get("t")
         run = header.get("run")
         if t == "cancel":
+            self.results = []
             self.run_id = run
             self.epoch = header.get("epoch")
             self.check_tags = bool(header.get("check_tags"))
@@ -282,7 +287,8 @@ class Worker:
         elif run != self.run_id:
             return
         elif t == "in":
-            self.tasks.append([header, bufs])
+            self.tasks.extend(wire.unpack_batch(header, bufs))
+            self.messages_in += 1
         elif t == "sopen":
             self.parts[header["p"]] = _Partition(header)
         elif t in ("sin", "seof", "scredit"):
@@ -290,16 +296,22 @@ class Worker:
             if part is None:
                 return
             if t == "sin":
-                part.inputs.append(_writable(wire.frames_to_seq(header, bufs)))
+                part.inputs.extend(_writable(wire.item_to_seq(*item)) for item in wire.unpack_batch(header, bufs))
             elif t == "seof":
                 part.eof = True
             else:
                 part.out_credit += int(header.get("n", 1))
 
-    def _send(self, header: Dict[str, Any], seq: Optional[Dict[str, Any]] = None) -> None:
+    def _send(self, header: Dict[str, Any]) -> None:
         assert self.sock is not None
-        frames = wire.seq_to_frames(header, seq) if seq is not None else [wire.pack(header)]
-        self.sock.send_multipart(frames, copy=False)
+        self.sock.send(wire.pack(header))
+
+    def _flush_results(self) -> None:
+        if self.results:
+            assert self.sock is not None
+            self.sock.send_multipart(wire.pack_batch({"t": "result", "run": self.run_id}, self.results), copy=False)
+            self.messages_out += 1
+            self.results = []
 
     def _fail(self, header: Dict[str, Any], exc: BaseException, seq_tag: Optional[str]) -> None:
         if isinstance(exc, MappingError):
@@ -308,26 +320,30 @@ class Worker:
         else:
             message = f"{type(exc).__name__}: {exc}"
         log.error("mapper failed on seq %r: %s", seq_tag, message)
+        self._flush_results()
         self._send({**header, "t": "fail", "seq_tag": seq_tag, "message": message,
                     "traceback": traceback.format_exc()})
 
     # ---- map_seq ----------------------------------------------------------------------
-    def _run_task(self, task: List[Any]) -> None:
-        header, bufs = task
-        seq = _writable(wire.frames_to_seq(header, bufs))
-        reply = {"run": header["run"], "i": header["i"]}
+    def _run_task(self, task) -> None:
+        item, bufs = task
+        seq = _writable(wire.item_to_seq(item, bufs))
         try:
             out = apply_map_seq(
                 self.cfg.map_seq, seq, epoch=self.epoch, seed=self.cfg.seed, templates=self.templates,
                 expected_tag=seq.get("seq_tag") if self.check_tags else None,
             )
-            frames = wire.seq_to_frames({**reply, "t": "result"}, out)
+            result = wire.seq_to_item(out, i=item["i"])
         except Exception as exc:
-            self._fail(reply, exc, seq.get("seq_tag"))
+            self._fail({"run": self.run_id, "i": item.get("i")}, exc, seq.get("seq_tag"))
+            self.tasks.clear()
             return
-        assert self.sock is not None
-        self.sock.send_multipart(frames, copy=False)
+        self.results.append(result)
         self.done += 1
+        # Results travel in batches, but never more than half the credit, so the server
+        # refills this worker's queue before it runs dry.
+        if not self.tasks or len(self.results) >= self.flush_every:
+            self._flush_results()
 
     # ---- map_seq_stream ---------------------------------------------------------------
     def _runnable(self) -> Optional[_Partition]:
@@ -379,7 +395,7 @@ class Worker:
         if part.cancelled:
             return
         try:
-            frames = wire.seq_to_frames({**base, "t": "sout", "k": part.emitted}, seq)
+            frames = wire.pack_batch({**base, "t": "sout"}, [wire.seq_to_item(seq, k=part.emitted)])
         except wire.WireError as exc:
             self.parts.pop(part.index, None)
             self._fail(base, MappingError(str(exc), seq.get("seq_tag")), part.last_tag)

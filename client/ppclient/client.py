@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from collections import deque
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import zmq
 
@@ -131,6 +132,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._ungranted = 0
         self._done = False
         self._superseded = False
+        self._ready: Deque[Tuple[Dict[str, Any], List[Any]]] = deque()
         self._grant(client.window)
 
     def __len__(self) -> int:
@@ -147,28 +149,24 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def __next__(self) -> Dict[str, Any]:
         if self._superseded:
             raise Error(f"epoch {self.epoch} was superseded by a newer epoch request")
+        if self._ready:
+            return self._take()
         if self._done:
             raise StopIteration
-        timeout_ms = int(self._client.timeout * 1000)
-        deadline = time.monotonic() + self._client.timeout
+        timeout = self._client.timeout
+        deadline = time.monotonic() + timeout
         while True:
-            if not self._sock.poll(max(int((deadline - time.monotonic()) * 1000), 0) if timeout_ms else 0):
-                raise ServerUnavailable(
-                    f"no data from {self._client.address} for {self._client.timeout:g} s (epoch {self.epoch})")
+            if not self._sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+                raise ServerUnavailable(f"no data from {self._client.address} for {timeout:g} s (epoch {self.epoch})")
             frames = self._sock.recv_multipart(copy=False)
             header, bufs = wire.split(frames[1:])
             if header.get("run") != self.run:
                 continue  # left over from an earlier epoch
-            deadline = time.monotonic() + self._client.timeout
+            deadline = time.monotonic() + timeout
             t = header.get("t")
             if t == "seq":
-                seq = wire.frames_to_seq(header, bufs)
-                self._consumed += 1
-                self._ungranted += 1
-                if self._ungranted * 2 >= self._client.window:
-                    self._grant(self._ungranted)
-                    self._ungranted = 0
-                return seq
+                self._ready.extend(wire.unpack_batch(header, bufs))
+                return self._take()
             if t == "end":
                 self._done = True
                 if self.num_seqs is not None and header.get("count") != self.num_seqs:
@@ -181,3 +179,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                                       remote_traceback=str(header.get("traceback") or ""))
                 raise Error(f"epoch {self.epoch} failed on the server: {header.get('message')}")
             # "hb": the server is alive and the epoch still running
+
+    def _take(self) -> Dict[str, Any]:
+        item, bufs = self._ready.popleft()
+        seq = wire.item_to_seq(item, bufs)
+        self._consumed += 1
+        self._ungranted += 1
+        if self._ungranted * 2 >= self._client.window:
+            self._grant(self._ungranted)
+            self._ungranted = 0
+        return seq

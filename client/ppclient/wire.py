@@ -70,11 +70,11 @@ def check_dtype(dtype_str: Any) -> numpy.dtype:
     return dtype
 
 
-def seq_to_frames(header: Dict[str, Any], seq: Dict[str, Any]) -> List[Any]:
-    """Split a seq dict into a header frame plus one buffer per array.
+def seq_to_item(seq: Dict[str, Any], **fields: Any) -> Tuple[Dict[str, Any], List[Any]]:
+    """Split a seq dict into an item header and its buffers, one per array.
 
-    Meta entries (seq_tag, seq_idx, complete_frac) go into ``header["meta"]``; every other
-    entry must be a numpy array. Large contiguous arrays are handed to ZeroMQ without a copy.
+    Meta entries (seq_tag, seq_idx, complete_frac) go into ``item["meta"]``; every other
+    entry must be a numpy array. Large contiguous arrays are handed over without a copy.
     """
     arrays = []
     bufs: List[Any] = []
@@ -92,10 +92,38 @@ def seq_to_frames(header: Dict[str, Any], seq: Dict[str, Any]) -> List[Any]:
             value = numpy.ascontiguousarray(value)
         arrays.append([key, value.dtype.str, list(value.shape)])
         bufs.append(value if value.nbytes >= ZERO_COPY_MIN_BYTES else value.tobytes())
+    item = dict(fields)
+    item["meta"] = meta
+    item["arrays"] = arrays
+    return item, bufs
+
+
+def pack_batch(header: Dict[str, Any], items: Sequence[Tuple[Dict[str, Any], Sequence[Any]]]) -> List[Any]:
+    """One message carrying several items: header["items"] lists them, their buffers follow in order."""
     header = dict(header)
-    header["meta"] = meta
-    header["arrays"] = arrays
-    return [pack(header), *bufs]
+    header["items"] = [item for item, _ in items]
+    frames: List[Any] = [pack(header)]
+    for _, bufs in items:
+        frames.extend(bufs)
+    return frames
+
+
+def unpack_batch(header: Dict[str, Any], bufs: Sequence[Any]) -> List[Tuple[Dict[str, Any], List[Any]]]:
+    """The (item, buffers) pairs of a batch message; buffer counts are checked against the header."""
+    items = header.get("items")
+    if not isinstance(items, list):
+        raise WireError("batch message without an 'items' list")
+    out = []
+    at = 0
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("arrays"), list):
+            raise WireError("batch item without an 'arrays' list")
+        n = len(item["arrays"])
+        out.append((item, list(bufs[at:at + n])))
+        at += n
+    if at != len(bufs):
+        raise WireError(f"batch lists {at} arrays but {len(bufs)} buffers came")
+    return out
 
 
 def _meta_value(key: str, value: Any):
@@ -110,14 +138,14 @@ def _meta_value(key: str, value: Any):
     return float(value)
 
 
-def frames_to_seq(header: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
-    """Rebuild a seq dict from a decoded header and its buffer frames (no copy; read-only)."""
-    arrays = header.get("arrays")
-    meta = header.get("meta") or {}
+def item_to_seq(item: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
+    """Rebuild a seq dict from an item header and its buffer frames (no copy; read-only)."""
+    arrays = item.get("arrays")
+    meta = item.get("meta") or {}
     if not isinstance(arrays, list) or not isinstance(meta, dict):
-        raise WireError("seq message without 'arrays' list or 'meta' map")
+        raise WireError("seq item without 'arrays' list or 'meta' map")
     if len(arrays) != len(bufs):
-        raise WireError(f"header lists {len(arrays)} arrays but {len(bufs)} buffers came")
+        raise WireError(f"item lists {len(arrays)} arrays but {len(bufs)} buffers came")
     seq: Dict[str, Any] = {}
     for spec, buf in zip(arrays, bufs):
         if not (isinstance(spec, (list, tuple)) and len(spec) == 3):
@@ -128,8 +156,7 @@ def frames_to_seq(header: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]
         dtype = check_dtype(dtype_str)
         if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise WireError(f"bad shape {shape!r} for {key!r}")
-        data = buf.buffer if hasattr(buf, "buffer") else buf
-        mv = memoryview(data)
+        mv = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
         if mv.nbytes != math.prod(shape) * dtype.itemsize:
             raise WireError(f"array {key!r}: {mv.nbytes} bytes do not fit shape {shape} of {dtype}")
         seq[key] = numpy.frombuffer(mv, dtype=dtype).reshape(shape)
@@ -138,9 +165,9 @@ def frames_to_seq(header: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]
             raise WireError(f"unknown meta entry {key!r}")
         if key == "seq_tag" and not isinstance(value, str):
             raise WireError("seq_tag must be a string")
-        if key == "seq_idx" and not isinstance(value, int):
+        if key == "seq_idx" and (not isinstance(value, int) or isinstance(value, bool)):
             raise WireError("seq_idx must be an int")
-        if key == "complete_frac" and not isinstance(value, (int, float)):
+        if key == "complete_frac" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise WireError("complete_frac must be a number")
         seq[key] = value
     return seq
@@ -153,14 +180,6 @@ def split(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -
     first = frames[0]
     data = first.buffer if hasattr(first, "buffer") else first
     return unpack(data, max_bytes=max_bytes), list(frames[1:])
-
-
-def describe_array(value: numpy.ndarray) -> Dict[str, Any]:
-    return {"shape": list(value.shape), "dtype": value.dtype.name}
-
-
-def message_bytes(frames: Sequence[Any]) -> int:
-    return sum(f.nbytes if isinstance(f, numpy.ndarray) else len(f) for f in frames)
 
 
 def protocol_mismatch(theirs: Optional[int], who: str) -> Optional[str]:
