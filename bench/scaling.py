@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -126,6 +127,7 @@ def run_count(lab: Lab, cfg: str, procs: int, seqs: int, warmup_seqs: int, port:
         }
         cores["other"] = max((after.machine - before.machine) / wall - sum(cores.values()), 0.0)
         rate = seqs / elapsed
+        ours = cores["server"] + cores["workers"] + cores["client"]
         ideal = procs / DELAY
         return {
             "procs": procs, "seqs": seqs, "seconds": round(elapsed, 3), "seqs_per_s": round(rate, 1),
@@ -133,6 +135,11 @@ def run_count(lab: Lab, cfg: str, procs: int, seqs: int, warmup_seqs: int, port:
             "startup_s": round(startup, 1), "workers_alive": st["workers_alive"],
             "per_worker_seqs_min": min(done) if done else 0, "per_worker_seqs_max": max(done) if done else 0,
             "cores": {k: round(v, 2) for k, v in cores.items()},
+            # CPU time per delivered seq (ms) and the rate this machine's cores allow at that cost
+            "cpu_ms_per_seq": {"server": round(cores["server"] / rate * 1e3, 3),
+                               "workers": round(cores["workers"] / rate * 1e3, 3),
+                               "all": round(ours / rate * 1e3, 3)},
+            "cpu_bound_seqs_per_s": round(NCPU / (ours / rate), 1),
         }
     finally:
         for h in hosts:
@@ -152,13 +159,15 @@ def in_process_baseline(cfg_path: str, seconds: float) -> Dict[str, Any]:
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
     templates = cfg.map_outputs or ds.data_keys()
     ds.init_seq_order(1)
-    n, start = 0, time.monotonic()
+    n, start, cpu = 0, time.monotonic(), time.process_time()
     while time.monotonic() - start < seconds:
         apply_map_seq(cfg.map_seq, ds.get_seq(n % ds.num_seqs), epoch=1, seed=cfg.seed, templates=templates)
         n += 1
     elapsed = time.monotonic() - start
+    cpu = time.process_time() - cpu
     return {"seqs": n, "seconds": round(elapsed, 3), "seqs_per_s": round(n / elapsed, 1),
-            "ideal_seqs_per_s": round(1 / DELAY, 1), "pct_of_ideal": round(100 * n / elapsed * DELAY, 1)}
+            "ideal_seqs_per_s": round(1 / DELAY, 1), "pct_of_ideal": round(100 * n / elapsed * DELAY, 1),
+            "cpu_ms_per_seq": round(cpu / n * 1e3, 3)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -167,6 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seconds", type=float, default=4.0, help="length of each timed epoch at the ideal rate")
     p.add_argument("--buf-size", type=int, default=4, help="buf_size of the config (tasks per worker)")
     p.add_argument("--port", type=int, default=5555, help="control port inside the server namespace")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (config, logs)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.procs.split(",") if x.strip()]
@@ -179,12 +189,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _term)
     seqs_for = {c: int(round(c / DELAY * args.seconds)) for c in counts}
     results: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="ppscaling-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="ppscaling-")
+    completed = False
+    try:
         cfg = os.path.join(tmp, "config.py")
         with open(cfg, "w") as f:
             f.write(CONFIG.format(n=max(seqs_for.values()), delay=DELAY, buf_size=args.buf_size))
-        print(f"machine: {NCPU} CPUs; map_seq sleeps {DELAY * 1000:g} ms on (10, 8) float32 seqs; "
-              f"buf_size {args.buf_size}; logs in {tmp}", flush=True)
+        print(f"machine: {NCPU} CPUs, load average {os.getloadavg()[0]:.2f} at start; map_seq sleeps "
+              f"{DELAY * 1000:g} ms on (10, 8) float32 seqs; buf_size {args.buf_size}", flush=True)
         baseline = in_process_baseline(cfg, seconds=2.0)
         lab = Lab(hosts=2, log_dir=tmp)
         try:
@@ -194,22 +206,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         try:
             for c in counts:
-                print(f"... {c} worker processes ({c // 2} per host), {seqs_for[c]} seqs", flush=True)
+                print(f"... {c} worker processes ({c // 2} per host), {seqs_for[c]} seqs", file=sys.stderr,
+                      flush=True)
                 results.append(run_count(lab, cfg, c, seqs_for[c], warmup_seqs=min(20 * c, seqs_for[c]),
                                          port=args.port))
         finally:
             lab.destroy()
+        completed = True
+    finally:
+        if completed and not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"scaling: server and worker logs kept in {tmp}", file=sys.stderr)
 
     print()
-    print(f"{'procs':>5} {'seqs':>6} {'time s':>7} {'seqs/s':>8} {'ideal':>7} {'% ideal':>8}   "
-          f"{'cores used: server':>18} {'workers':>7} {'client':>6} {'other':>5}")
+    print(f"{'':43}{'cores busy, timed epoch':<31}{'CPU ms per seq':<23}")
+    print(f"{'procs':>5} {'seqs':>6} {'time s':>6} {'seqs/s':>6} {'ideal':>6} {'%ideal':>6} | "
+          f"{'server':>6} {'workers':>7} {'client':>6} {'other':>6} | {'server':>6} {'workers':>7} "
+          f"{'all':>5} | {'CPU-bound seqs/s':>16}")
     for r in results:
-        cores = r["cores"]
-        print(f"{r['procs']:>5} {r['seqs']:>6} {r['seconds']:>7.2f} {r['seqs_per_s']:>8.0f} "
-              f"{r['ideal_seqs_per_s']:>7.0f} {r['pct_of_ideal']:>7.1f}%   {cores['server']:>18.2f} "
-              f"{cores['workers']:>7.2f} {cores['client']:>6.2f} {cores['other']:>5.2f}")
+        cores, ms = r["cores"], r["cpu_ms_per_seq"]
+        print(f"{r['procs']:>5} {r['seqs']:>6} {r['seconds']:>6.2f} {r['seqs_per_s']:>6.0f} "
+              f"{r['ideal_seqs_per_s']:>6.0f} {r['pct_of_ideal']:>5.1f}% | {cores['server']:>6.2f} "
+              f"{cores['workers']:>7.2f} {cores['client']:>6.2f} {cores['other']:>6.2f} | {ms['server']:>6.3f} "
+              f"{ms['workers']:>7.3f} {ms['all']:>5.3f} | {r['cpu_bound_seqs_per_s']:>16.0f}")
     print(f"baseline: the same map_seq in one process in a loop: {baseline['seqs_per_s']:.0f} seqs/s "
-          f"({baseline['pct_of_ideal']:.1f}% of {baseline['ideal_seqs_per_s']:.0f})")
+          f"({baseline['pct_of_ideal']:.1f}% of {baseline['ideal_seqs_per_s']:.0f}), "
+          f"{baseline['cpu_ms_per_seq']:.3f} ms CPU per seq")
+    print(f"(CPU-bound seqs/s = {NCPU} cores / CPU ms per seq of server + workers + client: the most "
+          f"this machine allows at the measured per-seq cost)")
     verdict = None
     at_target = [r for r in results if r["procs"] == TARGET_PROCS]
     if at_target:

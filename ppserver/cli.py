@@ -85,11 +85,14 @@ def _fail_config(command: str, exc: Exception) -> int:
 
 def _serve(args) -> int:
     from .config import load_config
-    from .errors import ConfigError
+    from .errors import ConfigError, check_endpoint
     from .server import serve, setup_logging
 
     setup_logging()
     try:
+        check_endpoint("--bind", args.bind)
+        if args.worker_bind:
+            check_endpoint("--worker-bind", args.worker_bind)
         cfg = load_config(args.config)
         workers = cfg.num_workers if args.workers is None else args.workers
         if workers < 0:
@@ -108,12 +111,13 @@ def _serve(args) -> int:
 
 def _worker(args) -> int:
     from .config import load_config
-    from .errors import ConfigError
+    from .errors import ConfigError, check_endpoint
     from .server import setup_logging
     from .supervisor import EXIT_REFUSED, ProcessPool, worker_argv
 
     setup_logging("ppworker-host")
     try:
+        check_endpoint("--connect", args.connect)
         load_config(args.config)
         if args.procs < 1:
             raise ConfigError("--procs", f"must be >= 1, got {args.procs}")

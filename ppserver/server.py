@@ -178,15 +178,20 @@ class Server:
             self.feeder.stop()
         if self.pool is not None:
             self.pool.stop(timeout=3.0)
+        feeder_stuck = False
         if self.feeder is not None:
             self.feeder.join(timeout=1.0)
+            feeder_stuck = self.feeder.is_alive()
         for sock in self.monitors:
             sock.close(linger=0)
         for sock in (self.control, self.workers_sock, self.feed):
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
-        self.ctx.term()
+        if feeder_stuck:  # its socket is still open; term() would wait for it forever
+            log.warning("the feeder thread is still inside the dataset; exiting without waiting for it")
+        else:
+            self.ctx.term()
 
     # ---- I/O helpers ------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, handler, limit: int = 256) -> None:
@@ -308,6 +313,9 @@ class Server:
             except (ValueError, KeyError, IndexError) as exc:
                 msg = exc.args[0] if exc.args else str(exc)
                 return {"ok": False, "error": f"cannot start epoch {epoch}: {msg}"}
+            except Exception as exc:  # a dataset bug must not leave the client waiting
+                log.exception("the dataset failed to start epoch %d", epoch)
+                return {"ok": False, "error": f"cannot start epoch {epoch}: {type(exc).__name__}: {exc}"}
             num_seqs = self.dataset.num_seqs
         self.run_counter += 1
         run = self.run_counter

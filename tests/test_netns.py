@@ -242,11 +242,16 @@ def test_sigstop_worker_declared_dead_then_rejoins(net, tmp_path):
 
     def fault(progress: Progress) -> None:
         progress.wait(n // 3)
-        busy = wait_for(lambda: [p for p in a_pids if workers_by_pid(srv).get(p, {}).get("in_flight")],
-                        10.0, "a busy worker on host A")
-        pid = busy[0]
-        os.kill(pid, signal.SIGSTOP)
-        stopped.update(pid=pid, t=time.monotonic())
+        for _ in range(10):  # stop a worker of host A that holds seqs (the server's view, after the stop)
+            busy = wait_for(lambda: [p for p in a_pids if workers_by_pid(srv).get(p, {}).get("in_flight")],
+                            10.0, "a busy worker on host A")
+            pid = busy[0]
+            os.kill(pid, signal.SIGSTOP)
+            stopped.update(pid=pid, t=time.monotonic())
+            time.sleep(0.05)  # let results sent before the stop arrive
+            if workers_by_pid(srv).get(pid, {}).get("in_flight"):
+                break
+            os.kill(pid, signal.SIGCONT)
         try:
             srv.wait_pids([pid], 10.0, present=False)
             stopped["dead_after"] = time.monotonic() - stopped["t"]

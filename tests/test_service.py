@@ -425,3 +425,73 @@ def test_client_package_does_not_import_the_server():
     code = "import sys, ppclient; bad = [m for m in sys.modules if m.startswith('ppserver')]; assert not bad, bad"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert res.returncode == 0, res.stderr
+
+
+def test_client_reports_a_server_with_another_protocol():
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.linger = 0
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ppclient.Client(f"tcp://127.0.0.1:{port}", timeout=10) as c:
+            import threading
+
+            def answer():
+                if fake.poll(10000):
+                    ident, empty, _ = fake.recv_multipart()
+                    fake.send_multipart([ident, empty, wire.pack({"ok": True, "proto": wire.PROTOCOL + 1})])
+
+            t = threading.Thread(target=answer)
+            t.start()
+            with pytest.raises(ppclient.Error, match="protocol version mismatch"):
+                c.info()
+            t.join(timeout=10)
+    finally:
+        fake.close()
+        ctx.term()
+
+
+def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
+    body = """
+    import numpy as np
+    from ppserver.datasets import Dataset
+    class Flaky(Dataset):
+        def _num_corpus_seqs(self):
+            return 10
+        def _load(self, i):
+            if i == 6:
+                raise IOError("disk gone")
+            return {"data": np.zeros((3, 2), "float32")}
+        def _tag(self, i):
+            return f"t{i}"
+        def _seq_len(self, i):
+            return 3
+        def _compute_data_keys(self):
+            return {"data": {"shape": [None, 2], "dtype": "float32"}}
+    """
+    data_mod = write_config(tmp_path, body, name="flaky_data.py")
+    cfg = write_config(tmp_path, f"""
+    import sys
+    sys.path.insert(0, {os.path.dirname(data_mod)!r})
+    dataset = {{"class": "flaky_data:Flaky"}}
+    def map_seq(seq, **kwargs):
+        return seq
+    """)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=10) as c:
+        with pytest.raises(ppclient.Error, match="disk gone"):
+            collect(c.epoch(1))
+        assert c.status()["state"] == "failed"
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--bind", "tcp://127.0.0.1:99999"], "--bind"),
+    (["--bind", "127.0.0.1:5555"], "--bind"),
+    (["--workers", "-1"], "--workers"),
+])
+def test_bad_command_line_exits_2_with_one_line(tmp_path, argv, key):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=3)
+    res = subprocess.run([sys.executable, "-m", "ppserver", "serve", cfg, *argv], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"'{key}'" in lines[0], res.stderr
