@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput of ppserver against an in-process loop and RETURNN's PostprocessingDataset.
 
-Three cases, each run through three pipelines, one after the other on the same machine:
+Three cases, each run through three pipelines on the same machine and the same arrays:
 
   ppserver    `python -m ppserver serve CONFIG --workers N`, consumed through ppclient
   in-process  the same arrays (NumpyDataset) and the same map_seq, applied in a plain loop
@@ -9,9 +9,11 @@ Three cases, each run through three pipelines, one after the other on the same m
   RETURNN     returnn.datasets.postprocessing.PostprocessingDataset over a StaticDataset of
               the same arrays, num_workers=N, buf_size=10 (skipped if returnn does not import)
 
-Every pipeline runs one warm-up epoch (process start, worker registration) and then
---epochs timed epochs. seqs/s and MB/s (bytes of the arrays handed to the consumer, meta
-entries excluded) are totals over the timed epochs.
+Per case, every pipeline is started and runs one warm-up epoch (process start, worker
+registration); then the timed epochs 2, 3, ... run round-robin over the pipelines, one
+epoch at a time and never two at once, so a slow drift in machine load hits all of them
+alike. seqs/s and MB/s (bytes of the arrays handed to the consumer, meta entries
+excluded) are totals over the timed epochs.
 
 Usage:  python3 bench/throughput.py [--quick] [--cases a,b,c] [--epochs N] [--json PATH|-]
 See bench/README.md.
@@ -32,7 +34,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,6 +45,7 @@ import numpy as np
 BURN_SECONDS = 0.002  # CPU time (of the calling thread) case (c) burns per seq
 BUF_SIZE = 10
 NCPU = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+OTHER_CPU_WARN = 0.10  # warn when other processes used more than this share of the machine
 
 
 def burn_cpu(seconds: float) -> None:
@@ -67,7 +70,7 @@ def returnn_burn_double(tensor_dict, **kwargs):
 
 
 # ppserver configs. The server and each worker execute the file; the in-process baseline
-# loads it with ppserver.config.load_config, so all three use the very same map_seq.
+# loads it with ppserver.config.load_config, so both run the very same map_seq.
 CONFIG_DOUBLE = '''\
 from ppserver.mappers import double
 
@@ -123,8 +126,7 @@ CASES: Dict[str, Case] = {
 
 PIPELINES = ("ppserver", "in-process", "RETURNN")
 
-TARGETS = [
-    # (case, what, min ratio of ppserver over RETURNN)
+TARGETS = [  # (case, measure, minimum ratio ppserver / RETURNN)
     ("a", "seqs/s", 4.0),
     ("b", "MB/s", 2.0),
 ]
@@ -142,16 +144,9 @@ class Result:
     error: Optional[str] = None
     note: Optional[str] = None
     check: Optional[str] = None  # "ok", "MISMATCH: ..." or None (not checked)
-    # CPU time used outside this benchmark's process tree during the timed epochs (other
-    # processes, hypervisor steal), in core-seconds; None where /proc is not readable
+    # CPU time used outside this benchmark's processes during the timed epochs (other
+    # processes, hypervisor steal), in core-seconds; None where /proc cannot be read
     other_cpu: Optional[float] = 0.0
-
-    @property
-    def other_cpu_frac(self) -> Optional[float]:
-        """other_cpu as a fraction of the machine's capacity (cores x timed seconds)."""
-        if self.other_cpu is None or self.seconds <= 0:
-            return None
-        return max(self.other_cpu, 0.0) / (self.seconds * NCPU)
 
     @property
     def ok(self) -> bool:
@@ -165,19 +160,36 @@ class Result:
     def mb_per_s(self) -> Optional[float]:
         return self.nbytes / self.seconds / 1e6 if self.ok else None
 
+    @property
+    def other_cpu_frac(self) -> Optional[float]:
+        """other_cpu as a share of the machine (cores x timed seconds)."""
+        if self.other_cpu is None or self.seconds <= 0:
+            return None
+        return max(self.other_cpu, 0.0) / (self.seconds * NCPU)
+
+    def add_note(self, text: str) -> None:
+        self.note = f"{self.note}; {text}" if self.note else text
+
     def as_json(self) -> Dict[str, Any]:
         return {
             "case": self.case, "pipeline": self.pipeline, "seqs": self.seqs, "bytes": self.nbytes,
             "seconds": round(self.seconds, 6), "epoch_seconds": [round(s, 6) for s in self.epoch_seconds],
             "warmup_seconds": None if self.warmup_seconds is None else round(self.warmup_seconds, 6),
             "seqs_per_s": self.seqs_per_s, "mb_per_s": self.mb_per_s,
-            "error": self.error, "note": self.note, "check": self.check,
+            "best_epoch_seqs_per_s": (self.seqs / len(self.epoch_seconds) / min(self.epoch_seconds)
+                                      if self.ok else None),
             "other_cpu_core_seconds": None if self.other_cpu is None else round(self.other_cpu, 3),
             "other_cpu_fraction": self.other_cpu_frac,
+            "error": self.error, "note": self.note, "check": self.check,
         }
 
 
-OTHER_CPU_WARN = 0.10  # warn when others used more than this share of the machine during timing
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def array_bytes(seq: Dict[str, Any]) -> int:
+    return sum(v.nbytes for v in seq.values() if isinstance(v, np.ndarray))
 
 
 # ---- CPU accounting: is anything else running on the machine? ----------------------------
@@ -191,22 +203,19 @@ def _stat_fields(pid: str) -> Optional[List[str]]:
 
 
 def own_cpu_seconds() -> float:
-    """CPU time of this process and all its live descendants, including their reaped children."""
+    """CPU time of this process and its live descendants, including their reaped children."""
     parent: Dict[str, str] = {}
     cpu: Dict[str, int] = {}
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        f = _stat_fields(pid)
-        if f is None:
-            continue
-        parent[pid] = f[1]
-        cpu[pid] = int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # utime stime cutime cstime
-    me = str(os.getpid())
-    total, todo = 0, [me]
+        if pid.isdigit():
+            f = _stat_fields(pid)
+            if f is not None:
+                parent[pid] = f[1]
+                cpu[pid] = int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # utime stime cutime cstime
     children: Dict[str, List[str]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [str(os.getpid())]
     while todo:
         pid = todo.pop()
         total += cpu.get(pid, 0)
@@ -215,12 +224,11 @@ def own_cpu_seconds() -> float:
 
 
 def machine_cpu_seconds() -> float:
-    """Busy plus stolen CPU time of the whole machine, summed over cores."""
+    """Busy plus stolen CPU time of the whole machine, summed over its cores."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     # user nice system idle iowait irq softirq steal ...
-    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_sample() -> Optional[Tuple[float, float]]:
@@ -230,127 +238,156 @@ def cpu_sample() -> Optional[Tuple[float, float]]:
         return None
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def array_bytes(seq: Dict[str, Any]) -> int:
-    return sum(v.nbytes for v in seq.values() if isinstance(v, np.ndarray))
-
-
-# ---- the epoch loop shared by all pipelines ---------------------------------------------
-
-EpochFn = Callable[[int], Tuple[int, int, Any, Any]]  # epoch -> (seqs, bytes, first seq, last seq)
-
-
-def measure(res: Result, one_epoch: EpochFn, *, timed_epochs: int, expect: int) -> Tuple[Any, Any]:
-    """Warm-up epoch 1, then timed epochs 2..; returns first/last seq of the last timed epoch."""
-    t0 = time.perf_counter()
-    n, _, _, _ = one_epoch(1)
-    res.warmup_seconds = time.perf_counter() - t0
-    if n != expect:
-        raise RuntimeError(f"warm-up epoch delivered {n} seqs, expected {expect}")
-    first = last = None
-    for epoch in range(2, 2 + timed_epochs):
-        before = cpu_sample()
-        t0 = time.perf_counter()
-        n, nbytes, first, last = one_epoch(epoch)
-        dt = time.perf_counter() - t0
-        after = cpu_sample()
-        if before is None or after is None or res.other_cpu is None:
-            res.other_cpu = None
-        else:
-            res.other_cpu += (after[0] - before[0]) - (after[1] - before[1])
-        if n != expect:
-            raise RuntimeError(f"epoch {epoch} delivered {n} seqs, expected {expect}")
-        res.seqs += n
-        res.nbytes += nbytes
-        res.seconds += dt
-        res.epoch_seconds.append(dt)
-        log(f"  {res.pipeline:<10} epoch {epoch}: {n} seqs in {dt:.3f} s ({n / dt:.0f} seqs/s, "
-            f"{nbytes / dt / 1e6:.1f} MB/s)")
-    return first, last
-
-
 # ---- pipelines --------------------------------------------------------------------------
+#
+# start() brings a pipeline up, epoch(e) delivers epoch e to the consumer and returns
+# (seqs, array bytes, first seq, last seq), close() tears it down (idempotent).
 
-def run_in_process(res: Result, config: str, seqs: List[Dict[str, np.ndarray]], timed_epochs: int):
-    from ppserver.apply import apply_map_seq
-    from ppserver.config import load_config
-    from ppserver.datasets import NumpyDataset
 
-    cfg = load_config(config)
-    dataset = NumpyDataset(seqs=seqs)  # the arrays the server reads from the same npz
-    templates = cfg.map_outputs or dataset.data_keys()
+class InProcess:
+    name = "in-process"
 
-    def one_epoch(epoch: int):
-        dataset.init_seq_order(epoch)
+    def __init__(self, config: str, seqs: List[Dict[str, np.ndarray]]):
+        self.config = config
+        self.seqs = seqs
+
+    def start(self) -> None:
+        from ppserver.apply import apply_map_seq
+        from ppserver.config import load_config
+        from ppserver.datasets import NumpyDataset
+
+        self.apply = apply_map_seq
+        self.cfg = load_config(self.config)
+        self.dataset = NumpyDataset(seqs=self.seqs)  # the arrays the server reads from the same npz
+        self.templates = self.cfg.map_outputs or self.dataset.data_keys()
+
+    def epoch(self, epoch: int):
+        ds, apply, map_seq, seed, templates = self.dataset, self.apply, self.cfg.map_seq, self.cfg.seed, self.templates
+        ds.init_seq_order(epoch)
         n = nbytes = 0
         first = out = None
-        for pos in range(dataset.num_seqs):
-            out = apply_map_seq(cfg.map_seq, dataset.get_seq(pos), epoch=epoch, seed=cfg.seed, templates=templates)
+        for pos in range(ds.num_seqs):
+            out = apply(map_seq, ds.get_seq(pos), epoch=epoch, seed=seed, templates=templates)
             nbytes += array_bytes(out)
             n += 1
             if first is None:
                 first = out
         return n, nbytes, first, out
 
-    return measure(res, one_epoch, timed_epochs=timed_epochs, expect=len(seqs))
+    def close(self) -> Optional[str]:
+        self.dataset = None
+        return None
 
 
-def stop_server(proc: subprocess.Popen) -> Optional[int]:
-    """SIGTERM, wait up to 10 s, then SIGKILL; always reaps. Returns the exit code."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            log(f"  ppserver pid {proc.pid} ignored SIGTERM for 10 s; killing it")
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
-    return proc.returncode
+class PPServer:
+    name = "ppserver"
+
+    def __init__(self, config: str, workers: int, log_path: str):
+        self.config = config
+        self.workers = workers
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.client = None
+
+    def start(self) -> None:
+        from ppclient import Client
+        from ppserver.cli import wait_ready
+
+        argv = [sys.executable, "-m", "ppserver", "serve", self.config, "--bind", "tcp://127.0.0.1:0",
+                "--workers", str(self.workers)]
+        with open(self.log_path, "w") as server_log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=server_log, text=True)
+        address = wait_ready(self.proc, timeout=60)
+        self.client = Client(address, timeout=60)
+
+    def epoch(self, epoch: int):
+        n = nbytes = 0
+        first = seq = None
+        for seq in self.client.epoch(epoch):
+            nbytes += array_bytes(seq)
+            n += 1
+            if first is None:
+                first = seq
+        return n, nbytes, first, seq
+
+    def close(self) -> Optional[str]:
+        """Stop the server: SIGTERM, SIGKILL after 10 s, always reaped. Returns a note or None."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log(f"  ppserver pid {proc.pid} ignored SIGTERM for 10 s; killing it")
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if proc.returncode != 0:
+            return f"ppserver serve exited with code {proc.returncode}"
+        return None
 
 
-def tail(path: str, lines: int = 25) -> str:
-    try:
-        with open(path, "r", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
+class Returnn:
+    name = "RETURNN"
 
+    def __init__(self, burn: bool, seqs: List[Dict[str, np.ndarray]], workers: int):
+        self.burn = burn
+        self.seqs = seqs
+        self.workers = workers
+        self.ds = None
+        self.procs: List[Any] = []
 
-def run_ppserver(res: Result, config: str, n_seqs: int, timed_epochs: int, workers: int, log_path: str):
-    from ppclient import Client
-    from ppserver.cli import wait_ready
+    def start(self) -> None:
+        from returnn.datasets.postprocessing import PostprocessingDataset
 
-    argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0",
-            "--workers", str(workers)]
-    with open(log_path, "w") as server_log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=server_log, text=True)
-    try:
-        address = wait_ready(proc, timeout=60)
-        with Client(address, timeout=60) as client:
-            def one_epoch(epoch: int):
-                n = nbytes = 0
-                first = seq = None
-                for seq in client.epoch(epoch):
-                    nbytes += array_bytes(seq)
-                    n += 1
-                    if first is None:
-                        first = seq
-                return n, nbytes, first, seq
+        self.ds = PostprocessingDataset(
+            dataset={"class": "StaticDataset", "data": self.seqs},
+            map_seq=returnn_burn_double if self.burn else returnn_double,
+            num_workers=self.workers,
+            buf_size=BUF_SIZE,
+        )
+        self.ds.initialize()
+        self.keys = self.ds.get_data_keys()
 
-            return measure(res, one_epoch, timed_epochs=timed_epochs, expect=n_seqs)
-    finally:
-        rc = stop_server(proc)
-        if rc not in (0, None):
-            note = f"ppserver serve exit code {rc} (its log tail is printed on stderr on errors)"
-            res.note = f"{res.note}; {note}" if res.note else note
+    def epoch(self, epoch: int):
+        ds, keys = self.ds, self.keys
+        ds.init_seq_order(epoch=epoch)  # the first call spawns the worker processes
+        if not self.procs:
+            self.procs = [wp.worker_proc for wp in (getattr(ds, "_worker_procs", None) or [])]
+        n = nbytes = 0
+        first = last = None
+        while ds.is_less_than_num_seqs(n):
+            ds.load_seqs(n, n + 1)
+            last = {k: ds.get_data(n, k) for k in keys}
+            nbytes += array_bytes(last)
+            if first is None:
+                first = last
+            n += 1
+        return n, nbytes, first, last
+
+    def close(self) -> Optional[str]:
+        ds, self.ds = self.ds, None
+        note = None
+        if ds is not None:
+            try:
+                ds.finish_epoch(free_resources=True)  # stops the feeder thread, joins the workers
+            except Exception as exc:
+                note = f"finish_epoch failed: {type(exc).__name__}: {exc}"
+        for p in self.procs:  # only if finish_epoch could not stop them
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        self.procs = []
+        return note
 
 
 def returnn_version() -> Tuple[Optional[str], Optional[str]]:
@@ -363,51 +400,10 @@ def returnn_version() -> Tuple[Optional[str], Optional[str]]:
     return str(getattr(returnn, "__version__", "?")), None
 
 
-def run_returnn(res: Result, case: Case, seqs: List[Dict[str, np.ndarray]], timed_epochs: int, workers: int):
-    from returnn.datasets.postprocessing import PostprocessingDataset
-
-    ds = PostprocessingDataset(
-        dataset={"class": "StaticDataset", "data": seqs},
-        map_seq=returnn_burn_double if case.burn else returnn_double,
-        num_workers=workers,
-        buf_size=BUF_SIZE,
-    )
-    ds.initialize()
-    keys = ds.get_data_keys()
-    procs: List[Any] = []
-    try:
-        def one_epoch(epoch: int):
-            ds.init_seq_order(epoch=epoch)
-            if not procs:
-                procs.extend(wp.worker_proc for wp in (getattr(ds, "_worker_procs", None) or []))
-            n = nbytes = 0
-            first = last = None
-            while ds.is_less_than_num_seqs(n):
-                ds.load_seqs(n, n + 1)
-                last = {k: ds.get_data(n, k) for k in keys}
-                nbytes += array_bytes(last)
-                if first is None:
-                    first = last
-                n += 1
-            return n, nbytes, first, last
-
-        return measure(res, one_epoch, timed_epochs=timed_epochs, expect=len(seqs))
-    finally:
-        try:
-            ds.finish_epoch(free_resources=True)  # stops the feeder thread, joins the workers
-        except Exception as exc:
-            log(f"  RETURNN finish_epoch failed: {type(exc).__name__}: {exc}")
-        for p in procs:  # only if finish_epoch could not stop them
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        del ds
-
-
 # ---- correctness ------------------------------------------------------------------------
 
 def compare(got: Dict[str, Any], want: Dict[str, Any], *, meta: bool) -> Optional[str]:
-    """None if equal, else what differs. Arrays by numpy.array_equal (and dtype)."""
+    """None if equal, else what differs. Arrays by numpy.array_equal plus dtype and shape."""
     want_arrays = {k for k, v in want.items() if isinstance(v, np.ndarray)}
     got_arrays = {k for k, v in got.items() if isinstance(v, np.ndarray)}
     if want_arrays != got_arrays:
@@ -423,9 +419,7 @@ def compare(got: Dict[str, Any], want: Dict[str, Any], *, meta: bool) -> Optiona
     return None
 
 
-def check(res: Result, got: Tuple[Any, Any], ref: Optional[Tuple[Any, Any]], *, meta: bool) -> None:
-    if ref is None or got[0] is None:
-        return
+def check(res: Result, got: Tuple[Any, Any], ref: Tuple[Any, Any], *, meta: bool) -> None:
     problems = []
     for which, g, w in (("first", got[0], ref[0]), ("last", got[1], ref[1])):
         diff = compare(g, w, meta=meta)
@@ -445,47 +439,102 @@ def make_data(case: Case, n: int, path: str) -> List[Dict[str, np.ndarray]]:
     return seqs
 
 
+def tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, "r", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Result]:
     n = case.seqs_quick if args.quick else case.seqs_full
-    log(f"case ({case.key}) {case.title}: {n} seqs x {case.seq_bytes / 1e6:.3f} MB, "
+    log(f"case ({case.key}) {case.title}: {n} seqs x {case.seq_bytes / 1e6:.3f} MB; "
         f"1 warm-up + {args.epochs} timed epochs per pipeline")
     npz = os.path.join(tmpdir, f"case_{case.key}.npz")
     seqs = make_data(case, n, npz)
     config = os.path.join(tmpdir, f"config_{case.key}.py")
-    template = CONFIG_BURN if case.burn else CONFIG_DOUBLE
     with open(config, "w") as f:
-        f.write(template.format(path=npz, buf_size=BUF_SIZE, workers=args.workers, burn=BURN_SECONDS))
+        f.write((CONFIG_BURN if case.burn else CONFIG_DOUBLE).format(
+            path=npz, buf_size=BUF_SIZE, workers=args.workers, burn=BURN_SECONDS))
+    server_log = os.path.join(tmpdir, f"server_{case.key}.log")
 
     results = {p: Result(case.key, p) for p in PIPELINES}
-
-    def attempt(res: Result, fn: Callable[[], Tuple[Any, Any]]) -> Optional[Tuple[Any, Any]]:
-        log(f"  {res.pipeline} ...")
-        try:
-            return fn()
-        except Exception as exc:
-            res.error = f"{type(exc).__name__}: {exc}"
-            log(f"  {res.pipeline} failed: {res.error}")
-            traceback.print_exc(file=sys.stderr)
-            return None
-
-    ref = attempt(results["in-process"], lambda: run_in_process(results["in-process"], config, seqs, args.epochs))
-
-    server_log = os.path.join(tmpdir, f"server_{case.key}.log")
-    got = attempt(results["ppserver"], lambda: run_ppserver(results["ppserver"], config, n, args.epochs,
-                                                           args.workers, server_log))
-    if results["ppserver"].error or results["ppserver"].note:
-        log(f"  last lines of the server log {server_log}:\n{tail(server_log)}")
-    if got is not None:
-        check(results["ppserver"], got, ref, meta=True)
-
+    pipes = [InProcess(config, seqs), PPServer(config, args.workers, server_log)]
     if rt_reason is None:
-        got = attempt(results["RETURNN"], lambda: run_returnn(results["RETURNN"], case, seqs, args.epochs,
-                                                             args.workers))
-        if got is not None:
-            check(results["RETURNN"], got, ref, meta=False)
+        pipes.append(Returnn(case.burn, seqs, args.workers))
     else:
         results["RETURNN"].error = "skipped (returnn not importable)"
-    del seqs
+
+    def fail(pipe, exc: BaseException) -> None:
+        res = results[pipe.name]
+        res.error = f"{type(exc).__name__}: {exc}".strip()
+        log(f"  {pipe.name} failed: {res.error}")
+        traceback.print_exc(file=sys.stderr)
+        shut(pipe)
+        if pipe.name == "ppserver":
+            log(f"  last lines of the server log:\n{tail(server_log)}")
+
+    def shut(pipe) -> None:
+        if pipe in live:
+            live.remove(pipe)
+            note = pipe.close()
+            if note:
+                results[pipe.name].add_note(note)
+
+    live: List[Any] = []
+    last: Dict[str, Tuple[Any, Any]] = {}
+    try:
+        for pipe in pipes:  # start + warm-up epoch, one pipeline after the other
+            res = results[pipe.name]
+            live.append(pipe)
+            try:
+                t0 = time.perf_counter()
+                pipe.start()
+                got_n = pipe.epoch(1)[0]
+                res.warmup_seconds = time.perf_counter() - t0
+                if got_n != n:
+                    raise RuntimeError(f"warm-up epoch delivered {got_n} seqs, expected {n}")
+                log(f"  {pipe.name:<10} started, warm-up epoch 1 done ({res.warmup_seconds:.2f} s with start-up)")
+            except Exception as exc:
+                fail(pipe, exc)
+        for k, epoch in enumerate(range(2, 2 + args.epochs)):
+            order = live[k % len(live):] + live[: k % len(live)] if live else []
+            for pipe in order:
+                res = results[pipe.name]
+                try:
+                    before = cpu_sample()
+                    t0 = time.perf_counter()
+                    got_n, nbytes, first, lst = pipe.epoch(epoch)
+                    dt = time.perf_counter() - t0
+                    after = cpu_sample()
+                    if got_n != n:
+                        raise RuntimeError(f"epoch {epoch} delivered {got_n} seqs, expected {n}")
+                except Exception as exc:
+                    fail(pipe, exc)
+                    continue
+                res.seqs += got_n
+                res.nbytes += nbytes
+                res.seconds += dt
+                res.epoch_seconds.append(dt)
+                if before is None or after is None or res.other_cpu is None:
+                    res.other_cpu = None
+                else:
+                    res.other_cpu += (after[0] - before[0]) - (after[1] - before[1])
+                last[pipe.name] = (first, lst)
+                log(f"  {pipe.name:<10} epoch {epoch}: {got_n} seqs in {dt:.3f} s "
+                    f"({got_n / dt:.0f} seqs/s, {nbytes / dt / 1e6:.1f} MB/s)")
+    finally:
+        for pipe in list(live):
+            shut(pipe)
+    if results["ppserver"].note and not results["ppserver"].error:
+        log(f"  ppserver: {results['ppserver'].note}; last lines of the server log:\n{tail(server_log)}")
+
+    ref = last.get("in-process")
+    if ref is not None:
+        for name, meta in (("ppserver", True), ("RETURNN", False)):
+            if name in last and results[name].ok:
+                check(results[name], last[name], ref, meta=meta)
     return [results[p] for p in PIPELINES]
 
 
@@ -532,7 +581,9 @@ def target_verdicts(rows: List[Result], rt_reason: Optional[str]) -> List[Dict[s
 def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     r = ratios(rows)
     cols = ["case", "pipeline", "seqs/s", "MB/s", "pp/RT seqs/s", "pp/RT MB/s", "pp/in-proc", "other CPU", "check"]
+    right = {2, 3, 4, 5, 6, 7}
     table = []
+    notes = []
     for res in rows:
         is_pp = res.pipeline == "ppserver"
         rr = r[res.case]
@@ -541,8 +592,10 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
         else:
             status = res.error or "-"
             if len(status) > 60:
+                notes.append(f"  {res.case}/{res.pipeline}: {status}")
                 status = status[:57] + "..."
-                res.note = f"{res.note}; {res.error}" if res.note else res.error
+        if res.note:
+            notes.append(f"  {res.case}/{res.pipeline}: {res.note}")
         table.append([
             res.case, res.pipeline, fmt(res.seqs_per_s, ".0f"), fmt(res.mb_per_s, ".1f"),
             fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
@@ -551,8 +604,7 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
             fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%") if res.ok else "",
             status,
         ])
-    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
-    right = {2, 3, 4, 5, 6, 7}
+    widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
 
     def line(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -563,29 +615,29 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     print()
     print(line(cols).rstrip())
     print("  ".join("-" * w for w in widths))
-    last_case = None
+    prev = None
     for res, row in zip(rows, table):
-        if last_case is not None and res.case != last_case:
+        if prev is not None and res.case != prev:
             print()
-        last_case = res.case
+        prev = res.case
         print(line(row).rstrip())
     print()
-    print("ratios are ppserver over RETURNN (RT) and over the in-process loop, from the same run;")
-    print("MB/s counts the array bytes handed to the consumer; check = first and last seq of the last")
-    print("timed epoch equal the in-process result (numpy.array_equal; for ppserver also tag/idx/frac);")
-    print(f"other CPU = CPU used outside this benchmark during its timed epochs (other processes, VM steal),")
-    print(f"as a share of the machine ({NCPU} cores x timed seconds)")
-    busy = [r for r in rows if r.ok and (r.other_cpu_frac or 0) > OTHER_CPU_WARN]
+    print("seqs/s, MB/s: totals over the timed epochs; MB = array bytes handed to the consumer (1e6 B)")
+    print("pp/RT, pp/in-proc: ppserver over RETURNN and over the in-process loop, same run")
+    print("other CPU: CPU used outside this benchmark during its timed epochs (other processes, VM steal)")
+    print(f"           as a share of the machine ({NCPU} cores x timed seconds)")
+    print("check: first and last seq of the last timed epoch equal the in-process result")
+    print("       (numpy.array_equal, dtype, shape; for ppserver also seq_tag, seq_idx, complete_frac)")
+    busy = [res for res in rows if res.ok and (res.other_cpu_frac or 0) > OTHER_CPU_WARN]
     if busy:
         print()
         print(f"WARNING: other processes used more than {OTHER_CPU_WARN:.0%} of the machine during "
-              + ", ".join(f"{r.case}/{r.pipeline}" for r in busy) + "; those numbers are not reliable.")
+              + ", ".join(f"{res.case}/{res.pipeline}" for res in busy) + "; those numbers are not reliable.")
     print()
     print("targets:")
     for v in verdicts:
         shown = "" if v["ratio"] is None else f"{v['ratio']:.2f}x  "
-        print(f"  {v['target']:<40} {shown}{v['verdict']}")
-    notes = [f"  {res.case}/{res.pipeline}: {res.note}" for res in rows if res.note]
+        print(f"  {v['target']:<36} {shown}{v['verdict']}")
     if notes:
         print()
         print("notes:")
@@ -596,10 +648,10 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="ppserver throughput vs an in-process loop and RETURNN "
                                 "PostprocessingDataset (see bench/README.md)")
-    p.add_argument("--quick", action="store_true", help="fewer seqs per case (a smoke run, ~1/5 of the data)")
+    p.add_argument("--quick", action="store_true", help="about 1/5 of the seqs per case and 1 timed epoch")
     p.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c (default %(default)s)")
     p.add_argument("--epochs", type=int, default=None,
-                   help="timed epochs per pipeline after the warm-up epoch (default 2, 1 with --quick)")
+                   help="timed epochs per pipeline after the warm-up epoch (default 3, 1 with --quick)")
     p.add_argument("--workers", type=int, default=2,
                    help="ppserver --workers and RETURNN num_workers (default %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
@@ -612,21 +664,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--cases: unknown case(s) {bad or keys!r}; choose from {','.join(CASES)}")
     keys = list(dict.fromkeys(keys))
     if args.epochs is None:
-        args.epochs = 1 if args.quick else 2
+        args.epochs = 1 if args.quick else 3
     if args.epochs < 1 or args.workers < 1:
         p.error("--epochs and --workers must be >= 1")
 
     rt_version, rt_reason = returnn_version()
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
     header = [
         f"command:   {command}",
-        f"machine:   nproc {affinity if affinity is not None else os.cpu_count()} "
-        f"(cpu_count {os.cpu_count()}), {platform.machine()}, {platform.system()} {platform.release()}",
+        f"machine:   nproc {NCPU} (cpu_count {os.cpu_count()}), {platform.machine()}, "
+        f"{platform.system()} {platform.release()}",
         f"software:  python {platform.python_version()}, numpy {np.__version__}, "
         f"RETURNN {rt_version if rt_version else 'not available: ' + str(rt_reason)}",
         f"load avg:  {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min, before the run)",
-        f"setup:     {args.workers} workers, buf_size {BUF_SIZE}, 1 warm-up + {args.epochs} timed epochs; "
+        f"setup:     {args.workers} workers, buf_size {BUF_SIZE}, 1 warm-up + {args.epochs} timed epochs "
+        "(round-robin over the pipelines); "
         + "; ".join(f"({c}) {CASES[c].seqs_quick if args.quick else CASES[c].seqs_full} seqs" for c in keys),
     ]
     if rt_reason:
@@ -652,7 +704,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         doc = {
             "command": command,
-            "machine": {"nproc": affinity, "cpu_count": os.cpu_count(), "arch": platform.machine(),
+            "machine": {"nproc": NCPU, "cpu_count": os.cpu_count(), "arch": platform.machine(),
                         "python": platform.python_version(), "numpy": np.__version__,
                         "returnn": rt_version, "returnn_skipped": rt_reason},
             "settings": {"workers": args.workers, "buf_size": BUF_SIZE, "timed_epochs": args.epochs,

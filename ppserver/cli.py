@@ -191,6 +191,8 @@ def _keygen(args) -> int:
 def _demo(args) -> int:
     from ppclient import Client
 
+    from .supervisor import stop_process
+
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_config.py")
     proc = subprocess.Popen([sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
                             stdout=subprocess.PIPE, text=True)
@@ -219,12 +221,7 @@ def _demo(args) -> int:
         print("demo: done", flush=True)
         return 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float) -> str:

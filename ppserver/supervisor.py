@@ -109,6 +109,17 @@ class ProcessPool:
         self.procs = [None] * self.n
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, wait up to timeout, then SIGKILL; the process is always reaped."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _describe(rc: int) -> str:
     if rc < 0:
         try:

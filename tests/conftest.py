@@ -9,13 +9,15 @@ import sys
 import textwrap
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import numpy as np
 import pytest
 
+from netns import children_of, wait_for, wait_gone  # noqa: F401  (re-exported to the tests)
 from ppclient import Client
 from ppserver.cli import wait_ready
+from ppserver.supervisor import stop_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,46 +27,6 @@ def write_config(tmp_path, body: str, name: str = "config.py") -> str:
     with open(path, "w") as f:
         f.write(textwrap.dedent(body))
     return path
-
-
-def children_of(pid: int) -> List[int]:
-    """Direct and indirect child pids of pid, read from /proc."""
-    parents: Dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents[int(entry)] = int(fields[1])
-        except (OSError, IndexError):
-            continue
-    out, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out.extend(kids)
-        frontier.extend(kids)
-    return out
-
-
-def wait_gone(pids: List[int], timeout: float) -> List[int]:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
-        if alive:
-            time.sleep(0.05)
-    return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class ServerProc:
@@ -118,18 +80,17 @@ def run_server(config: str, *, workers: Optional[int] = None, extra: Optional[Li
         kids = children_of(proc.pid)
         yield server
     finally:
-        kids = sorted(set(kids + (children_of(proc.pid) if proc.poll() is None else [])))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for pid in wait_gone(kids, 5.0):
-            os.kill(pid, signal.SIGKILL)
-        if log_file is not None:
-            log_file.close()
+        _reap(proc, kids, log_file)
+
+
+def _reap(proc: subprocess.Popen, kids: List[int], log_file) -> None:
+    """Stop a started process and every child it had; nothing outlives the test."""
+    kids = sorted(set(kids + (children_of(proc.pid) if proc.poll() is None else [])))
+    stop_process(proc, timeout=10)
+    for pid in wait_gone(kids, 5.0):
+        os.kill(pid, signal.SIGKILL)
+    if log_file is not None:
+        log_file.close()
 
 
 def collect(it) -> List[dict]:
@@ -204,18 +165,7 @@ def run_worker_host(config: str, connect: str, *, procs: int = 2, extra: Optiona
     try:
         yield proc
     finally:
-        kids = children_of(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for pid in wait_gone(kids, 5.0):
-            os.kill(pid, signal.SIGKILL)
-        if log_file is not None:
-            log_file.close()
+        _reap(proc, [], log_file)
 
 
 def read(path: str) -> str:

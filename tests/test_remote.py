@@ -28,6 +28,7 @@ from conftest import (
     reference,
     run_server,
     run_worker_host,
+    wait_for,
 )
 
 SLOW = """
@@ -38,16 +39,6 @@ def map_seq(seq, *, rng, **kwargs):
     return seq
 """
 FAST_HB = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.5\n"
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_worker_host_joins_mid_epoch_and_leaves_on_sigterm(tmp_path):
