@@ -46,6 +46,7 @@ BURN_SECONDS = 0.002  # CPU time (of the calling thread) case (c) burns per seq
 BUF_SIZE = 10
 NCPU = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 OTHER_CPU_WARN = 0.10  # warn when other processes used more than this share of the machine
+MIN_ACCOUNTED_SECONDS = 0.5  # shorter timings are too coarse for /proc's CPU ticks
 
 
 def burn_cpu(seconds: float) -> None:
@@ -390,6 +391,27 @@ class Returnn:
         return note
 
 
+def ppserver_version() -> str:
+    """ppserver's version, plus the git commit of its source tree when there is one (read-only git calls)."""
+    try:
+        from importlib.metadata import version
+        text = f"ppserver {version('ppserver')}"
+    except Exception:
+        text = "ppserver ?"
+    import ppserver
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ppserver.__file__)))
+    try:
+        sha = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no", "--",
+                                "ppserver", "client"], capture_output=True, text=True, timeout=10)
+        if sha.returncode == 0:
+            text += f" (git {sha.stdout.strip()}{', modified' if dirty.stdout.strip() else ''})"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return text
+
+
 def returnn_version() -> Tuple[Optional[str], Optional[str]]:
     """(version, None) if RETURNN's PostprocessingDataset imports, else (None, reason)."""
     try:
@@ -601,7 +623,8 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
             fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
             fmt(rr["pp_over_returnn_mb"], ".2f", "x") if is_pp else "",
             fmt(rr["pp_over_inprocess_seqs"], ".2f", "x") if is_pp else "",
-            fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%") if res.ok else "",
+            fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%")
+            if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS else "",
             status,
         ])
     widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
@@ -625,10 +648,12 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     print("seqs/s, MB/s: totals over the timed epochs; MB = array bytes handed to the consumer (1e6 B)")
     print("pp/RT, pp/in-proc: ppserver over RETURNN and over the in-process loop, same run")
     print("other CPU: CPU used outside this benchmark during its timed epochs (other processes, VM steal)")
-    print(f"           as a share of the machine ({NCPU} cores x timed seconds)")
+    print(f"           as a share of the machine ({NCPU} cores x timed seconds); blank when the timed epochs")
+    print(f"           took under {MIN_ACCOUNTED_SECONDS:g} s, too short for /proc's 10 ms ticks")
     print("check: first and last seq of the last timed epoch equal the in-process result")
     print("       (numpy.array_equal, dtype, shape; for ppserver also seq_tag, seq_idx, complete_frac)")
-    busy = [res for res in rows if res.ok and (res.other_cpu_frac or 0) > OTHER_CPU_WARN]
+    busy = [res for res in rows
+            if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS and (res.other_cpu_frac or 0) > OTHER_CPU_WARN]
     if busy:
         print()
         print(f"WARNING: other processes used more than {OTHER_CPU_WARN:.0%} of the machine during "
@@ -669,12 +694,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--epochs and --workers must be >= 1")
 
     rt_version, rt_reason = returnn_version()
+    pp_version = ppserver_version()
     command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
     header = [
         f"command:   {command}",
         f"machine:   nproc {NCPU} (cpu_count {os.cpu_count()}), {platform.machine()}, "
         f"{platform.system()} {platform.release()}",
-        f"software:  python {platform.python_version()}, numpy {np.__version__}, "
+        f"software:  {pp_version}, python {platform.python_version()}, numpy {np.__version__}, "
         f"RETURNN {rt_version if rt_version else 'not available: ' + str(rt_reason)}",
         f"load avg:  {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min, before the run)",
         f"setup:     {args.workers} workers, buf_size {BUF_SIZE}, 1 warm-up + {args.epochs} timed epochs "
@@ -704,6 +730,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         doc = {
             "command": command,
+            "ppserver": pp_version,
             "machine": {"nproc": NCPU, "cpu_count": os.cpu_count(), "arch": platform.machine(),
                         "python": platform.python_version(), "numpy": np.__version__,
                         "returnn": rt_version, "returnn_skipped": rt_reason},

@@ -20,7 +20,7 @@ log = logging.getLogger("ppserver.feeder")
 
 SEND_TIMEO_MS = 10
 MAX_BATCH = 16
-MAX_BATCH_BYTES = 4 << 20
+MAX_BATCH_BYTES = 1 << 20
 
 
 class Feeder(threading.Thread):
@@ -55,7 +55,7 @@ class Feeder(threading.Thread):
                     seq = self.dataset.get_seq(pos)
                 item = wire.seq_to_item(seq, i=pos)
                 batch.append(item)
-                nbytes += sum(b.nbytes if hasattr(b, "nbytes") else len(b) for b in item[1])
+                nbytes += sum(map(wire.nbytes, item[1]))
                 # Adaptive batching: send as soon as the loop has room; while it is busy,
                 # gather seqs so one message carries several (fewer wake-ups per seq).
                 if len(batch) >= MAX_BATCH or nbytes >= MAX_BATCH_BYTES or sock.poll(0, zmq.POLLOUT):

@@ -33,6 +33,7 @@ log = logging.getLogger("ppserver.scheduler")
 
 CLIENT_WINDOW_SLACK = 8
 MAX_DISPATCH_BATCH = 16
+DISPATCH_BYTES = 512 * 1024
 
 Item = Tuple[Dict[str, Any], List[Any]]  # (item header: i, meta, arrays; its buffer frames)
 
@@ -454,7 +455,7 @@ class Scheduler:
         self.client_batch.append(({"i": run.delivered, "meta": meta, "arrays": header.get("arrays", [])}, bufs))
         run.delivered += 1
         run.client_credit -= 1
-        run.delivered_bytes += sum(len(b) for b in bufs)
+        run.delivered_bytes += sum(map(wire.nbytes, bufs))
         self.total_delivered += 1
 
     def _finish(self) -> None:
@@ -478,19 +479,24 @@ class Scheduler:
             self._deliver_stream()
             self._flush_client()
             return
-        # dispatch: lowest positions first, to the worker with the most free credit, in batches
+        # dispatch: lowest positions first, to the worker with the most free credit, in chunks of
+        # half a worker's credit (or DISPATCH_BYTES), so consecutive seqs spread over the workers
+        # and results come back close to delivery order.
+        chunk = max(1, min(self.buf_size // 2, MAX_DISPATCH_BATCH))
         while run.todo:
             w = max(self.workers.values(), key=lambda w: w.free(), default=None)
             if w is None or w.free() <= 0:
                 break
             batch: List[Item] = []
-            while run.todo and len(batch) < min(w.free(), MAX_DISPATCH_BATCH):
+            nbytes = 0
+            while run.todo and len(batch) < min(w.free(), chunk) and nbytes < DISPATCH_BYTES:
                 pos = heapq.heappop(run.todo)
                 item = run.pending.get(pos)
                 if item is None or pos in run.inflight:
                     continue
                 run.inflight[pos] = w.wid
                 batch.append(item)
+                nbytes += sum(map(wire.nbytes, item[1]))
             if batch:
                 w.inflight.update(item[0]["i"] for item in batch)
                 self.outbox.append(("worker", w.wid, wire.pack_batch({"t": "in", "run": run.run}, batch)))

@@ -31,7 +31,7 @@ import zmq
 from ppclient import wire
 
 from . import security
-from .apply import MappingError, apply_map_seq, run_stream
+from .apply import MappingError, apply_map_seq, run_stream, writable
 from .config import Config, load_config
 from .errors import ConfigError
 from .supervisor import EXIT_REFUSED, set_process_title
@@ -41,6 +41,7 @@ log = logging.getLogger("ppserver.worker")
 BACKOFF_START = 0.25
 BACKOFF_MAX = 4.0
 POLL_MS = 50
+FLUSH_BYTES = 512 * 1024  # large seqs gain nothing from batching; small ones gain a lot
 
 
 class Interrupted(Exception):
@@ -121,6 +122,7 @@ class Worker:
         self.done = 0
         self.epoch: Optional[int] = None
         self.results: List[Any] = []
+        self.results_bytes = 0
         self.messages_in = self.messages_out = 0
         self.flush_every = max(1, min(cfg.buf_size // 2, 16))
         self.check_tags = False
@@ -296,7 +298,7 @@ class Worker:
             if part is None:
                 return
             if t == "sin":
-                part.inputs.extend(_writable(wire.item_to_seq(*item)) for item in wire.unpack_batch(header, bufs))
+                part.inputs.extend(writable(wire.item_to_seq(*item)) for item in wire.unpack_batch(header, bufs))
             elif t == "seof":
                 part.eof = True
             else:
@@ -312,6 +314,7 @@ class Worker:
             self.sock.send_multipart(wire.pack_batch({"t": "result", "run": self.run_id}, self.results), copy=False)
             self.messages_out += 1
             self.results = []
+            self.results_bytes = 0
 
     def _fail(self, header: Dict[str, Any], exc: BaseException, seq_tag: Optional[str]) -> None:
         if isinstance(exc, MappingError):
@@ -327,7 +330,7 @@ class Worker:
     # ---- map_seq ----------------------------------------------------------------------
     def _run_task(self, task) -> None:
         item, bufs = task
-        seq = _writable(wire.item_to_seq(item, bufs))
+        seq = writable(wire.item_to_seq(item, bufs))
         try:
             out = apply_map_seq(
                 self.cfg.map_seq, seq, epoch=self.epoch, seed=self.cfg.seed, templates=self.templates,
@@ -342,7 +345,8 @@ class Worker:
         self.done += 1
         # Results travel in batches, but never more than half the credit, so the server
         # refills this worker's queue before it runs dry.
-        if not self.tasks or len(self.results) >= self.flush_every:
+        self.results_bytes += sum(map(wire.nbytes, result[1]))
+        if not self.tasks or len(self.results) >= self.flush_every or self.results_bytes >= FLUSH_BYTES:
             self._flush_results()
 
     # ---- map_seq_stream ---------------------------------------------------------------
@@ -410,11 +414,6 @@ class Worker:
         end = time.monotonic() + seconds
         while not self.stopping and time.monotonic() < end:
             time.sleep(min(0.05, end - time.monotonic()))
-
-
-def _writable(seq: Dict[str, Any]) -> Dict[str, Any]:
-    """Arrays straight off the wire are read-only views; mappers may modify in place."""
-    return {k: (v.copy() if hasattr(v, "flags") and not v.flags.writeable else v) for k, v in seq.items()}
 
 
 def _fill_wildcard_host(endpoint: str, control: str) -> str:

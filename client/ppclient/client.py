@@ -22,7 +22,7 @@ from .errors import Error, MapperError, ServerUnavailable
 class Client:
     """Connection to one ppserver. Use as a context manager or call close()."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0, window: int = 16, keys: Optional[str] = None):
+    def __init__(self, address: str, *, timeout: float = 30.0, window: int = 32, keys: Optional[str] = None):
         if window < 1:
             raise ValueError("window must be >= 1")
         self.address = address

@@ -182,6 +182,11 @@ def split(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -
     return unpack(data, max_bytes=max_bytes), list(frames[1:])
 
 
+def nbytes(buf: Any) -> int:
+    """Size of a buffer frame: a numpy array, bytes or a zmq.Frame."""
+    return buf.nbytes if isinstance(buf, numpy.ndarray) else len(buf)
+
+
 def protocol_mismatch(theirs: Optional[int], who: str) -> Optional[str]:
     """One-line description of a protocol mismatch, or None when versions agree."""
     if theirs == PROTOCOL:
