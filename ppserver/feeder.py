@@ -1,16 +1,20 @@
 """The feeder thread: reads one epoch from the dataset and hands encoded seqs to the server loop.
 
-It sends over an inproc PUSH socket whose high-water mark is tiny, so the thread runs only
-as far ahead as the server loop pulls (the loop pulls only when workers have credit). It
-checks its quit flag between sends, so a superseded epoch stops within one send timeout.
+Batches go through a small bounded queue (no serialisation inside the process); a one-byte
+message on an inproc socket wakes the loop's poller. The queue holds at most two batches,
+so the thread runs only as far ahead as the loop takes seqs (the loop takes them only when
+workers have credit). While the queue is full, the thread gathers the next batch, so one
+hand-over carries several seqs when the loop is busy. It checks its quit flag between
+steps, so a superseded epoch stops within one timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import traceback
-from typing import Any, Dict, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import zmq
 
@@ -18,32 +22,45 @@ from ppclient import wire
 
 log = logging.getLogger("ppserver.feeder")
 
-SEND_TIMEO_MS = 10
+WAIT_S = 0.01
 MAX_BATCH = 16
 MAX_BATCH_BYTES = 1 << 20
+QUEUE_BATCHES = 2
+
+# What the loop takes from Feeder.out: ("in", items) | ("fed", count) | ("error", message, traceback)
+Event = Tuple[Any, ...]
 
 
 class Feeder(threading.Thread):
-    def __init__(self, *, ctx: zmq.Context, endpoint: str, dataset, lock: threading.Lock, run: int, num_seqs: int):
+    def __init__(self, *, ctx: zmq.Context, wake_endpoint: str, dataset, lock: threading.Lock, run: int,
+                 num_seqs: int):
         super().__init__(name=f"feeder run {run}", daemon=True)
         self.ctx = ctx
-        self.endpoint = endpoint
+        self.wake_endpoint = wake_endpoint
         self.dataset = dataset
         self.lock = lock
         self.run_id = run
         self.num_seqs = num_seqs
         self.quit = threading.Event()
+        self.out: "queue.Queue[Event]" = queue.Queue(maxsize=QUEUE_BATCHES)
+        self._wake: Optional[zmq.Socket] = None
 
     def stop(self) -> None:
         self.quit.set()
 
+    def take(self) -> Optional[Event]:
+        """The next event for the loop, or None if there is none yet."""
+        try:
+            return self.out.get_nowait()
+        except queue.Empty:
+            return None
+
     def run(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.sndhwm = 2
-        sock.linger = 0
-        sock.sndtimeo = SEND_TIMEO_MS
-        sock.connect(self.endpoint)
-        batch: List[Tuple[Dict[str, Any], List[Any]]] = []
+        self._wake = self.ctx.socket(zmq.PUSH)
+        self._wake.sndhwm = 1
+        self._wake.linger = 0
+        self._wake.connect(self.wake_endpoint)
+        batch: List[Any] = []
         nbytes = 0
         try:
             for pos in range(self.num_seqs):
@@ -56,28 +73,31 @@ class Feeder(threading.Thread):
                 item = wire.seq_to_item(seq, i=pos)
                 batch.append(item)
                 nbytes += sum(map(wire.nbytes, item[1]))
-                # Adaptive batching: send as soon as the loop has room; while it is busy,
-                # gather seqs so one message carries several (fewer wake-ups per seq).
-                if len(batch) >= MAX_BATCH or nbytes >= MAX_BATCH_BYTES or sock.poll(0, zmq.POLLOUT):
-                    if not self._send(sock, wire.pack_batch({"t": "in", "run": self.run_id}, batch)):
-                        return
+                full = len(batch) >= MAX_BATCH or nbytes >= MAX_BATCH_BYTES
+                if self._put(("in", batch), block=full):
                     batch, nbytes = [], 0
-            if batch and not self._send(sock, wire.pack_batch({"t": "in", "run": self.run_id}, batch)):
+                elif self.quit.is_set():
+                    return
+            if batch and not self._put(("in", batch), block=True):
                 return
-            self._send(sock, [wire.pack({"t": "fed", "run": self.run_id, "count": self.num_seqs})])
+            self._put(("fed", self.num_seqs), block=True)
         except Exception as exc:
             log.error("reading the dataset failed in run %d: %s", self.run_id, exc)
-            message = f"dataset failed: {type(exc).__name__}: {exc}"
-            self._send(sock, [wire.pack({"t": "feed_error", "run": self.run_id, "message": message,
-                                         "traceback": traceback.format_exc()})])
+            self._put(("error", f"dataset failed: {type(exc).__name__}: {exc}", traceback.format_exc()), block=True)
         finally:
-            sock.close(linger=0)
+            self._wake.close(linger=0)
 
-    def _send(self, sock, frames) -> bool:
+    def _put(self, event: Event, *, block: bool) -> bool:
         while not self.quit.is_set():
             try:
-                sock.send_multipart(frames, copy=False)
-                return True
-            except zmq.Again:
+                self.out.put(event, timeout=WAIT_S) if block else self.out.put_nowait(event)
+            except queue.Full:
+                if not block:
+                    return False
                 continue
+            try:
+                self._wake.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
+            return True
         return False

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -74,7 +76,7 @@ class Server:
         self.worker_address = self.workers_sock.last_endpoint.decode()
         self.monitors = self._monitors() if keys else []
         self.feed = self.ctx.socket(zmq.PULL)
-        self.feed.rcvhwm = 2
+        self.feed.rcvhwm = 1  # wake-ups only; the seqs wait in the feeder's queue
         self.feed.bind(FEEDER_ENDPOINT)
         self.sched = Scheduler(buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries, seed=cfg.seed,
                                reread=self._reread)
@@ -83,6 +85,7 @@ class Server:
         self.stopping = False
         self.started = time.monotonic()
         self.pool: Optional[ProcessPool] = None
+        self.ipc_dir: Optional[str] = None
         self.local_pids: Dict[int, int] = {}
         self.last_hb = 0.0
         self.last_housekeeping = 0.0
@@ -131,6 +134,8 @@ class Server:
 
     # ---- lifecycle --------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
+        """Local workers reach the worker socket over a Unix socket in a private directory:
+        cheaper than loopback TCP for large seqs."""
         if n <= 0:
             return
         connect = self.address
@@ -138,8 +143,12 @@ class Server:
         host, _, port = rest.rpartition(":")
         if host in ("0.0.0.0", "*", "[::]"):
             connect = f"{proto}://127.0.0.1:{port}"
+        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
+        local = f"ipc://{self.ipc_dir}/workers"
+        self.workers_sock.bind(local)
         self.pool = ProcessPool(
-            lambda i: worker_argv(self.cfg.path, connect, index=i, keys=self.keys), n, name="local worker"
+            lambda i: worker_argv(self.cfg.path, connect, index=i, keys=self.keys, worker_endpoint=local), n,
+            name="local worker",
         )
         self.pool.start()
 
@@ -159,12 +168,13 @@ class Server:
             if want != feeding:
                 poller.modify(self.feed, zmq.POLLIN if want else 0)
                 feeding = want
-            events = dict(poller.poll(LOOP_MS))
+            ready = want and self.feeder is not None and not self.feeder.out.empty()
+            events = dict(poller.poll(0 if ready else LOOP_MS))
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self._on_worker)
             if self.control in events:
                 self._drain(self.control, self._on_control)
-            if self.feed in events:
+            if self.feed in events or ready:
                 self._pull_inputs()
             for mon in self.monitors:
                 if mon in events:
@@ -188,6 +198,8 @@ class Server:
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if feeder_stuck:  # its socket is still open; term() would wait for it forever
             log.warning("the feeder thread is still inside the dataset; exiting without waiting for it")
         else:
@@ -323,7 +335,7 @@ class Server:
         self.sched.start_run(run=run, epoch=epoch, num_seqs=num_seqs, stream_id=stream_id,
                              stream=self.cfg.is_stream, partitions=self.cfg.partitions,
                              check_tags=seq_list is not None)
-        self.feeder = Feeder(ctx=self.ctx, endpoint=FEEDER_ENDPOINT, dataset=self.dataset,
+        self.feeder = Feeder(ctx=self.ctx, wake_endpoint=FEEDER_ENDPOINT, dataset=self.dataset,
                              lock=self.dataset_lock, run=run, num_seqs=num_seqs)
         self.feeder.start()
         known = not self.cfg.is_stream or self.cfg.preserves_num_seqs is True
@@ -337,18 +349,19 @@ class Server:
 
     # ---- feeder -----------------------------------------------------------------------
     def _pull_inputs(self) -> None:
-        while self.sched.wants_input() and self.feed.get(zmq.EVENTS) & zmq.POLLIN:
-            frames = self.feed.recv_multipart(copy=False)
-            header, bufs = wire.split(frames)
-            t = header.get("t")
-            if t == "in":
-                self.sched.on_inputs(header["run"], wire.unpack_batch(header, bufs))
-            elif t == "fed":
-                self.sched.on_fed(header["run"], header["count"])
-            elif t == "feed_error":
-                run = self.sched.run
-                if run is not None and run.run == header["run"]:
-                    self.sched.fail_run(header["message"], kind="dataset", traceback=header.get("traceback", ""))
+        while self.feed.poll(0):
+            self.feed.recv()  # wake-ups carry nothing; the events wait in the current feeder's queue
+        feeder = self.feeder
+        while feeder is not None and self.sched.wants_input():
+            event = feeder.take()
+            if event is None:
+                return
+            if event[0] == "in":
+                self.sched.on_inputs(feeder.run_id, event[1])
+            elif event[0] == "fed":
+                self.sched.on_fed(feeder.run_id, event[1])
+            else:
+                self.sched.fail_run(event[1], kind="dataset", traceback=event[2])
 
     # ---- worker socket ----------------------------------------------------------------
     def _on_worker(self, frames: List[Any]) -> None:

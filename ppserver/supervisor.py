@@ -129,10 +129,13 @@ def _describe(rc: int) -> str:
     return f"code {rc}"
 
 
-def worker_argv(config_path: str, connect: str, *, index: int, keys: Optional[str] = None) -> List[str]:
+def worker_argv(config_path: str, connect: str, *, index: int, keys: Optional[str] = None,
+                worker_endpoint: Optional[str] = None) -> List[str]:
     argv = [sys.executable, "-m", "ppserver.worker", config_path, "--connect", connect, "--index", str(index)]
     if keys:
         argv += ["--keys", keys]
+    if worker_endpoint:
+        argv += ["--worker-endpoint", worker_endpoint]
     return argv
 
 

@@ -104,9 +104,11 @@ class Heartbeat(threading.Thread):
 
 
 class Worker:
-    def __init__(self, cfg: Config, connect: str, *, keys: Optional[str] = None, index: int = 0):
+    def __init__(self, cfg: Config, connect: str, *, keys: Optional[str] = None, index: int = 0,
+                 worker_endpoint: Optional[str] = None):
         self.cfg = cfg
         self.connect = connect
+        self.worker_endpoint = worker_endpoint
         self.keys = keys
         self.index = index
         self.ctx = zmq.Context()
@@ -131,6 +133,8 @@ class Worker:
     # ---- registration -----------------------------------------------------------------
     def discover(self) -> str:
         """Ask the control address for the worker endpoint, retrying with backoff until it answers."""
+        if self.worker_endpoint:  # a local worker of the server: told where to connect
+            return self.worker_endpoint
         delay = BACKOFF_START
         attempt = 0
         while not self.stopping:
@@ -432,6 +436,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--connect", required=True)
     parser.add_argument("--keys", default=None)
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--worker-endpoint", default=None, help="skip discovery: the server's worker socket")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ppworker[{os.getpid()}] %(levelname)s %(message)s")
     set_process_title(f"ppworker {args.index}")
@@ -440,7 +445,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"ppserver worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    worker = Worker(cfg, args.connect, keys=args.keys, index=args.index)
+    worker = Worker(cfg, args.connect, keys=args.keys, index=args.index, worker_endpoint=args.worker_endpoint)
 
     def _stop(signum, frame):
         worker.stopping = True
