@@ -155,7 +155,7 @@ class Server:
     def serve_forever(self) -> None:
         # The feeder thread holds the GIL while it reads and encodes seqs; with the default
         # 5 ms switch interval the I/O loop would wait that long after every wake-up.
-        sys.setswitchinterval(0.0002)
+        sys.setswitchinterval(0.001)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.workers_sock, zmq.POLLIN)
