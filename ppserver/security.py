@@ -84,15 +84,18 @@ class _KeyRing:
 
 
 def authorized_keys(keys: str):
-    """Public keys in KEYS/authorized/, or every *.key in KEYS when that folder is absent."""
+    """Public keys in KEYS/authorized/, or, when that folder is absent (a flat directory such as a
+    Kubernetes Secret), every *.key in KEYS except the server's own."""
     import glob
 
     import zmq.auth
 
     folder = os.path.join(keys, AUTHORIZED)
+    paths = sorted(glob.glob(os.path.join(folder, "*.key")))
     if not os.path.isdir(folder):
         folder = keys
-    found = [zmq.auth.load_certificate(p)[0] for p in sorted(glob.glob(os.path.join(folder, "*.key")))]
+        paths = [p for p in sorted(glob.glob(os.path.join(keys, "*.key"))) if os.path.basename(p) != SERVER_KEY]
+    found = [zmq.auth.load_certificate(p)[0] for p in paths]
     if not found:
         raise FileNotFoundError(f"no authorised public keys (*.key) in {folder}")
     return found

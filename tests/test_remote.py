@@ -274,3 +274,22 @@ def test_fuzzed_frames_never_break_the_server(tmp_path):
             assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
             assert c.status()["malformed_messages"] > 0
     assert "Traceback" not in read(slog)
+
+
+def test_curve_keys_in_flat_directories(tmp_path):
+    """Per-side key directories without authorized/ (as a Kubernetes Secret mounts them)."""
+    made = str(tmp_path / "made")
+    subprocess.run([sys.executable, "-m", "ppserver", "keygen", made], check=True, capture_output=True, timeout=30)
+    server_dir, worker_dir = tmp_path / "server-keys", tmp_path / "worker-keys"
+    server_dir.mkdir()
+    worker_dir.mkdir()
+    for name in ("server.key", "server.key_secret", "client.key"):
+        shutil.copy(os.path.join(made, name), server_dir / name)
+    for name in ("client.key", "client.key_secret", "server.key"):
+        shutil.copy(os.path.join(made, name), worker_dir / name)
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=8)
+    with run_server(cfg, workers=0, extra=["--keys", str(server_dir)], wait_workers=False) as srv:
+        with run_worker_host(cfg, srv.address, procs=1, extra=["--keys", str(worker_dir)]):
+            with ppclient.Client(srv.address, keys=str(worker_dir), timeout=20) as c:
+                wait_for(lambda: c.status()["workers_alive"] == 1, 20, "the keyed remote worker")
+                assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
