@@ -197,9 +197,19 @@ def _source_of(obj: Any, seen: set) -> List[str]:
     return parts
 
 
+def _semantics_source() -> bytes:
+    """What decides a mapped seq besides the config: rng seeding, meta entries, validation, the wire."""
+    from ppclient import wire
+
+    from . import apply
+
+    return f"{wire.PROTOCOL}\n{inspect.getsource(apply)}".encode()
+
+
 def fingerprint(source: bytes, mappers: List[Optional[Callable]]) -> str:
     """Hash of the config file and the source of its mappers: equal on hosts that agree."""
     h = hashlib.sha256(source)
+    h.update(_semantics_source())
     seen: set = set()
     for fn in mappers:
         for part in _source_of(fn, seen):

@@ -49,6 +49,7 @@ class WorkerState:
     inflight: Set[int] = field(default_factory=set)
     partitions: Set[int] = field(default_factory=set)
     done: int = 0
+    isolating: bool = False  # running one suspect seq alone, so a crash names the right seq
 
     def free(self) -> int:
         return self.capacity - len(self.inflight)
@@ -75,11 +76,12 @@ class Partition:
     in_credit: int = 0
     replay_until: int = 0  # inputs j < replay_until must be re-read from the dataset
     eof_sent: bool = False
-    outputs: Deque[Item] = field(default_factory=deque)
+    outputs: Deque[Tuple[Item, bytes]] = field(default_factory=deque)  # (output, worker that made it)
     received: int = 0  # outputs received (in order) across restarts
     skip: int = 0  # outputs the current worker regenerates that were already received
     done: bool = False
     deaths: int = 0
+    received_at_death: int = -1
     last_tag: Optional[str] = None
 
 
@@ -97,7 +99,9 @@ class Run:
     finished: bool = False
     ended: Optional[float] = None
     failed: Optional[str] = None
-    client_credit: int = 0
+    client_granted: int = 0  # cumulative: a lost grant is repaired by the next one
+    client_connected: bool = False  # a grant arrived, so the data socket reaches us
+    held: List[Dict[str, Any]] = field(default_factory=list)  # end/error waiting for the data socket
     delivered: int = 0
     delivered_bytes: int = 0
     complete_frac: float = 0.0
@@ -112,6 +116,10 @@ class Run:
     # map_seq_stream
     parts: List[Partition] = field(default_factory=list)
     rr: int = 0
+
+    @property
+    def client_credit(self) -> int:
+        return self.client_granted - self.delivered
 
 
 class Scheduler:
@@ -130,10 +138,15 @@ class Scheduler:
     def _to_worker(self, wid: bytes, header: Dict[str, Any], bufs: Tuple = ()) -> None:
         self.outbox.append(("worker", wid, [wire.pack(header), *bufs]))
 
-    def _to_client(self, header: Dict[str, Any], bufs: Tuple = ()) -> None:
-        assert self.run is not None
+    def _to_client(self, header: Dict[str, Any]) -> None:
+        """End and error messages; held until the client's data socket has shown up."""
+        run = self.run
+        assert run is not None
         self._flush_client()
-        self.outbox.append(("client", self.run.stream_id, [b"", wire.pack(header), *bufs]))
+        if not run.client_connected:
+            run.held.append(header)
+            return
+        self.outbox.append(("client", run.stream_id, [b"", wire.pack(header)]))
 
     def _flush_client(self) -> None:
         """Seqs ready for the client leave as one message per pump."""
@@ -178,6 +191,8 @@ class Scheduler:
             return
         crashed = reason.startswith("lost") or reason.startswith("died")
         if not run.stream:
+            # Every seq lost in a crash becomes suspect; suspects later run alone on a worker,
+            # so once a seq has been charged max_seq_retries crashes it really is the culprit.
             for pos in lost:
                 if run.inflight.get(pos) != wid:
                     continue
@@ -195,7 +210,10 @@ class Scheduler:
             for p in sorted(w.partitions):
                 part = run.parts[p]
                 if crashed:
+                    if part.received > part.received_at_death:
+                        part.deaths = 0  # progress since the last crash: that one was not its fault
                     part.deaths += 1
+                    part.received_at_death = part.received
                     if part.deaths >= self.max_seq_retries:
                         tag = part.last_tag or f"partition {p}"
                         self.fail_run(
@@ -223,6 +241,7 @@ class Scheduler:
         for w in self.workers.values():
             w.inflight.clear()
             w.partitions.clear()
+            w.isolating = False
             self._to_worker(w.wid, self._run_header(self.run))
         if stream:
             self.run.parts = [Partition(index=p) for p in range(partitions)]
@@ -253,6 +272,7 @@ class Scheduler:
         run = self.run
         assert run is not None
         for w in self.workers.values():
+            w.isolating = False
             if w.inflight or w.partitions:
                 self._to_worker(w.wid, {"t": "cancel", "run": run.run + 1_000_000_000})
             w.inflight.clear()
@@ -298,8 +318,9 @@ class Scheduler:
                 heapq.heappush(run.todo, pos)
             else:
                 part = run.parts[pos % run.partitions]
-                part.queue.append(item)
                 part.fed += 1
+                if not part.done:  # a stream that ended early never reads its remaining inputs
+                    part.queue.append(item)
         self.pump()
 
     def on_fed(self, run_id: int, count: int) -> None:
@@ -322,9 +343,12 @@ class Scheduler:
             del run.inflight[pos]
             w.inflight.discard(pos)
             w.done += 1
+            run.deaths.pop(pos, None)
             run.pending.pop(pos, None)
             run.tags.pop(pos, None)
             run.results[pos] = item
+        if not w.inflight:
+            w.isolating = False
         self.pump()
 
     def on_failure(self, wid: bytes, header: Dict[str, Any]) -> None:
@@ -334,11 +358,17 @@ class Scheduler:
         self.fail_run(str(header.get("message", "mapper failed")), seq_tag=header.get("seq_tag"),
                       traceback=str(header.get("traceback", "")))
 
-    def on_client_credit(self, stream_id: bytes, run_id: Any, n: Any) -> None:
+    def on_client_credit(self, stream_id: bytes, run_id: Any, total: Any) -> None:
+        """The client has granted `total` seqs so far in this run (cumulative)."""
         run = self.run
-        if run is None or run.run != run_id or run.stream_id != stream_id or not isinstance(n, int) or n <= 0:
+        if run is None or run.run != run_id or run.stream_id != stream_id or not isinstance(total, int):
             return
-        run.client_credit += min(n, 1 << 20)
+        run.client_granted = max(run.client_granted, min(total, run.delivered + (1 << 20)))
+        if not run.client_connected:
+            run.client_connected = True
+            for header in run.held:
+                self.outbox.append(("client", run.stream_id, [b"", wire.pack(header)]))
+            run.held.clear()
         self.pump()
 
     # ---- stream mode ----------------------------------------------------------------
@@ -374,7 +404,7 @@ class Scheduler:
                 part.skip -= 1
                 self._to_worker(wid, {"t": "scredit", "run": header["run"], "p": part.index, "n": 1})
                 continue
-            part.outputs.append(item)
+            part.outputs.append((item, wid))
             part.received += 1
             self.workers[wid].done += 1
         self.pump()
@@ -407,7 +437,13 @@ class Scheduler:
             batch: List[Item] = []
             while part.in_credit > 0:
                 if part.sent < part.replay_until:
-                    item = self.reread(part.index + part.sent * run.partitions)
+                    try:
+                        item = self.reread(part.index + part.sent * run.partitions)
+                    except Exception as exc:
+                        log.exception("re-reading an input for stream partition %d failed", part.index)
+                        self.fail_run(f"dataset failed while replaying partition {part.index}: "
+                                      f"{type(exc).__name__}: {exc}", kind="dataset")
+                        return
                 elif part.queue:
                     item = part.queue.popleft()
                 else:
@@ -433,8 +469,9 @@ class Scheduler:
                 return
             part = run.parts[run.rr]
             if part.outputs:
-                self._send_seq(part.outputs.popleft())
-                if part.wid is not None:
+                item, producer = part.outputs.popleft()
+                self._send_seq(item)
+                if part.wid is not None and producer == part.wid:  # credit only for the owner's outputs
                     self._to_worker(part.wid, {"t": "scredit", "run": run.run, "p": part.index, "n": 1})
                 run.rr = (run.rr + 1) % n
             elif part.done:
@@ -454,7 +491,6 @@ class Scheduler:
             meta["complete_frac"] = run.complete_frac
         self.client_batch.append(({"i": run.delivered, "meta": meta, "arrays": header.get("arrays", [])}, bufs))
         run.delivered += 1
-        run.client_credit -= 1
         run.delivered_bytes += sum(map(wire.nbytes, bufs))
         self.total_delivered += 1
 
@@ -484,13 +520,25 @@ class Scheduler:
         # and results come back close to delivery order.
         chunk = max(1, min(self.buf_size // 2, MAX_DISPATCH_BATCH))
         while run.todo:
-            w = max(self.workers.values(), key=lambda w: w.free(), default=None)
-            if w is None or w.free() <= 0:
-                break
+            if run.todo[0] in run.deaths:  # a suspect goes alone to an idle worker
+                w = next((w for w in self.workers.values() if not w.inflight), None)
+                if w is None:
+                    break
+                w.isolating = True
+                limit = 1
+            else:
+                w = max((w for w in self.workers.values() if not w.isolating), key=lambda w: w.free(),
+                        default=None)
+                if w is None or w.free() <= 0:
+                    break
+                limit = min(w.free(), chunk)
             batch: List[Item] = []
             nbytes = 0
-            while run.todo and len(batch) < min(w.free(), chunk) and nbytes < DISPATCH_BYTES:
-                pos = heapq.heappop(run.todo)
+            while run.todo and len(batch) < limit and nbytes < DISPATCH_BYTES:
+                pos = run.todo[0]
+                if batch and pos in run.deaths:
+                    break
+                heapq.heappop(run.todo)
                 item = run.pending.get(pos)
                 if item is None or pos in run.inflight:
                     continue

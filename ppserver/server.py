@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,6 +43,7 @@ FEEDER_ENDPOINT = "inproc://ppserver-feeder"
 HB_SUFFIX = b"|hb"
 LOOP_MS = 100
 HOUSEKEEPING_S = 0.01
+MAX_HEADER_BYTES = 1 << 20  # headers are small; arrays travel in their own frames
 
 
 class Server:
@@ -81,7 +83,9 @@ class Server:
         self.sched = Scheduler(buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries, seed=cfg.seed,
                                reread=self._reread)
         self.feeder: Optional[Feeder] = None
-        self.run_counter = 0
+        # Run ids start at a random point, so a restarted server never reuses an id a client
+        # may still hold data for.
+        self.run_counter = random.getrandbits(40)
         self.stopping = False
         self.started = time.monotonic()
         self.pool: Optional[ProcessPool] = None
@@ -175,11 +179,11 @@ class Server:
             if self.control in events:
                 self._drain(self.control, self._on_control)
             if self.feed in events or ready:
-                self._pull_inputs()
+                self._guarded(self._pull_inputs)
             for mon in self.monitors:
                 if mon in events:
                     self._on_monitor(mon)
-            self._housekeeping()
+            self._guarded(self._housekeeping)
             self._flush()
 
     def shutdown(self) -> None:
@@ -215,6 +219,14 @@ class Server:
                 handler(frames)
             except Exception as exc:  # nothing a peer sends may stop the loop
                 self._bad_message(exc)
+
+    def _guarded(self, step) -> None:
+        """An unexpected error fails the current epoch (the client hears of it); the server stays up."""
+        try:
+            step()
+        except Exception as exc:
+            log.exception("internal error in %s", step.__name__)
+            self.sched.fail_run(f"internal server error: {type(exc).__name__}: {exc}", kind="server")
 
     def _bad_message(self, exc: Exception) -> None:
         """Log malformed messages, at most a few lines per second under a flood."""
@@ -253,14 +265,14 @@ class Server:
             self._bad_message(wire.WireError("control message without an empty delimiter frame"))
             return
         try:
-            header, _ = wire.split(frames[2:], max_bytes=self.cfg.max_message_bytes)
+            header, _ = wire.split(frames[2:], max_bytes=MAX_HEADER_BYTES)
         except wire.WireError as exc:
             self._bad_message(exc)
             self._reply(ident, {"ok": False, "error": f"malformed request: {exc}", "proto": wire.PROTOCOL})
             return
         op = header.get("op")
         if op == "credit":  # data stream: no reply
-            self.sched.on_client_credit(ident, header.get("run"), header.get("n"))
+            self.sched.on_client_credit(ident, header.get("run"), header.get("total"))
             return
         mismatch = wire.protocol_mismatch(header.get("proto"), "the client")
         if mismatch:
@@ -371,7 +383,7 @@ class Server:
             if not self.sched.touch(ident[: -len(HB_SUFFIX)], now):
                 self._send(self.workers_sock, [ident, wire.pack({"t": "unknown"})])
             return
-        header, bufs = wire.split(frames[1:], max_bytes=self.cfg.max_message_bytes)
+        header, bufs = wire.split(frames[1:], max_bytes=MAX_HEADER_BYTES)
         t = header.get("t")
         if t == "hello":
             self._on_hello(ident, header, now)
@@ -400,14 +412,17 @@ class Server:
         pid = header.get("pid") if isinstance(header.get("pid"), int) else -1
         reason = wire.protocol_mismatch(header.get("proto"), "the worker")
         if reason is None and header.get("fingerprint") != self.cfg.fingerprint:
-            reason = (f"config fingerprint mismatch: worker has {header.get('fingerprint')!r}, "
-                      f"server has {self.cfg.fingerprint!r} (config file or mapper source differs)")
+            reason = (f"config fingerprint mismatch: worker has {str(header.get('fingerprint'))[:32]!r} "
+                      "(the config file, its mapper source or the ppserver version differs from the server's)")
         if reason:
             log.error("refused worker %s pid %s: %s", host, pid, reason)
             self._send(self.workers_sock, [ident, wire.pack({"t": "refuse", "reason": reason})])
             return
         if ident in self.sched.workers:
             self.sched.remove_worker(ident, "registered again")
+        old = header.get("replaces")
+        if isinstance(old, bytes) and old in self.sched.workers and self.sched.workers[old].pid == pid:
+            self.sched.remove_worker(old, "reconnected")  # its connection was reset: redo its work now
         self.sched.add_worker(ident, host, pid, now)
         log.info("worker %s joined (host %s pid %s); %d workers", ident.decode("utf8", "replace"), host, pid,
                  len(self.sched.workers))
@@ -436,7 +451,8 @@ class Server:
                 self._send(self.workers_sock, [wid + HB_SUFFIX, hb])
             run = self.sched.run
             if run is not None and not run.finished:
-                self._send(self.control, [run.stream_id, b"", wire.pack({"t": "hb", "run": run.run})])
+                self._send(self.control, [run.stream_id, b"", wire.pack(
+                    {"t": "hb", "run": run.run, "delivered": run.delivered, "workers": len(self.sched.workers)})])
         run = self.sched.run
         if run is not None and run.finished and self.feeder is not None and self.feeder.is_alive():
             self.feeder.stop()

@@ -129,6 +129,8 @@ class Worker:
         self.flush_every = max(1, min(cfg.buf_size // 2, 16))
         self.check_tags = False
         self.forgotten = False
+        self.identity: Optional[bytes] = None
+        self.monitor: Optional[zmq.Socket] = None
 
     # ---- registration -----------------------------------------------------------------
     def discover(self) -> str:
@@ -163,6 +165,7 @@ class Worker:
 
     def register(self, endpoint: str) -> bool:
         identity = f"{self.host}:{os.getpid()}:{random.getrandbits(32):08x}".encode()
+        replaces, self.identity = self.identity, identity
         sock = self.ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.identity = identity
@@ -172,7 +175,7 @@ class Worker:
         sock.connect(endpoint)
         sock.send(wire.pack({
             "t": "hello", "proto": wire.PROTOCOL, "fingerprint": self.cfg.fingerprint,
-            "host": self.host, "pid": os.getpid(), "index": self.index,
+            "host": self.host, "pid": os.getpid(), "index": self.index, "replaces": replaces,
         }))
         deadline = time.monotonic() + self.cfg.heartbeat_timeout
         while time.monotonic() < deadline and not self.stopping:
@@ -185,6 +188,8 @@ class Worker:
             if header.get("t") == "welcome":
                 self.templates = header["templates"]
                 self.sock = sock
+                # A reset connection loses queued messages both ways; register afresh when it happens.
+                self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self.hb = Heartbeat(self.ctx, endpoint, identity, self.cfg.heartbeat_interval, self.keys)
                 self.hb.start()
                 log.info("registered with %s as %s", endpoint, identity.decode())
@@ -193,6 +198,11 @@ class Worker:
         return False
 
     def unregister(self, *, say_bye: bool) -> None:
+        if self.monitor is not None:
+            if self.sock is not None:
+                self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
         if self.sock is not None:
             if say_bye:
                 try:
@@ -242,6 +252,10 @@ class Worker:
     def _server_lost(self) -> bool:
         hb = self.hb
         if hb is None or self.forgotten:
+            return True
+        if self.monitor is not None and self.monitor.poll(0):
+            log.warning("the connection to the server was reset; registering again")
+            self.forgotten = True
             return True
         return hb.forgotten or time.monotonic() - hb.server_seen > self.cfg.heartbeat_timeout
 

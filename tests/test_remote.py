@@ -116,14 +116,18 @@ def test_worker_protocol_mismatch_is_refused(tmp_path):
         assert reply["t"] == "refuse" and "protocol version mismatch" in reply["reason"]
 
 
-def test_poison_seq_fails_epoch_after_max_retries(tmp_path):
-    body = """
+@pytest.mark.parametrize("buf_size", [1, 4])
+def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
+    # with buf_size 4 the seqs finished just before the poison one die unreported with it:
+    # they must not be blamed
+    body = f"""
     import os
     def map_seq(seq, *, epoch, **kwargs):
         if epoch == 1 and seq["seq_tag"] == "seq-5":
             os.kill(os.getpid(), 9)
         return seq
     max_seq_retries = 3
+    buf_size = {buf_size}
     """
     cfg = numpy_config(tmp_path, body, n=20)
     with run_server(cfg, workers=2) as srv, srv.client() as c:

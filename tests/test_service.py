@@ -24,6 +24,7 @@ from conftest import (
     numpy_config,
     reference,
     run_server,
+    wait_for,
     wait_gone,
     write_config,
 )
@@ -494,3 +495,45 @@ def test_bad_command_line_exits_2_with_one_line(tmp_path, argv, key):
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"'{key}'" in lines[0], res.stderr
+
+
+def test_empty_epoch_ends_cleanly_every_time(tmp_path):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=5)
+    with run_server(cfg, workers=1) as srv:
+        for e in range(20):
+            with srv.client(timeout=10) as c:  # a fresh data socket each time
+                assert collect(c.epoch(e, seq_order=[])) == []
+
+
+def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
+    body = """
+    import time
+    def map_seq(seq, **kwargs):
+        if seq["seq_tag"] == "seq-3":
+            time.sleep(600)
+        return seq
+    """
+    cfg = numpy_config(tmp_path, body, n=10)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=3) as c:
+        start = time.monotonic()
+        got = []
+        with pytest.raises(ppclient.Error, match="no progress"):
+            for seq in c.epoch(1):
+                got.append(seq)
+        assert time.monotonic() - start < 8
+        assert [s["seq_tag"] for s in got] == ["seq-0", "seq-1", "seq-2"]
+
+
+def test_stream_partition_survives_repeated_kills(tmp_path):
+    slow_stream = STREAM_MAPPER.replace("for n, seq in enumerate(seqs):",
+                                        "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)")
+    cfg = numpy_config(tmp_path, slow_stream, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n")
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        got = []
+        for seq in c.epoch(1):
+            got.append(seq)
+            if len(got) in (10, 25, 40, 55):  # more crashes than max_seq_retries, with progress between
+                victim = srv.worker_pids()[0]
+                os.kill(victim, signal.SIGKILL)
+                wait_for(lambda: srv.worker_pids() not in ([], [victim]), 20, "the respawned worker")
+    assert_same_epoch(got, reference(cfg, 1))

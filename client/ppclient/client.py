@@ -133,6 +133,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._done = False
         self._superseded = False
         self._ready: Deque[Tuple[Dict[str, Any], List[Any]]] = deque()
+        self._granted = 0
         self._grant(client.window)
 
     def __len__(self) -> int:
@@ -141,7 +142,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         return self.num_seqs
 
     def _grant(self, n: int) -> None:
-        self._sock.send_multipart([b"", wire.pack({"op": "credit", "run": self.run, "n": n})])
+        """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
+        self._granted += n
+        self._sock.send_multipart([b"", wire.pack({"op": "credit", "run": self.run, "total": self._granted})])
 
     def __iter__(self) -> "EpochIterator":
         return self
@@ -155,20 +158,30 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             raise StopIteration
         timeout = self._client.timeout
         deadline = time.monotonic() + timeout
+        alive = None  # the last keepalive: the server answers, but the epoch makes no progress
         while True:
             if not self._sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+                if alive is not None:
+                    raise Error(f"epoch {self.epoch} made no progress for {timeout:g} s although the server at "
+                                f"{self._client.address} is alive ({alive.get('workers')} workers; a mapper may be "
+                                "stuck, or no worker is connected)")
                 raise ServerUnavailable(f"no data from {self._client.address} for {timeout:g} s (epoch {self.epoch})")
             frames = self._sock.recv_multipart(copy=False)
             header, bufs = wire.split(frames[1:])
             if header.get("run") != self.run:
                 continue  # left over from an earlier epoch
-            deadline = time.monotonic() + timeout
             t = header.get("t")
+            if t == "hb":
+                alive = header
+                continue
             if t == "seq":
                 self._ready.extend(wire.unpack_batch(header, bufs))
                 return self._take()
             if t == "end":
                 self._done = True
+                if header.get("count") != self._consumed:
+                    raise Error(f"epoch {self.epoch} ended after {header.get('count')} seqs but "
+                                f"{self._consumed} arrived (messages were lost)")
                 if self.num_seqs is not None and header.get("count") != self.num_seqs:
                     raise Error(f"epoch {self.epoch} ended after {header.get('count')} of {self.num_seqs} seqs")
                 raise StopIteration
@@ -178,10 +191,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                     raise MapperError(str(header.get("message")), seq_tag=header.get("seq_tag"),
                                       remote_traceback=str(header.get("traceback") or ""))
                 raise Error(f"epoch {self.epoch} failed on the server: {header.get('message')}")
-            # "hb": the server is alive and the epoch still running
 
     def _take(self) -> Dict[str, Any]:
         item, bufs = self._ready.popleft()
+        if item.get("i") != self._consumed:
+            self._done = True
+            raise Error(f"epoch {self.epoch}: expected seq #{self._consumed} but got #{item.get('i')} "
+                        "(messages were lost, e.g. on a reset connection)")
         seq = wire.item_to_seq(item, bufs)
         self._consumed += 1
         self._ungranted += 1
