@@ -297,3 +297,94 @@ def test_curve_keys_in_flat_directories(tmp_path):
             with ppclient.Client(srv.address, keys=str(worker_dir), timeout=20) as c:
                 wait_for(lambda: c.status()["workers_alive"] == 1, 20, "the keyed remote worker")
                 assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+
+
+class _Forwarder:
+    """A TCP forwarder on loopback whose live connections can be reset (RST both ways)."""
+
+    def __init__(self, port: int):
+        import threading
+
+        self.target = ("127.0.0.1", port)
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.pairs = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        import threading
+
+        while not self.closed:
+            try:
+                a, _ = self.listener.accept()
+            except OSError:
+                continue
+            b = socket.create_connection(self.target, timeout=5)
+            for s in (a, b):
+                s.settimeout(None)
+            self.pairs.append((a, b))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def reset_all(self) -> int:
+        import struct
+
+        pairs, self.pairs = self.pairs, []
+        for a, b in pairs:
+            for s in (a, b):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.close()
+                except OSError:
+                    pass
+        return len(pairs)
+
+    def close(self):
+        self.closed = True
+        self.reset_all()
+        self.listener.close()
+        self.thread.join(timeout=5)
+
+
+def test_reset_worker_connection_loses_nothing(tmp_path):
+    """A reset shorter than the heartbeat timeout drops queued messages; the worker registers afresh
+    and its seqs are redone at once."""
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=200, extra="buf_size = 4\n")
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=0, log_path=slog, wait_workers=False) as srv:
+        port = int(_worker_endpoint(srv).rsplit(":", 1)[1])
+        fwd = _Forwarder(port)
+        argv = [sys.executable, "-m", "ppserver.worker", cfg, "--connect", srv.address,
+                "--worker-endpoint", f"tcp://127.0.0.1:{fwd.port}"]
+        worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(str(tmp_path / "w.log"), "w"))
+        try:
+            srv.wait_workers(1)
+            with srv.client(timeout=20) as c:
+                got = []
+                for seq in c.epoch(1):
+                    got.append(seq)
+                    if len(got) in (50, 120):
+                        assert fwd.reset_all() >= 1
+            assert_same_epoch(got, reference(cfg, 1))
+            assert "reconnected" in read(slog)
+        finally:
+            from ppserver.supervisor import stop_process
+
+            stop_process(worker, timeout=10)
+            fwd.close()
