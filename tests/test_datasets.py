@@ -160,8 +160,9 @@ def test_state_before_init_and_meta():
     assert seqs[1]["data"].shape == (7, 3) and np.all(seqs[1]["data"] == 4)
     with pytest.raises(IndexError):
         ds.get_seq(4)
-    # get_seq hands out copies
-    seqs[0]["data"][:] = -1
+    # get_seq hands out read-only views: nothing can change the corpus through them
+    with pytest.raises(ValueError, match="read-only"):
+        seqs[0]["data"][:] = -1
     assert np.all(ds.get_seq(0)["data"] == 2)
 
 
