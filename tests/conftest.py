@@ -97,6 +97,16 @@ def collect(it) -> List[dict]:
     return [dict(seq) for seq in it]
 
 
+def collect_with(it, actions) -> List[dict]:
+    """Collect an epoch, calling actions[n]() right after the n-th seq arrived (faults mid-epoch)."""
+    got = []
+    for seq in it:
+        got.append(dict(seq))
+        if len(got) in actions:
+            actions[len(got)]()
+    return got
+
+
 def assert_same_epoch(got: List[dict], want: List[dict]) -> None:
     assert len(got) == len(want), (len(got), len(want))
     for i, (g, w) in enumerate(zip(got, want)):

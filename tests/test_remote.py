@@ -22,6 +22,7 @@ from conftest import (
     REPO,
     assert_same_epoch,
     collect,
+    collect_with,
     free_port,
     numpy_config,
     read,
@@ -376,11 +377,7 @@ def test_reset_worker_connection_loses_nothing(tmp_path):
         try:
             srv.wait_workers(1)
             with srv.client(timeout=20) as c:
-                got = []
-                for seq in c.epoch(1):
-                    got.append(seq)
-                    if len(got) in (50, 120):
-                        assert fwd.reset_all() >= 1
+                got = collect_with(c.epoch(1), {50: fwd.reset_all, 120: fwd.reset_all})
             assert_same_epoch(got, reference(cfg, 1))
             assert "reconnected" in read(slog)
         finally:

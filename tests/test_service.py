@@ -21,6 +21,7 @@ from conftest import (
     assert_same_epoch,
     children_of,
     collect,
+    collect_with,
     numpy_config,
     reference,
     run_server,
@@ -262,11 +263,7 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
-        got = []
-        for seq in c.epoch(1):
-            got.append(seq)
-            if len(got) == 30:
-                os.kill(pids[0], signal.SIGKILL)
+        got = collect_with(c.epoch(1), {30: lambda: os.kill(pids[0], signal.SIGKILL)})
         status = c.status()
         assert status["local_worker_respawns"] >= 1
         srv.wait_workers(2)
@@ -282,11 +279,7 @@ def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
     cfg = numpy_config(tmp_path, slow_stream, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
-        got = []
-        for seq in c.epoch(1):
-            got.append(seq)
-            if len(got) == 15:
-                os.kill(pids[1], signal.SIGKILL)
+        got = collect_with(c.epoch(1), {15: lambda: os.kill(pids[1], signal.SIGKILL)})
     assert_same_epoch(got, reference(cfg, 1))
 
 
@@ -529,11 +522,11 @@ def test_stream_partition_survives_repeated_kills(tmp_path):
                                         "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)")
     cfg = numpy_config(tmp_path, slow_stream, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n")
     with run_server(cfg, workers=1) as srv, srv.client() as c:
-        got = []
-        for seq in c.epoch(1):
-            got.append(seq)
-            if len(got) in (10, 25, 40, 55):  # more crashes than max_seq_retries, with progress between
-                victim = srv.worker_pids()[0]
-                os.kill(victim, signal.SIGKILL)
-                wait_for(lambda: srv.worker_pids() not in ([], [victim]), 20, "the respawned worker")
+        def crash():
+            victim = srv.worker_pids()[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda: srv.worker_pids() not in ([], [victim]), 20, "the respawned worker")
+
+        # more crashes than max_seq_retries, with progress between them
+        got = collect_with(c.epoch(1), {n: crash for n in (10, 25, 40, 55)})
     assert_same_epoch(got, reference(cfg, 1))
