@@ -1,7 +1,7 @@
 """The feeder thread: reads one epoch from the dataset and hands encoded seqs to the server loop.
 
-Batches go through a small bounded queue (no serialisation inside the process); a one-byte
-message on an inproc socket wakes the loop's poller. The queue holds at most two batches,
+Batches go through a small bounded deque (no serialisation inside the process); a one-byte
+message on an inproc socket wakes the loop's poller. The deque holds at most two batches,
 so the thread runs only as far ahead as the loop takes seqs (the loop takes them only when
 workers have credit). While the queue is full, the thread gathers the next batch, so one
 hand-over carries several seqs when the loop is busy. It checks its quit flag between
@@ -11,10 +11,11 @@ steps, so a superseded epoch stops within one timeout.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
 import traceback
-from typing import Any, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, List, Optional, Tuple
 
 import zmq
 
@@ -22,7 +23,7 @@ from ppclient import wire
 
 log = logging.getLogger("ppserver.feeder")
 
-WAIT_S = 0.01
+WAIT_S = 0.0005  # while the deque is full; polling keeps the loop free of lock hand-offs
 MAX_BATCH = 16
 MAX_BATCH_BYTES = 1 << 20
 QUEUE_BATCHES = 2
@@ -42,7 +43,7 @@ class Feeder(threading.Thread):
         self.run_id = run
         self.num_seqs = num_seqs
         self.quit = threading.Event()
-        self.out: "queue.Queue[Event]" = queue.Queue(maxsize=QUEUE_BATCHES)
+        self.out: Deque[Event] = deque()  # appended here, popped by the loop (deque ops are atomic)
         self._wake: Optional[zmq.Socket] = None
 
     def stop(self) -> None:
@@ -51,8 +52,8 @@ class Feeder(threading.Thread):
     def take(self) -> Optional[Event]:
         """The next event for the loop, or None if there is none yet."""
         try:
-            return self.out.get_nowait()
-        except queue.Empty:
+            return self.out.popleft()
+        except IndexError:
             return None
 
     def run(self) -> None:
@@ -89,12 +90,12 @@ class Feeder(threading.Thread):
 
     def _put(self, event: Event, *, block: bool) -> bool:
         while not self.quit.is_set():
-            try:
-                self.out.put(event, timeout=WAIT_S) if block else self.out.put_nowait(event)
-            except queue.Full:
+            if len(self.out) >= QUEUE_BATCHES:
                 if not block:
                     return False
+                time.sleep(WAIT_S)
                 continue
+            self.out.append(event)
             try:
                 self._wake.send(b"", flags=zmq.NOBLOCK)
             except zmq.Again:

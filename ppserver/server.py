@@ -172,7 +172,7 @@ class Server:
             if want != feeding:
                 poller.modify(self.feed, zmq.POLLIN if want else 0)
                 feeding = want
-            ready = want and self.feeder is not None and not self.feeder.out.empty()
+            ready = want and self.feeder is not None and bool(self.feeder.out)
             events = dict(poller.poll(0 if ready else LOOP_MS))
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self._on_worker)
