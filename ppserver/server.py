@@ -71,8 +71,11 @@ class Server:
         self.auth = security.start_authenticator(self.ctx, keys)
         self.control = self._router(bind)
         if worker_bind is None:
-            host = bind.partition("://")[2].rpartition(":")[0]
-            worker_bind = f"tcp://{host}:0"
+            if bind.startswith("ipc://"):
+                worker_bind = bind + ".workers"
+            else:
+                host = bind.partition("://")[2].rpartition(":")[0]
+                worker_bind = f"tcp://{host}:0"
         self.workers_sock = self._router(worker_bind)
         self.address = self.control.last_endpoint.decode()
         self.worker_address = self.workers_sock.last_endpoint.decode()

@@ -530,3 +530,11 @@ def test_stream_partition_survives_repeated_kills(tmp_path):
         # more crashes than max_seq_retries, with progress between them
         got = collect_with(c.epoch(1), {n: crash for n in (10, 25, 40, 55)})
     assert_same_epoch(got, reference(cfg, 1))
+
+
+def test_serves_on_a_unix_socket(tmp_path):
+    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=12)
+    address = f"ipc://{tmp_path}/ppserver.sock"
+    with run_server(cfg, workers=2, bind=address) as srv, srv.client() as c:
+        assert srv.address == address
+        assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
