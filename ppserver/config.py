@@ -12,7 +12,7 @@ import hashlib
 import inspect
 import os
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy
@@ -53,7 +53,6 @@ class Config:
     heartbeat_timeout: float = 5.0
     max_seq_retries: int = 3
     max_message_bytes: int = 1 << 30
-    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_stream(self) -> bool:

@@ -123,10 +123,9 @@ class Run:
 
 
 class Scheduler:
-    def __init__(self, *, buf_size: int, max_seq_retries: int, seed: int, reread: Callable[[int], Item]):
+    def __init__(self, *, buf_size: int, max_seq_retries: int, reread: Callable[[int], Item]):
         self.buf_size = buf_size
         self.max_seq_retries = max_seq_retries
-        self.seed = seed
         self.reread = reread  # pos -> input item, for replaying a stream partition
         self.workers: Dict[bytes, WorkerState] = {}
         self.run: Optional[Run] = None

@@ -83,7 +83,7 @@ class Server:
         self.feed = self.ctx.socket(zmq.PULL)
         self.feed.rcvhwm = 1  # wake-ups only; the seqs wait in the feeder's queue
         self.feed.bind(FEEDER_ENDPOINT)
-        self.sched = Scheduler(buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries, seed=cfg.seed,
+        self.sched = Scheduler(buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries,
                                reread=self._reread)
         self.feeder: Optional[Feeder] = None
         # Run ids start at a random point, so a restarted server never reuses an id a client
@@ -93,7 +93,6 @@ class Server:
         self.started = time.monotonic()
         self.pool: Optional[ProcessPool] = None
         self.ipc_dir: Optional[str] = None
-        self.local_pids: Dict[int, int] = {}
         self.last_hb = 0.0
         self.last_housekeeping = 0.0
         self.hostname = socket.gethostname()
@@ -313,6 +312,7 @@ class Server:
             "local_workers": self.pool.alive() if self.pool else 0,
             "local_worker_respawns": self.pool.respawns if self.pool else 0,
             "malformed_messages": self.bad_messages,
+            "refused_handshakes": self.refused_handshakes,
         })
         return st
 
