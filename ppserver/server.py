@@ -43,7 +43,6 @@ FEEDER_ENDPOINT = "inproc://ppserver-feeder"
 HB_SUFFIX = b"|hb"
 LOOP_MS = 100
 HOUSEKEEPING_S = 0.01
-MAX_HEADER_BYTES = 1 << 20  # headers are small; arrays travel in their own frames
 
 
 class Server:
@@ -96,10 +95,8 @@ class Server:
         self.last_hb = 0.0
         self.last_housekeeping = 0.0
         self.hostname = socket.gethostname()
-        self.bad_messages = 0
-        self.refused_handshakes = 0
-        self.refused_logged_at = 0.0
-        self.bad_logged_at = 0.0
+        self.malformed = _Throttled("dropped a malformed message")
+        self.refused = _Throttled("refused a connection")
 
     def _router(self, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -130,13 +127,8 @@ class Server:
                 event = recv_monitor_message(sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            now = time.monotonic()
-            self.refused_handshakes += 1
-            if now - self.refused_logged_at >= 1.0:
-                self.refused_logged_at = now
-                log.warning("refused a connection on %s: CURVE handshake failed (%s; wrong or missing keys)",
-                            event.get("endpoint", b"?").decode(errors="replace"),
-                            zmq.Event(event["event"]).name)
+            self.refused.hit(f"on {event.get('endpoint', b'?').decode(errors='replace')}: CURVE handshake failed "
+                             f"({zmq.Event(event['event']).name}; wrong or missing keys)")
 
     # ---- lifecycle --------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
@@ -231,13 +223,7 @@ class Server:
             self.sched.fail_run(f"internal server error: {type(exc).__name__}: {exc}", kind="server")
 
     def _bad_message(self, exc: Exception) -> None:
-        """Log malformed messages, at most a few lines per second under a flood."""
-        self.bad_messages += 1
-        now = time.monotonic()
-        if now - self.bad_logged_at >= 1.0:
-            extra = f" ({self.bad_messages} malformed messages so far)" if self.bad_messages > 1 else ""
-            log.warning("dropped a malformed message: %s: %s%s", type(exc).__name__, exc, extra)
-            self.bad_logged_at = now
+        self.malformed.hit(f"{type(exc).__name__}: {exc}")
 
     def _send(self, sock: zmq.Socket, frames: List[Any]) -> bool:
         try:
@@ -267,7 +253,7 @@ class Server:
             self._bad_message(wire.WireError("control message without an empty delimiter frame"))
             return
         try:
-            header, _ = wire.split(frames[2:], max_bytes=MAX_HEADER_BYTES)
+            header, _ = wire.split(frames[2:])
         except wire.WireError as exc:
             self._bad_message(exc)
             self._reply(ident, {"ok": False, "error": f"malformed request: {exc}", "proto": wire.PROTOCOL})
@@ -311,8 +297,8 @@ class Server:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "local_workers": self.pool.alive() if self.pool else 0,
             "local_worker_respawns": self.pool.respawns if self.pool else 0,
-            "malformed_messages": self.bad_messages,
-            "refused_handshakes": self.refused_handshakes,
+            "malformed_messages": self.malformed.count,
+            "refused_handshakes": self.refused.count,
         })
         return st
 
@@ -386,7 +372,7 @@ class Server:
             if not self.sched.touch(ident[: -len(HB_SUFFIX)], now):
                 self._send(self.workers_sock, [ident, wire.pack({"t": "unknown"})])
             return
-        header, bufs = wire.split(frames[1:], max_bytes=MAX_HEADER_BYTES)
+        header, bufs = wire.split(frames[1:])
         t = header.get("t")
         if t == "hello":
             self._on_hello(ident, header, now)
@@ -459,6 +445,23 @@ class Server:
         run = self.sched.run
         if run is not None and run.finished and self.feeder is not None and self.feeder.is_alive():
             self.feeder.stop()
+
+
+class _Throttled:
+    """Counts events a peer can cause at will and logs at most one line per second about them."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.count = 0
+        self.logged_at = 0.0
+
+    def hit(self, detail: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= 1.0:
+            self.logged_at = now
+            total = f" ({self.count} so far)" if self.count > 1 else ""
+            log.warning("%s: %s%s", self.what, detail, total)
 
 
 def serve(cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, keys: Optional[str],

@@ -280,12 +280,7 @@ class Worker:
         while sock.get(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(copy=False)
             try:
-                header, bufs = wire.split(frames)
-            except wire.WireError as exc:
-                log.warning("dropped a malformed message from the server: %s", exc)
-                continue
-            try:
-                self._handle(header, bufs)
+                self._handle(*wire.split(frames))
             except wire.WireError as exc:
                 log.warning("dropped a malformed message from the server: %s", exc)
 
@@ -293,7 +288,7 @@ class Worker:
         t = header.get("t")
         run = header.get("run")
         if t == "cancel":
-            self.results = []
+            self.results, self.results_bytes = [], 0
             self.run_id = run
             self.epoch = header.get("epoch")
             self.check_tags = bool(header.get("check_tags"))

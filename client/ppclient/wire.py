@@ -29,7 +29,7 @@ ZERO_COPY_MIN_BYTES = 64 * 1024
 # Array kinds that can be rebuilt from raw bytes without running code.
 _SAFE_KINDS = set("biufcUSmM")
 
-DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_HEADER_BYTES = 1 << 20  # headers are small; arrays travel in their own frames
 
 
 class WireError(Error):
@@ -40,7 +40,7 @@ def pack(header: Dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def unpack(data, *, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Dict[str, Any]:
+def unpack(data, *, max_bytes: int = MAX_HEADER_BYTES) -> Dict[str, Any]:
     """Decode a header frame; anything but a msgpack map is a WireError."""
     if len(data) > max_bytes:
         raise WireError(f"header of {len(data)} bytes exceeds {max_bytes}")
@@ -173,7 +173,7 @@ def item_to_seq(item: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
     return seq
 
 
-def split(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Tuple[Dict[str, Any], List[Any]]:
+def split(frames: Sequence[Any], *, max_bytes: int = MAX_HEADER_BYTES) -> Tuple[Dict[str, Any], List[Any]]:
     """Decode the header of a message and return it with the untouched buffer frames."""
     if not frames:
         raise WireError("empty message")
