@@ -108,7 +108,6 @@ class Run:
     check_tags: bool = False
     # map_seq
     pending: Dict[int, Item] = field(default_factory=dict)
-    tags: Dict[int, str] = field(default_factory=dict)
     todo: List[int] = field(default_factory=list)  # heap: redo before new
     inflight: Dict[int, bytes] = field(default_factory=dict)
     results: Dict[int, Item] = field(default_factory=dict)
@@ -199,7 +198,7 @@ class Scheduler:
                 if crashed:
                     run.deaths[pos] = run.deaths.get(pos, 0) + 1
                     if run.deaths[pos] >= self.max_seq_retries:
-                        tag = run.tags.get(pos, f"#{pos}")
+                        tag = run.pending[pos][0]["meta"].get("seq_tag", f"#{pos}")
                         self.fail_run(
                             f"seq {tag!r} was in flight on {run.deaths[pos]} workers that died processing it",
                             seq_tag=tag, kind="mapper")
@@ -311,9 +310,6 @@ class Scheduler:
             run.fed = max(run.fed, pos + 1)
             if not run.stream:
                 run.pending[pos] = item
-                tag = item[0]["meta"].get("seq_tag")
-                if tag is not None:
-                    run.tags[pos] = tag
                 heapq.heappush(run.todo, pos)
             else:
                 part = run.parts[pos % run.partitions]
@@ -344,7 +340,6 @@ class Scheduler:
             w.done += 1
             run.deaths.pop(pos, None)
             run.pending.pop(pos, None)
-            run.tags.pop(pos, None)
             run.results[pos] = item
         if not w.inflight:
             w.isolating = False
