@@ -193,6 +193,18 @@ def array_bytes(seq: Dict[str, Any]) -> int:
     return sum(v.nbytes for v in seq.values() if isinstance(v, np.ndarray))
 
 
+def tally(seqs) -> Tuple[int, int, Optional[Dict[str, Any]], Optional[Dict[str, Any]]]:
+    """Consume an epoch: (seqs, array bytes, first seq, last seq), as every pipeline reports it."""
+    n = nbytes = 0
+    first = last = None
+    for last in seqs:
+        nbytes += array_bytes(last)
+        n += 1
+        if first is None:
+            first = last
+    return n, nbytes, first, last
+
+
 # ---- CPU accounting: is anything else running on the machine? ----------------------------
 
 def _stat_fields(pid: str) -> Optional[List[str]]:
@@ -265,15 +277,8 @@ class InProcess:
     def epoch(self, epoch: int):
         ds, apply, map_seq, seed, templates = self.dataset, self.apply, self.cfg.map_seq, self.cfg.seed, self.templates
         ds.init_seq_order(epoch)
-        n = nbytes = 0
-        first = out = None
-        for pos in range(ds.num_seqs):
-            out = apply(map_seq, ds.get_seq(pos), epoch=epoch, seed=seed, templates=templates)
-            nbytes += array_bytes(out)
-            n += 1
-            if first is None:
-                first = out
-        return n, nbytes, first, out
+        return tally(apply(map_seq, ds.get_seq(pos), epoch=epoch, seed=seed, templates=templates)
+                     for pos in range(ds.num_seqs))
 
     def close(self) -> Optional[str]:
         self.dataset = None
@@ -302,14 +307,7 @@ class PPServer:
         self.client = Client(address, timeout=60)
 
     def epoch(self, epoch: int):
-        n = nbytes = 0
-        first = seq = None
-        for seq in self.client.epoch(epoch):
-            nbytes += array_bytes(seq)
-            n += 1
-            if first is None:
-                first = seq
-        return n, nbytes, first, seq
+        return tally(self.client.epoch(epoch))
 
     def close(self) -> Optional[str]:
         """Stop the server: SIGTERM, SIGKILL after 10 s, always reaped. Returns a note or None."""
@@ -364,16 +362,14 @@ class Returnn:
         ds.init_seq_order(epoch=epoch)  # the first call spawns the worker processes
         if not self.procs:
             self.procs = [wp.worker_proc for wp in (getattr(ds, "_worker_procs", None) or [])]
-        n = nbytes = 0
-        first = last = None
-        while ds.is_less_than_num_seqs(n):
-            ds.load_seqs(n, n + 1)
-            last = {k: ds.get_data(n, k) for k in keys}
-            nbytes += array_bytes(last)
-            if first is None:
-                first = last
-            n += 1
-        return n, nbytes, first, last
+        def seqs():
+            pos = 0
+            while ds.is_less_than_num_seqs(pos):
+                ds.load_seqs(pos, pos + 1)
+                yield {k: ds.get_data(pos, k) for k in keys}
+                pos += 1
+
+        return tally(seqs())
 
     def close(self) -> Optional[str]:
         ds, self.ds = self.ds, None
