@@ -36,7 +36,9 @@ def ensure_venv() -> None:
     if os.path.exists(STAMP) and open(STAMP).read() == want:
         return
     subprocess.run([PY, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=False)
-    subprocess.run([PY, "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"], check=True)
+    # ppclient first: ppserver depends on it, and it lives in ./client
+    subprocess.run([PY, "-m", "pip", "install", "-q", "-e", os.path.join(ROOT, "client"), "-e", f"{ROOT}[test]"],
+                   check=True)
     with open(STAMP, "w") as f:
         f.write(want)
 

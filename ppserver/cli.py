@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         "mappers (map_seq / map_seq_stream) in a pool of worker processes, epochs delivered in order "
         "to ppclient over ZeroMQ.",
     )
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -71,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from ppclient import __version__, protocol
+
+    return f"ppserver {__version__} (protocol {protocol.PROTOCOL})"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     return {"serve": _serve, "worker": _worker, "status": _status, "keygen": _keygen, "demo": _demo}[
@@ -84,15 +91,19 @@ def _fail_config(command: str, exc: Exception) -> int:
 
 
 def _serve(args) -> int:
+    from ppclient import UsageError, endpoints, keyfiles
+
     from .config import load_config
-    from .errors import ConfigError, check_endpoint
+    from .errors import ConfigError
     from .server import serve, setup_logging
 
     setup_logging()
     try:
-        check_endpoint("--bind", args.bind)
+        endpoints.check(args.bind, "--bind")
         if args.worker_bind:
-            check_endpoint("--worker-bind", args.worker_bind)
+            endpoints.check(args.worker_bind, "--worker-bind")
+        if args.keys:
+            keyfiles.server_keys(args.keys)
         cfg = load_config(args.config)
         workers = cfg.num_workers if args.workers is None else args.workers
         if workers < 0:
@@ -102,26 +113,30 @@ def _serve(args) -> int:
         cfg.num_workers = max(workers, 1)
         return serve(cfg, bind=args.bind, worker_bind=args.worker_bind, workers=workers, keys=args.keys,
                      insecure=args.insecure)
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         return _fail_config("serve", exc)
-    except (OSError, FileNotFoundError) as exc:
+    except OSError as exc:
         print(f"ppserver serve: error: {exc}", file=sys.stderr)
         return 1
 
 
 def _worker(args) -> int:
+    from ppclient import UsageError, endpoints, keyfiles
+
     from .config import load_config
-    from .errors import ConfigError, check_endpoint
+    from .errors import ConfigError
     from .server import setup_logging
     from .supervisor import EXIT_REFUSED, ProcessPool, worker_argv
 
     setup_logging("ppworker-host")
     try:
-        check_endpoint("--connect", args.connect)
+        endpoints.check(args.connect, "--connect")
+        if args.keys:
+            keyfiles.client_keys(args.keys)
         load_config(args.config)
         if args.procs < 1:
             raise ConfigError("--procs", f"must be >= 1, got {args.procs}")
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         return _fail_config("worker", exc)
     config = os.path.abspath(args.config)
     pool = ProcessPool(lambda i: worker_argv(config, args.connect, index=i, keys=args.keys), args.procs,
@@ -144,11 +159,14 @@ def _worker(args) -> int:
 
 
 def _status(args) -> int:
-    from ppclient import Client, Error
+    from ppclient import Client, Error, UsageError
 
     try:
         with Client(args.address, timeout=args.timeout, keys=args.keys) as c:
             st = c.status()
+    except UsageError as exc:
+        print(f"ppserver status: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except Error as exc:
         print(f"ppserver status: error: {exc}", file=sys.stderr)
         return 1
@@ -181,7 +199,7 @@ def format_status(st) -> str:
 
 
 def _keygen(args) -> int:
-    from .security import keygen
+    from ppclient.keyfiles import keygen
 
     server, client = keygen(args.dir)
     print(f"wrote {server} (+ secret) and {client} (+ secret); authorised {client}")

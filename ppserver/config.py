@@ -33,7 +33,11 @@ KNOWN_KEYS = {
     "heartbeat_timeout",
     "max_seq_retries",
     "max_message_bytes",
+    "max_request_bytes",
 }
+
+# What the fingerprint hashes; a worker whose fingerprint differs from the server's is refused.
+FINGERPRINT_COVERS = "the config file, the source of its mappers and ppserver's mapping code"
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Config:
     heartbeat_timeout: float = 5.0
     max_seq_retries: int = 3
     max_message_bytes: int = 1 << 30
+    max_request_bytes: int = 16 << 20
 
     @property
     def is_stream(self) -> bool:
@@ -135,6 +140,7 @@ def from_settings(settings: Dict[str, Any], *, path: str = "<settings>", source:
         seed=_int(settings, "seed", 0, minimum=0),
         max_seq_retries=_int(settings, "max_seq_retries", 3, minimum=1),
         max_message_bytes=_int(settings, "max_message_bytes", 1 << 30, minimum=1024),
+        max_request_bytes=_int(settings, "max_request_bytes", 16 << 20, minimum=1024),
         heartbeat_interval=_float(settings, "heartbeat_interval", 1.0),
         heartbeat_timeout=_float(settings, "heartbeat_timeout", 5.0),
     )
@@ -198,11 +204,11 @@ def _source_of(obj: Any, seen: set) -> List[str]:
 
 def _semantics_source() -> bytes:
     """What decides a mapped seq besides the config: rng seeding, meta entries, validation, the wire."""
-    from ppclient import wire
+    from ppclient import __version__, protocol
 
     from . import apply
 
-    return f"{wire.PROTOCOL}\n{inspect.getsource(apply)}".encode()
+    return f"{protocol.PROTOCOL}\n{__version__}\n{inspect.getsource(apply)}".encode()
 
 
 def fingerprint(source: bytes, mappers: List[Optional[Callable]]) -> str:

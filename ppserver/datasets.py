@@ -136,6 +136,20 @@ class Dataset:
         self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None
     ) -> None:
         """Fix the order for `epoch`; `seq_list` (tags) or `seq_order` (corpus indices) override the ordering."""
+        order = self._requested_order(epoch, seq_list, seq_order)
+        if order is None:
+            order = [int(i) for i in self._ordered_indices(int(epoch), self.total_num_seqs)]
+        self._order = order
+        self._epoch = int(epoch)
+
+    def check_epoch_args(
+        self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None
+    ) -> None:
+        """Raise as init_seq_order would for these arguments, without touching the current epoch."""
+        self._requested_order(epoch, seq_list, seq_order)
+
+    def _requested_order(self, epoch: int, seq_list: list[str] | None, seq_order: list[int] | None) -> list[int] | None:
+        """The corpus indices `seq_list` or `seq_order` ask for (None: the ordering decides); checks all."""
         if not _is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if seq_list is not None and seq_order is not None:
@@ -150,16 +164,15 @@ class Dataset:
                 if idx is None:
                     raise UnknownSeqTagError(f"unknown seq tag {tag!r}")
                 order.append(int(idx))
-        elif seq_order is not None:
+            return order
+        if seq_order is not None:
             order = []
             for idx in seq_order:
                 if not _is_int(idx) or not 0 <= idx < n:
                     raise ValueError(f"seq_order entry {idx!r} out of range [0, {n})")
                 order.append(int(idx))
-        else:
-            order = [int(i) for i in self._ordered_indices(int(epoch), n)]
-        self._order = order
-        self._epoch = int(epoch)
+            return order
+        return None
 
     def _ordered_indices(self, epoch: int, n: int) -> np.ndarray:
         kind, arg, per_bin = self._ordering

@@ -1,111 +1,122 @@
-"""The server process: owns the dataset, runs the I/O loop, starts local workers.
+"""The server process: its sockets, its loop, its local workers.
 
 Sockets:
-- control ROUTER at --bind: clients' REQ requests (info, status, epoch, worker_hello) and
-  their DEALER data streams (credit in, seqs out);
-- worker ROUTER at --worker-bind (default: the --bind host, any port): registration,
-  tasks, results and heartbeats;
-- an inproc PULL from the feeder thread, polled only while the scheduler wants input.
+- control ROUTER at --bind: clients' REQ requests (see control.py) and their DEALER data
+  streams (credit in, seqs out); messages are capped at max_request_bytes;
+- worker ROUTER at --worker-bind (default: the --bind host, any port), plus a private Unix
+  socket for local workers: registration, tasks, results, heartbeats;
+- a pipe from the reader thread, which alone calls the dataset.
 
-All sockets live in this one thread; the scheduler holds the state; the feeder thread
-reads the dataset. Results go from worker to client as the frames they arrived in.
+The loop decodes every message with the protocol module, turns it into a scheduler event,
+and performs the instructions the scheduler returns. Results go from worker to client as
+the frames they arrived in; only their headers are checked.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import zmq
 
-from ppclient import wire
+import ppclient
+from ppclient import endpoints, keyfiles, protocol
+from ppclient.protocol import Channel, Peer
 
-from . import security
-from .config import Config
+from . import reader as rd
+from .config import FINGERPRINT_COVERS, Config
+from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
-from .feeder import Feeder
-from .scheduler import Scheduler
+from .scheduler import Instruction, ReadUpTo, Replay, Scheduler, Settings, StopReading, ToClient, ToWorker
+from .scheduler import events as ev
 from .supervisor import ProcessPool, worker_argv
 
 log = logging.getLogger("ppserver.server")
 
-FEEDER_ENDPOINT = "inproc://ppserver-feeder"
-HB_SUFFIX = b"|hb"
 LOOP_MS = 100
-HOUSEKEEPING_S = 0.01
+TICK_S = 0.01
+DRAIN_LIMIT = 256  # messages taken from one socket before the others get a turn
+READER_STOP_S = 1.0
 
 
 class Server:
-    def __init__(
-        self,
-        cfg: Config,
-        *,
-        bind: str = "tcp://127.0.0.1:5555",
-        worker_bind: Optional[str] = None,
-        keys: Optional[str] = None,
-        insecure: bool = False,
-    ):
+    def __init__(self, cfg: Config, *, bind: str = "tcp://127.0.0.1:5555", worker_bind: Optional[str] = None,
+                 keys: Optional[str] = None, insecure: bool = False):
         self.cfg = cfg
-        self.keys = keys
-        for endpoint in (bind, worker_bind):
-            if endpoint and not security.is_loopback(endpoint) and not keys and not insecure:
-                raise ConfigError("--bind", f"{endpoint} is not a loopback address: pass --keys DIR or --insecure")
+        for option, endpoint in (("--bind", bind), ("--worker-bind", worker_bind)):
+            if endpoint and not endpoints.is_loopback(endpoint) and not keys and not insecure:
+                raise ConfigError(option, f"{endpoint} is not a loopback address: pass --keys DIR or --insecure")
         if insecure and not keys:
             log.warning("serving without encryption or authentication (--insecure)")
+        self.keys_dir = keys  # passed on to local workers
+        self.keys = keyfiles.server_keys(keys) if keys else None
         self.dataset = make_dataset(cfg.dataset, order_seed=cfg.seed)
+        # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates = self.dataset.data_keys()
         self.out_templates = cfg.map_outputs or self.in_templates
-        self.dataset_lock = threading.Lock()
+        self.total_num_seqs = self.dataset.total_num_seqs
+        self.sched = Scheduler(Settings(
+            buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries, heartbeat_interval=cfg.heartbeat_interval,
+            heartbeat_timeout=cfg.heartbeat_timeout, stream=cfg.is_stream, partitions=cfg.partitions,
+            preserves_num_seqs=not cfg.is_stream or cfg.preserves_num_seqs is True,
+        ))
         self.ctx = zmq.Context()
-        self.auth = security.start_authenticator(self.ctx, keys)
-        self.control = self._router(bind)
+        self.auth = self._authenticator()
+        self.control = self._router(bind, cfg.max_request_bytes)
         if worker_bind is None:
-            if bind.startswith("ipc://"):
-                worker_bind = bind + ".workers"
-            else:
-                host = bind.partition("://")[2].rpartition(":")[0]
-                worker_bind = f"tcp://{host}:0"
-        self.workers_sock = self._router(worker_bind)
+            worker_bind = bind + ".workers" if bind.startswith("ipc://") else f"tcp://{endpoints.host_port(bind)[0]}:0"
+        self.workers_sock = self._router(worker_bind, cfg.max_message_bytes)
         self.address = self.control.last_endpoint.decode()
         self.worker_address = self.workers_sock.last_endpoint.decode()
         self.monitors = self._monitors() if keys else []
-        self.feed = self.ctx.socket(zmq.PULL)
-        self.feed.rcvhwm = 1  # wake-ups only; the seqs wait in the feeder's queue
-        self.feed.bind(FEEDER_ENDPOINT)
-        self.sched = Scheduler(buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries,
-                               reread=self._reread)
-        self.feeder: Optional[Feeder] = None
-        # Run ids start at a random point, so a restarted server never reuses an id a client
-        # may still hold data for.
-        self.run_counter = random.getrandbits(40)
+        self.reader = rd.Reader(self.dataset)
+        self.ctl = Control(cfg, self.sched, self.reader, info=self._info(), status=self.status,
+                           worker_address=lambda: self.worker_address)
         self.stopping = False
         self.started = time.monotonic()
         self.pool: Optional[ProcessPool] = None
         self.ipc_dir: Optional[str] = None
-        self.last_hb = 0.0
-        self.last_housekeeping = 0.0
-        self.hostname = socket.gethostname()
+        self.last_tick = 0.0
         self.malformed = _Throttled("dropped a malformed message")
         self.refused = _Throttled("refused a connection")
 
-    def _router(self, endpoint: str) -> zmq.Socket:
+    # ---- sockets ------------------------------------------------------------------------------
+    def _authenticator(self) -> Any:
+        """Accept only clients and workers whose public key is authorised; refusals are logged."""
+        if self.keys is None:
+            return None
+        from zmq.auth.thread import ThreadAuthenticator
+
+        authorized = set(self.keys.authorized)
+
+        class KeyRing:
+            def callback(self, domain: str, client_key: bytes) -> bool:
+                if client_key in authorized:
+                    return True
+                log.warning("refused a connection: CURVE client key %s... is not authorised", client_key.decode()[:16])
+                return False
+
+        auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("ppserver.auth"))
+        auth.start()
+        auth.configure_curve_callback(domain="*", credentials_provider=KeyRing())
+        return auth
+
+    def _router(self, endpoint: str, max_bytes: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.router_mandatory = 1
         sock.sndhwm = 0
         sock.rcvhwm = 0
-        sock.maxmsgsize = self.cfg.max_message_bytes
-        security.server_side(sock, self.keys)
+        sock.maxmsgsize = max_bytes
+        if self.keys is not None:
+            self.keys.apply(sock)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -130,100 +141,82 @@ class Server:
             self.refused.hit(f"on {event.get('endpoint', b'?').decode(errors='replace')}: CURVE handshake failed "
                              f"({zmq.Event(event['event']).name}; wrong or missing keys)")
 
-    # ---- lifecycle --------------------------------------------------------------------
+    # ---- lifecycle ----------------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
         """Local workers reach the worker socket over a Unix socket in a private directory:
         cheaper than loopback TCP for large seqs."""
         if n <= 0:
             return
-        connect = self.address
-        proto, _, rest = connect.partition("://")
-        host, _, port = rest.rpartition(":")
-        if host in ("0.0.0.0", "*", "[::]"):
-            connect = f"{proto}://127.0.0.1:{port}"
+        connect = endpoints.reachable(self.address, self.address)
         self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
         local = f"ipc://{self.ipc_dir}/workers"
         self.workers_sock.bind(local)
         self.pool = ProcessPool(
-            lambda i: worker_argv(self.cfg.path, connect, index=i, keys=self.keys, worker_endpoint=local), n,
-            name="local worker",
-        )
+            lambda i: worker_argv(self.cfg.path, connect, index=i, keys=self.keys_dir, worker_endpoint=local,
+                                  local=True), n, name="local worker")
         self.pool.start()
 
     def serve_forever(self) -> None:
-        # The feeder thread holds the GIL while it reads and encodes seqs; with the default
+        # The reader thread holds the GIL while it reads and encodes seqs; with the default
         # 5 ms switch interval the I/O loop would wait that long after every wake-up.
         sys.setswitchinterval(0.001)
+        self.reader.start()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.workers_sock, zmq.POLLIN)
-        poller.register(self.feed, zmq.POLLIN)
+        poller.register(self.reader.wake_r, zmq.POLLIN)
         for mon in self.monitors:
             poller.register(mon, zmq.POLLIN)
-        feeding = True
         while not self.stopping:
-            want = self.sched.wants_input()
-            if want != feeding:
-                poller.modify(self.feed, zmq.POLLIN if want else 0)
-                feeding = want
-            ready = want and self.feeder is not None and bool(self.feeder.out)
-            events = dict(poller.poll(0 if ready else LOOP_MS))
+            events = dict(poller.poll(LOOP_MS if not self.reader.out else 0))
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self._on_worker)
             if self.control in events:
                 self._drain(self.control, self._on_control)
-            if self.feed in events or ready:
-                self._guarded(self._pull_inputs)
+            if self.reader.wake_r in events or self.reader.out:
+                self.reader.drain_wakeups()
+                self._take_reader_events()
             for mon in self.monitors:
                 if mon in events:
                     self._on_monitor(mon)
             self._guarded(self._housekeeping)
-            self._flush()
 
     def shutdown(self) -> None:
         log.info("shutting down")
-        if self.feeder is not None:
-            self.feeder.stop()
         if self.pool is not None:
             self.pool.stop(timeout=3.0)
-        feeder_stuck = False
-        if self.feeder is not None:
-            self.feeder.join(timeout=1.0)
-            feeder_stuck = self.feeder.is_alive()
+        stuck = self.reader.is_alive() and not self.reader.stop(READER_STOP_S)
         for sock in self.monitors:
             sock.close(linger=0)
-        for sock in (self.control, self.workers_sock, self.feed):
+        for sock in (self.control, self.workers_sock):
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        if feeder_stuck:  # its socket is still open; term() would wait for it forever
-            log.warning("the feeder thread is still inside the dataset; exiting without waiting for it")
-        else:
-            self.ctx.term()
+        if stuck:
+            log.warning("the reader thread is still inside the dataset (%s); exiting without it",
+                        self.reader.describe_busy(time.monotonic()) or "busy")
+        self.ctx.term()  # the reader holds no socket, so nothing can keep this waiting
 
-    # ---- I/O helpers ------------------------------------------------------------------
-    def _drain(self, sock: zmq.Socket, handler, limit: int = 256) -> None:
-        for _ in range(limit):
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
-                return
-            frames = sock.recv_multipart(copy=False)
-            try:
-                handler(frames)
-            except Exception as exc:  # nothing a peer sends may stop the loop
-                self._bad_message(exc)
+    # ---- performing instructions ----------------------------------------------------------------
+    def perform(self, instructions: List[Instruction]) -> None:
+        for instr in instructions:
+            if isinstance(instr, ToWorker):
+                ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
+                self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, instr.items)])
+            elif isinstance(instr, ToClient):
+                self._send(self.control, [instr.consumer, protocol.DELIMITER,
+                                          *protocol.encode(instr.msg, instr.items)])
+            elif isinstance(instr, ReadUpTo):
+                self.reader.send(rd.ReadUpTo(instr.run, instr.upto))
+            elif isinstance(instr, Replay):
+                self.reader.send(rd.Replay(instr.run, instr.partition, instr.ticket, instr.positions))
+            elif isinstance(instr, StopReading):
+                self.reader.send(rd.Stop(instr.run))
 
-    def _guarded(self, step) -> None:
-        """An unexpected error fails the current epoch (the client hears of it); the server stays up."""
-        try:
-            step()
-        except Exception as exc:
-            log.exception("internal error in %s", step.__name__)
-            self.sched.fail_run(f"internal server error: {type(exc).__name__}: {exc}", kind="server")
-
-    def _bad_message(self, exc: Exception) -> None:
-        self.malformed.hit(f"{type(exc).__name__}: {exc}")
+    def handle(self, event: ev.Event) -> None:
+        self.perform(self.sched.handle(event))
 
     def _send(self, sock: zmq.Socket, frames: List[Any]) -> bool:
         try:
@@ -233,218 +226,163 @@ class Server:
             log.debug("send failed: %s", exc)
             return False
 
-    def _flush(self) -> None:
-        outbox = self.sched.outbox
-        if not outbox:
-            return
-        self.sched.outbox = []
-        for dest, ident, frames in outbox:
-            sock = self.workers_sock if dest == "worker" else self.control
-            self._send(sock, [ident, *frames])
+    def _drain(self, sock: zmq.Socket, handler: Callable[[List[Any]], None]) -> None:
+        for _ in range(DRAIN_LIMIT):
+            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                return
+            frames = sock.recv_multipart(copy=False)
+            try:
+                handler(frames)
+            except protocol.ProtocolError as exc:
+                self.malformed.hit(str(exc))
+            except Exception:  # nothing a peer sends may stop the loop
+                log.exception("internal error handling a message")
+                self._fail_live_runs("internal server error while handling a message")
 
-    def _reply(self, ident: bytes, header: Dict[str, Any]) -> None:
-        header.setdefault("proto", wire.PROTOCOL)
-        self._send(self.control, [ident, b"", wire.pack(header)])
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """An unexpected error fails the live runs (their clients hear of it); the server stays up."""
+        try:
+            step()
+        except Exception as exc:
+            log.exception("internal error in %s", step.__name__)
+            self._fail_live_runs(f"internal server error: {type(exc).__name__}: {exc}")
 
-    # ---- control socket ---------------------------------------------------------------
+    def _fail_live_runs(self, message: str) -> None:
+        now = time.monotonic()
+        for run in list(self.sched.runs):
+            try:
+                self.handle(ev.RunFailedElsewhere(now, run, message))
+            except Exception:
+                log.exception("failing run %d failed", run)
+
+    # ---- control socket -------------------------------------------------------------------------
     def _on_control(self, frames: List[Any]) -> None:
         ident = frames[0].bytes
         if len(frames) < 3 or len(frames[1]) != 0:
-            self._bad_message(wire.WireError("control message without an empty delimiter frame"))
+            self.malformed.hit("control message without an empty delimiter frame")
             return
         try:
-            header, _ = wire.split(frames[2:])
-        except wire.WireError as exc:
-            self._bad_message(exc)
-            self._reply(ident, {"ok": False, "error": f"malformed request: {exc}", "proto": wire.PROTOCOL})
+            msg = protocol.decode(frames[2:], Peer.SERVER, (Channel.CONTROL, Channel.DATA)).msg
+        except protocol.VersionMismatch as exc:
+            log.warning("refused a request: %s", protocol.mismatch_text(exc.theirs, "the client"))
+            self._reply(ident, protocol.ErrorReply(error=protocol.mismatch_text(exc.theirs, "the client"),
+                                                   reason="protocol"))
             return
-        op = header.get("op")
-        if op == "credit":  # data stream: no reply
-            self.sched.on_client_credit(ident, header.get("run"), header.get("total"))
+        except protocol.ProtocolError as exc:
+            self.malformed.hit(str(exc))
+            self._reply(ident, protocol.ErrorReply(error=f"malformed request: {exc}"))
             return
-        mismatch = wire.protocol_mismatch(header.get("proto"), "the client")
-        if mismatch:
-            log.warning("refused a request: %s", mismatch)
-            self._reply(ident, {"ok": False, "error": mismatch, "kind": "protocol", "proto": wire.PROTOCOL})
-            return
-        if op == "info":
-            self._reply(ident, {"ok": True, "proto": wire.PROTOCOL, **self.info()})
-        elif op == "status":
-            self._reply(ident, {"ok": True, "proto": wire.PROTOCOL, "status": self.status()})
-        elif op == "epoch":
-            self._reply(ident, self._start_epoch(header))
-        elif op == "worker_hello":
-            self._reply(ident, {"ok": True, "proto": wire.PROTOCOL, "worker_endpoint": self.worker_address})
-        else:
-            self._reply(ident, {"ok": False, "error": f"unknown op {op!r}", "proto": wire.PROTOCOL})
+        reply, instructions = self.ctl.handle(ident, msg)
+        if reply is not None:
+            self._reply(ident, reply)
+        self.perform(instructions)
 
-    def info(self) -> Dict[str, Any]:
+    def _reply(self, ident: bytes, msg: protocol.Message) -> None:
+        self._send(self.control, [ident, protocol.DELIMITER, *protocol.encode(msg)])
+
+    def _info(self) -> Dict[str, Any]:
         preserves = not self.cfg.is_stream or self.cfg.preserves_num_seqs is True
         return {
             "data_keys": self.out_templates,
             "input_keys": self.in_templates,
-            "num_seqs": self.dataset.total_num_seqs if preserves else None,
+            "num_seqs": self.total_num_seqs if preserves else None,
             "mode": "map_seq_stream" if self.cfg.is_stream else "map_seq",
             "stream_partitions": self.cfg.partitions if self.cfg.is_stream else None,
             "buf_size": self.cfg.buf_size,
+            "version": ppclient.__version__,
         }
 
     def status(self) -> Dict[str, Any]:
-        st = self.sched.status(time.monotonic())
+        now = time.monotonic()
+        st = self.sched.status(now)
         st.update({
             "address": self.address,
             "worker_address": self.worker_address,
-            "uptime_s": round(time.monotonic() - self.started, 1),
+            "version": ppclient.__version__,
+            "uptime_s": round(now - self.started, 1),
             "local_workers": self.pool.alive() if self.pool else 0,
             "local_worker_respawns": self.pool.respawns if self.pool else 0,
             "malformed_messages": self.malformed.count,
             "refused_handshakes": self.refused.count,
+            "dataset": self.reader.describe_busy(now) or "idle",
         })
         return st
 
-    def _start_epoch(self, header: Dict[str, Any]) -> Dict[str, Any]:
-        epoch = header.get("epoch")
-        seq_list = header.get("seq_list")
-        seq_order = header.get("seq_order")
-        stream_id = header.get("stream_id")
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            return {"ok": False, "error": f"epoch must be an int >= 0, got {epoch!r}"}
-        if not isinstance(stream_id, bytes) or not 0 < len(stream_id) <= 255:
-            return {"ok": False, "error": "stream_id must be 1 to 255 bytes"}
-        if seq_list is not None and not (isinstance(seq_list, list) and all(isinstance(t, str) for t in seq_list)):
-            return {"ok": False, "error": "seq_list must be a list of str"}
-        if seq_order is not None and not (isinstance(seq_order, list) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in seq_order)):
-            return {"ok": False, "error": "seq_order must be a list of int"}
-        if self.cfg.is_stream and (seq_list is not None or seq_order is not None):
-            return {"ok": False, "error": "map_seq_stream is set: seq_list and seq_order are not supported"}
-        if self.feeder is not None:
-            self.feeder.stop()
-        with self.dataset_lock:
-            try:
-                self.dataset.init_seq_order(epoch, seq_list=seq_list, seq_order=seq_order)
-            except (ValueError, KeyError, IndexError) as exc:
-                msg = exc.args[0] if exc.args else str(exc)
-                return {"ok": False, "error": f"cannot start epoch {epoch}: {msg}"}
-            except Exception as exc:  # a dataset bug must not leave the client waiting
-                log.exception("the dataset failed to start epoch %d", epoch)
-                return {"ok": False, "error": f"cannot start epoch {epoch}: {type(exc).__name__}: {exc}"}
-            num_seqs = self.dataset.num_seqs
-        self.run_counter += 1
-        run = self.run_counter
-        log.info("epoch %d requested (run %d, %d input seqs)", epoch, run, num_seqs)
-        self.sched.start_run(run=run, epoch=epoch, num_seqs=num_seqs, stream_id=stream_id,
-                             stream=self.cfg.is_stream, partitions=self.cfg.partitions,
-                             check_tags=seq_list is not None)
-        self.feeder = Feeder(ctx=self.ctx, wake_endpoint=FEEDER_ENDPOINT, dataset=self.dataset,
-                             lock=self.dataset_lock, run=run, num_seqs=num_seqs)
-        self.feeder.start()
-        known = not self.cfg.is_stream or self.cfg.preserves_num_seqs is True
-        return {"ok": True, "proto": wire.PROTOCOL, "run": run, "num_seqs": num_seqs if known else None}
-
-    def _reread(self, pos: int):
-        """Read one input again (a stream partition restarting on another worker)."""
-        with self.dataset_lock:
-            seq = self.dataset.get_seq(pos)
-        return wire.seq_to_item(seq, i=pos)
-
-    # ---- feeder -----------------------------------------------------------------------
-    def _pull_inputs(self) -> None:
-        while self.feed.poll(0):
-            self.feed.recv()  # wake-ups carry nothing; the events wait in the current feeder's queue
-        feeder = self.feeder
-        while feeder is not None and self.sched.wants_input():
-            event = feeder.take()
+    # ---- reader -------------------------------------------------------------------------------
+    def _take_reader_events(self) -> None:
+        while True:
+            event = self.reader.take()
             if event is None:
                 return
-            if event[0] == "in":
-                self.sched.on_inputs(feeder.run_id, event[1])
-            elif event[0] == "fed":
-                self.sched.on_fed(feeder.run_id, event[1])
-            else:
-                self.sched.fail_run(event[1], kind="dataset", traceback=event[2])
+            self.handle(event)
 
-    # ---- worker socket ----------------------------------------------------------------
+    # ---- worker socket ------------------------------------------------------------------------
     def _on_worker(self, frames: List[Any]) -> None:
         ident = frames[0].bytes
         now = time.monotonic()
-        if ident.endswith(HB_SUFFIX):
-            if not self.sched.touch(ident[: -len(HB_SUFFIX)], now):
-                self._send(self.workers_sock, [ident, wire.pack({"t": "unknown"})])
+        if ident.endswith(protocol.HEARTBEAT_SUFFIX):
+            msg = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,)).msg
+            if isinstance(msg, protocol.Heartbeat):
+                self.handle(ev.HeartbeatReceived(now, ident[: -len(protocol.HEARTBEAT_SUFFIX)]))
             return
-        header, bufs = wire.split(frames[1:])
-        t = header.get("t")
-        if t == "hello":
-            self._on_hello(ident, header, now)
-            return
-        if not self.sched.touch(ident, now):
-            if t != "bye":
-                self._send(self.workers_sock, [ident, wire.pack({"t": "unknown"})])
-            return
-        if t == "result":
-            self.sched.on_results(ident, header.get("run"), wire.unpack_batch(header, bufs))
-        elif t == "sout":
-            self.sched.on_stream_outputs(ident, header, wire.unpack_batch(header, bufs))
-        elif t == "sack":
-            self.sched.on_stream_ack(ident, header)
-        elif t == "sdone":
-            self.sched.on_stream_done(ident, header)
-        elif t == "fail":
-            self.sched.on_failure(ident, header)
-        elif t == "bye":
-            self.sched.remove_worker(ident, "departed")
-        elif t != "hb":
-            log.warning("dropped a %r message from worker %r", t, ident[:64])
+        try:
+            decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))
+        except protocol.VersionMismatch as exc:
+            if exc.msg_kind == protocol.Hello.kind:
+                reason = protocol.mismatch_text(exc.theirs, "the worker")
+                log.error("refused a worker: %s", reason)
+                self._send(self.workers_sock, [ident, *protocol.encode(protocol.Refuse(reason=reason))])
+                return
+            raise
+        msg = decoded.msg
+        event = self._worker_event(now, ident, msg, decoded)
+        if event is not None:
+            self.handle(event)
 
-    def _on_hello(self, ident: bytes, header: Dict[str, Any], now: float) -> None:
-        host = str(header.get("host", "?"))[:255]
-        pid = header.get("pid") if isinstance(header.get("pid"), int) else -1
-        reason = wire.protocol_mismatch(header.get("proto"), "the worker")
-        if reason is None and header.get("fingerprint") != self.cfg.fingerprint:
-            reason = (f"config fingerprint mismatch: worker has {str(header.get('fingerprint'))[:32]!r} "
-                      "(the config file, its mapper source or the ppserver version differs from the server's)")
-        if reason:
-            log.error("refused worker %s pid %s: %s", host, pid, reason)
-            self._send(self.workers_sock, [ident, wire.pack({"t": "refuse", "reason": reason})])
-            return
-        if ident in self.sched.workers:
-            self.sched.remove_worker(ident, "registered again")
-        old = header.get("replaces")
-        if isinstance(old, bytes) and old in self.sched.workers and self.sched.workers[old].pid == pid:
-            self.sched.remove_worker(old, "reconnected")  # its connection was reset: redo its work now
-        self.sched.add_worker(ident, host, pid, now)
-        log.info("worker %s joined (host %s pid %s); %d workers", ident.decode("utf8", "replace"), host, pid,
-                 len(self.sched.workers))
-        self._send(self.workers_sock, [ident, wire.pack({
-            "t": "welcome", "templates": self.out_templates, "proto": wire.PROTOCOL})])
+    def _worker_event(self, now: float, wid: bytes, msg: protocol.Message,
+                      decoded: protocol.Decoded) -> Optional[ev.Event]:
+        if isinstance(msg, protocol.Hello):
+            return self._admit(now, wid, msg)
+        if isinstance(msg, protocol.Results):
+            return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
+        if isinstance(msg, protocol.StreamOutputs):
+            return ev.StreamOutputsReceived(now, wid, msg.run, msg.partition, decoded.items, decoded.bad)
+        if isinstance(msg, protocol.TaskFailed):
+            return ev.TaskFailed(now, wid, msg.run, msg.pos, msg.seq_tag, msg.message, msg.traceback)
+        if isinstance(msg, protocol.StreamAck):
+            return ev.StreamAcked(now, wid, msg.run, msg.partition, msg.n)
+        if isinstance(msg, protocol.StreamDone):
+            return ev.StreamFinished(now, wid, msg.run, msg.partition)
+        if isinstance(msg, protocol.StreamFailed):
+            return ev.StreamFailed(now, wid, msg.run, msg.partition, msg.seq_tag, msg.message, msg.traceback)
+        if isinstance(msg, protocol.Bye):
+            return ev.WorkerLeft(now, wid)
+        if isinstance(msg, protocol.Heartbeat):
+            return ev.HeartbeatReceived(now, wid)
+        self.malformed.hit(f"a {msg.kind!r} message on the worker socket")
+        return None
 
-    # ---- periodic ---------------------------------------------------------------------
+    def _admit(self, now: float, wid: bytes, hello: protocol.Hello) -> Optional[ev.Event]:
+        """Protocol and config must match the server's; then the worker is welcomed and joins."""
+        if hello.fingerprint != self.cfg.fingerprint:
+            reason = (f"config fingerprint mismatch: worker has {hello.fingerprint[:32]!r}, server has "
+                      f"{self.cfg.fingerprint!r} ({FINGERPRINT_COVERS} differ)")
+            log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
+            self._send(self.workers_sock, [wid, *protocol.encode(protocol.Refuse(reason=reason))])
+            return None
+        self._send(self.workers_sock, [wid, *protocol.encode(protocol.Welcome(templates=self.out_templates))])
+        return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
+
+    # ---- periodic -----------------------------------------------------------------------------
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if now - self.last_housekeeping < HOUSEKEEPING_S:
+        if now - self.last_tick < TICK_S:
             return
-        self.last_housekeeping = now
+        self.last_tick = now
         if self.pool is not None:
-            for _, pid, rc in self.pool.poll():
-                for wid, w in list(self.sched.workers.items()):
-                    if w.pid == pid and w.host == self.hostname:
-                        self.sched.remove_worker(wid, f"died (exit {rc})")
-        timeout = self.cfg.heartbeat_timeout
-        for wid, w in list(self.sched.workers.items()):
-            if now - w.last_seen > timeout:
-                self.sched.remove_worker(wid, f"lost (no heartbeat for {now - w.last_seen:.1f} s)")
-        if now - self.last_hb >= self.cfg.heartbeat_interval:
-            self.last_hb = now
-            hb = wire.pack({"t": "hb"})
-            for wid in self.sched.workers:
-                self._send(self.workers_sock, [wid + HB_SUFFIX, hb])
-            run = self.sched.run
-            if run is not None and not run.finished:
-                self._send(self.control, [run.stream_id, b"", wire.pack(
-                    {"t": "hb", "run": run.run, "delivered": run.delivered, "workers": len(self.sched.workers)})])
-        run = self.sched.run
-        if run is not None and run.finished and self.feeder is not None and self.feeder.is_alive():
-            self.feeder.stop()
+            for index, pid, rc in self.pool.poll():
+                self.handle(ev.LocalWorkerExited(now, index, pid, rc))
+        self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
 
 
 class _Throttled:
@@ -468,7 +406,7 @@ def serve(cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, k
           insecure: bool) -> int:
     server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure)
 
-    def _stop(signum, frame):
+    def _stop(signum: int, frame: Any) -> None:
         server.stopping = True
 
     signal.signal(signal.SIGTERM, _stop)

@@ -130,12 +130,15 @@ def _describe(rc: int) -> str:
 
 
 def worker_argv(config_path: str, connect: str, *, index: int, keys: Optional[str] = None,
-                worker_endpoint: Optional[str] = None) -> List[str]:
+                worker_endpoint: Optional[str] = None, local: bool = False) -> List[str]:
+    """How a worker process is started; `local`: one of the server's own (its exit is reported by index)."""
     argv = [sys.executable, "-m", "ppserver.worker", config_path, "--connect", connect, "--index", str(index)]
     if keys:
         argv += ["--keys", keys]
     if worker_endpoint:
         argv += ["--worker-endpoint", worker_endpoint]
+    if local:
+        argv.append("--local")
     return argv
 
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 import ppclient
-from ppclient import wire
+from ppclient import protocol, wire
 
 from conftest import (
     REPO,
@@ -109,7 +109,7 @@ def test_worker_protocol_mismatch_is_refused(tmp_path):
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(_worker_endpoint(srv))
-        sock.send(wire.pack({"t": "hello", "proto": wire.PROTOCOL + 7, "fingerprint": "x", "host": "h", "pid": 1}))
+        sock.send(wire.pack({"t": "hello", "proto": protocol.PROTOCOL + 7, "fingerprint": "x", "host": "h", "pid": 1}))
         assert sock.poll(10000)
         reply = wire.unpack(sock.recv())
         sock.close()
@@ -181,24 +181,21 @@ def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
 # ---- fuzzing ------------------------------------------------------------------------------
 
 def _valid_messages(rng: random.Random):
-    arr = [["data", "<f4", [2, 8]]]
-    buf = bytes(64)
-    return [
-        [{"op": "info", "proto": 1}],
-        [{"op": "status", "proto": 1}],
-        [{"op": "epoch", "proto": 1, "epoch": rng.randrange(5), "stream_id": os.urandom(4)}],
-        [{"op": "credit", "run": rng.randrange(5), "n": rng.randrange(-5, 50)}],
-        [{"op": "worker_hello", "proto": 1}],
-        [{"t": "hello", "proto": 1, "fingerprint": "0" * 16, "host": "fuzz", "pid": 1}],
-        [{"t": "result", "run": rng.randrange(5), "i": rng.randrange(50), "meta": {"seq_tag": "x"}, "arrays": arr},
-         buf],
-        [{"t": "sout", "run": 1, "p": 0, "k": 0, "meta": {}, "arrays": arr}, buf],
-        [{"t": "sack", "run": 1, "p": rng.randrange(-2, 4), "n": 1}],
-        [{"t": "sdone", "run": 1, "p": 0, "count": 3}],
-        [{"t": "fail", "run": 1, "i": 0, "message": "x"}],
-        [{"t": "bye"}],
-        [{"t": "hb"}],
+    """Headers of real protocol messages (and batch messages with one item and its frame)."""
+    msgs = [
+        protocol.InfoRequest(), protocol.StatusRequest(), protocol.DiscoverRequest(),
+        protocol.EpochRequest(epoch=rng.randrange(5), consumer=os.urandom(4)),
+        protocol.Credit(run=rng.randrange(5), total=rng.randrange(50)),
+        protocol.Hello(fingerprint="0" * 16, host="fuzz", pid=1),
+        protocol.TaskFailed(run=1, pos=0, message="x"),
+        protocol.StreamAck(run=1, partition=rng.randrange(4), n=1),
+        protocol.StreamDone(run=1, partition=0), protocol.Bye(), protocol.Heartbeat(),
     ]
+    out = [[wire.unpack(protocol.encode(m)[0])] for m in msgs]
+    item = {"i": rng.randrange(50), "meta": {"seq_tag": "x"}, "arrays": [["data", "<f4", [2, 8]]]}
+    for batch in (protocol.Results(run=rng.randrange(5)), protocol.StreamOutputs(run=1, partition=0)):
+        out.append([{**wire.unpack(protocol.encode(batch)[0]), "items": [item]}, bytes(64)])
+    return out
 
 
 _WEIRD = [None, -1, 0, 2 ** 63 - 1, -(2 ** 63), 1.5, float("nan"), "", "x" * 300, b"\x00" * 40, [], {}, [1, [2]],
@@ -212,7 +209,8 @@ def _mutate(rng: random.Random, msg):
     if choice == 0 and header:
         header[rng.choice(list(header))] = rng.choice(_WEIRD)
     elif choice == 1:
-        header[rng.choice(["t", "op", "run", "i", "p", "arrays", "meta", "proto", "n"])] = rng.choice(_WEIRD)
+        header[rng.choice(["t", "run", "items", "partition", "pos", "proto", "n", "total", "epoch"])] = \
+            rng.choice(_WEIRD)
     elif choice == 2:
         packed = bytearray(msgpack.packb(header, use_bin_type=True))
         for _ in range(rng.randrange(1, 4)):
@@ -259,7 +257,7 @@ def test_fuzzed_frames_never_break_the_server(tmp_path):
                     rng.choice(socks).send_multipart(frames)
                     sent += 1
                     if n % 500 == 0:  # oversized message: the peer is disconnected, the server lives
-                        rng.choice(socks).send_multipart([b"", b"\x81\xa2op\xa4info", os.urandom(200_000)])
+                        rng.choice(socks).send_multipart([b"", b"\x81\xa1t\xa4info", os.urandom(200_000)])
                         sent += 1
                 # raw bytes that are not ZMTP at all
                 host, port = endpoint.rsplit(":", 1)[0][6:], int(endpoint.rsplit(":", 1)[1])

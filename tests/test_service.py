@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 import ppclient
-from ppclient import wire
-from ppserver.feeder import MAX_BATCH
-from ppserver.scheduler import CLIENT_WINDOW_SLACK
+from ppclient import protocol, wire
+from ppserver.reader import MAX_BATCH
+from ppserver.scheduler import Settings
 
 from conftest import (
     REPO,
@@ -352,12 +352,13 @@ def test_protocol_mismatch_is_a_clear_error(tmp_path):
         req = ctx.socket(zmq.REQ)
         req.linger = 0
         req.connect(srv.address)
-        req.send(wire.pack({"op": "info", "proto": wire.PROTOCOL + 1}))
+        req.send(wire.pack({"t": "info", "proto": protocol.PROTOCOL + 1}))
         assert req.poll(10000)
         reply = wire.unpack(req.recv())
         req.close()
         ctx.term()
-        assert reply["ok"] is False and "protocol version mismatch" in reply["error"]
+        assert reply["t"] == "error_reply" and reply["reason"] == "protocol"
+        assert "protocol version mismatch" in reply["error"]
         with srv.client() as c:  # still serving
             assert len(collect(c.epoch(1))) == 5
 
@@ -409,7 +410,7 @@ def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
         q = st["queues"]
         assert st["seqs_delivered"] <= 6 + 1
         # in flight (2 workers x buf_size 2) + reorder slack + at most one feeder batch
-        assert q["fed"] - st["seqs_delivered"] <= 2 * 2 + CLIENT_WINDOW_SLACK + MAX_BATCH
+        assert q["fed"] - st["seqs_delivered"] <= 2 * 2 + Settings().read_slack + MAX_BATCH
         assert q["client_credit"] == 0
         assert sum(1 for _ in it) == 2999
 
@@ -432,7 +433,7 @@ def test_client_reports_a_server_with_another_protocol():
             def answer():
                 if fake.poll(10000):
                     ident, empty, _ = fake.recv_multipart()
-                    fake.send_multipart([ident, empty, wire.pack({"ok": True, "proto": wire.PROTOCOL + 1})])
+                    fake.send_multipart([ident, empty, wire.pack({"t": "info_reply", "proto": protocol.PROTOCOL + 1})])
 
             t = threading.Thread(target=answer)
             t.start()

@@ -2,8 +2,11 @@
 
 Requests go over a REQ socket; a request that gets no answer within `timeout` closes the
 socket (a REQ whose reply is lost can never send again) and raises ServerUnavailable.
-Seqs arrive on a DEALER socket: the client grants the server credit for `window` seqs and
-tops it up as it consumes them, so the server never sends more than the trainer takes.
+An epoch's seqs arrive on a DEALER socket: the client grants the server credit for
+`window` seqs and tops it up as it consumes them, so the server never sends more than
+the trainer takes. While a run is live the server sends a keepalive every heartbeat
+interval, which tells a slow epoch (an Error naming what it waits for) from a dead server
+(ServerUnavailable).
 """
 
 from __future__ import annotations
@@ -11,98 +14,121 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import zmq
 
-from . import wire
-from .errors import Error, MapperError, ServerUnavailable
+from . import endpoints, keyfiles, protocol
+from .errors import Error, MapperError, ServerUnavailable, Superseded, UsageError
+from .protocol import Channel, Item, Peer
+
+# The server is alive if something came within this many of its heartbeat intervals.
+KEEPALIVE_MISSES = 2
 
 
 class Client:
-    """Connection to one ppserver. Use as a context manager or call close()."""
+    """Connection to one ppserver. Use as a context manager or call close().
+
+    Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
+    directory or key file) raise UsageError here, before any socket exists.
+    """
 
     def __init__(self, address: str, *, timeout: float = 30.0, window: int = 32, keys: Optional[str] = None):
-        if window < 1:
-            raise ValueError("window must be >= 1")
-        self.address = address
+        self.address = endpoints.check(address, "address")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UsageError(f"window must be an int >= 1, got {window!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise UsageError(f"timeout must be a number > 0, got {timeout!r}")
         self.timeout = float(timeout)
         self.window = window
         self.keys = keys
+        self._keys = keyfiles.client_keys(keys) if keys else None
         self._ctx = zmq.Context()
         self._req: Optional[zmq.Socket] = None
         self._data: Optional[zmq.Socket] = None
-        self._stream_id = b"ppc-" + os.urandom(12)
-        self._current: Optional["EpochIterator"] = None
+        self._consumer = b"ppc-" + os.urandom(12)
+        self._current: Optional[EpochIterator] = None
 
     # ---- sockets ------------------------------------------------------------------------
-    def _secure(self, sock: zmq.Socket) -> None:
-        if self.keys:
-            import zmq.auth
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.linger = 0
+        if self._keys is not None:
+            self._keys.apply(sock)
+        return sock
 
-            public, secret = zmq.auth.load_certificate(os.path.join(self.keys, "client.key_secret"))
-            server_public, _ = zmq.auth.load_certificate(os.path.join(self.keys, "server.key"))
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
-
-    def _request(self, header: Dict[str, Any]) -> Dict[str, Any]:
+    def _request(self, msg: protocol.Message) -> protocol.Message:
         if self._ctx.closed:
             raise Error("client is closed")
         if self._req is None:
-            sock = self._ctx.socket(zmq.REQ)
-            sock.linger = 0
-            self._secure(sock)
-            sock.connect(self.address)
-            self._req = sock
-        header = {**header, "proto": wire.PROTOCOL}
-        self._req.send(wire.pack(header))
+            self._req = self._socket(zmq.REQ)
+            self._req.connect(self.address)
+        self._req.send_multipart(protocol.encode(msg))
         if not self._req.poll(int(self.timeout * 1000)):
             self._req.close(linger=0)
             self._req = None
             raise ServerUnavailable(f"no answer from {self.address} within {self.timeout:g} s")
-        reply = wire.unpack(self._req.recv())
-        mismatch = wire.protocol_mismatch(reply.get("proto"), "the server")
-        if mismatch:
-            raise Error(mismatch)
-        if not reply.get("ok"):
-            raise Error(str(reply.get("error", "request failed")))
+        try:
+            reply = protocol.decode(self._req.recv_multipart(), Peer.CLIENT, (Channel.CONTROL,)).msg
+        except protocol.VersionMismatch as exc:
+            raise Error(protocol.mismatch_text(exc.theirs, "the server")) from None
+        except protocol.ProtocolError as exc:
+            raise Error(f"malformed reply from {self.address}: {exc}") from None
+        if isinstance(reply, protocol.ErrorReply):
+            raise Error(reply.error)
         return reply
 
     def _data_socket(self) -> zmq.Socket:
         if self._data is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.identity = self._stream_id
+            sock = self._socket(zmq.DEALER)
+            sock.identity = self._consumer
             sock.rcvhwm = 0
-            self._secure(sock)
             sock.connect(self.address)
             self._data = sock
         return self._data
 
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
-        """Data keys of the mapped outputs, num_seqs (or None) and the protocol version."""
-        reply = self._request({"op": "info"})
-        reply.pop("ok", None)
-        reply["protocol"] = reply.pop("proto")
-        return reply
+        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol."""
+        reply = self._request(protocol.InfoRequest())
+        assert isinstance(reply, protocol.InfoReply)
+        return {
+            "data_keys": reply.data_keys,
+            "input_keys": reply.input_keys,
+            "num_seqs": reply.num_seqs,
+            "mode": reply.mode,
+            "stream_partitions": reply.stream_partitions,
+            "buf_size": reply.buf_size,
+            "version": reply.version,
+            "protocol": protocol.PROTOCOL,
+        }
 
     def status(self) -> Dict[str, Any]:
         """The server's status: the same dict `ppserver status --json` prints."""
-        return self._request({"op": "status"})["status"]
+        reply = self._request(protocol.StatusRequest())
+        assert isinstance(reply, protocol.StatusReply)
+        return reply.status
 
     def epoch(self, epoch: int, *, seq_list: Optional[List[str]] = None,
               seq_order: Optional[List[int]] = None) -> "EpochIterator":
-        """Start an epoch (cancelling any other) and return an iterator of its seqs, in order."""
-        data = self._data_socket()  # connect before asking, so no seq waits for a missing peer
+        """Start an epoch (superseding any other) and return an iterator of its seqs, in order.
+
+        Returns once the server's dataset has set the epoch up, so `len()` works at once.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
+        data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
         if self._current is not None:
-            self._current._superseded = True
-        reply = self._request({
-            "op": "epoch", "epoch": int(epoch), "stream_id": self._stream_id,
-            "seq_list": list(seq_list) if seq_list is not None else None,
-            "seq_order": [int(i) for i in seq_order] if seq_order is not None else None,
-        })
-        it = EpochIterator(self, data, reply["run"], epoch, reply.get("num_seqs"))
+            self._current._supersede(f"epoch {self._current.epoch} was superseded by epoch {epoch} of this client")
+        reply = self._request(protocol.EpochRequest(
+            epoch=epoch, consumer=self._consumer,
+            seq_list=[str(t) for t in seq_list] if seq_list is not None else None,
+            seq_order=[int(i) for i in seq_order] if seq_order is not None else None,
+        ))
+        assert isinstance(reply, protocol.EpochAccepted)
+        it = EpochIterator(self, data, reply.run, epoch)
         self._current = it
+        it._wait_started()
         return it
 
     def close(self) -> None:
@@ -110,98 +136,151 @@ class Client:
             if sock is not None:
                 sock.close(linger=0)
         self._req = self._data = None
-        self._ctx.term()
+        if not self._ctx.closed:
+            self._ctx.term()
 
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
 class EpochIterator(Iterator[Dict[str, Any]]):
-    """The seqs of one epoch in order. Raises MapperError or ServerUnavailable, never hangs."""
+    """The seqs of one epoch in order. Raises MapperError, Superseded or ServerUnavailable, never
+    hangs; once it has raised, every later next() raises the same error."""
 
-    def __init__(self, client: Client, sock: zmq.Socket, run: int, epoch: int, num_seqs: Optional[int]):
+    def __init__(self, client: Client, sock: zmq.Socket, run: int, epoch: int):
         self._client = client
         self._sock = sock
         self.run = run
         self.epoch = epoch
-        self.num_seqs = num_seqs
+        self.num_seqs: Optional[int] = None
         self._consumed = 0
         self._ungranted = 0
-        self._done = False
-        self._superseded = False
-        self._ready: Deque[Tuple[Dict[str, Any], List[Any]]] = deque()
         self._granted = 0
-        self._grant(client.window)
+        self._done = False
+        self._error: Optional[Error] = None
+        self._ready: Deque[Item] = deque()
+        self._alive_at = 0.0  # when the last keepalive (or anything) came from the server
+        self._interval = 1.0
+        self._waiting_for = ""
+        self._workers = 0
+        self._started = False
 
     def __len__(self) -> int:
         if self.num_seqs is None:
             raise TypeError("the number of seqs of this epoch is not known in advance")
         return self.num_seqs
 
-    def _grant(self, n: int) -> None:
-        """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
-        self._granted += n
-        self._sock.send_multipart([b"", wire.pack({"op": "credit", "run": self.run, "total": self._granted})])
-
     def __iter__(self) -> "EpochIterator":
         return self
 
-    def __next__(self) -> Dict[str, Any]:
-        if self._superseded:
-            raise Error(f"epoch {self.epoch} was superseded by a newer epoch request")
-        if self._ready:
-            return self._take()
-        if self._done:
-            raise StopIteration
-        timeout = self._client.timeout
-        deadline = time.monotonic() + timeout
-        alive = None  # the last keepalive: the server answers, but the epoch makes no progress
-        while True:
-            if not self._sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
-                if alive is not None:
-                    raise Error(f"epoch {self.epoch} made no progress for {timeout:g} s although the server at "
-                                f"{self._client.address} is alive ({alive.get('workers')} workers; a mapper may be "
-                                "stuck, or no worker is connected)")
-                raise ServerUnavailable(f"no data from {self._client.address} for {timeout:g} s (epoch {self.epoch})")
-            frames = self._sock.recv_multipart(copy=False)
-            header, bufs = wire.split(frames[1:])
-            if header.get("run") != self.run:
-                continue  # left over from an earlier epoch
-            t = header.get("t")
-            if t == "hb":
-                alive = header
-                continue
-            if t == "seq":
-                self._ready.extend(wire.unpack_batch(header, bufs))
-                return self._take()
-            if t == "end":
-                self._done = True
-                if header.get("count") != self._consumed:
-                    raise Error(f"epoch {self.epoch} ended after {header.get('count')} seqs but "
-                                f"{self._consumed} arrived (messages were lost)")
-                if self.num_seqs is not None and header.get("count") != self.num_seqs:
-                    raise Error(f"epoch {self.epoch} ended after {header.get('count')} of {self.num_seqs} seqs")
-                raise StopIteration
-            if t == "error":
-                self._done = True
-                if header.get("kind") == "mapper":
-                    raise MapperError(str(header.get("message")), seq_tag=header.get("seq_tag"),
-                                      remote_traceback=str(header.get("traceback") or ""))
-                raise Error(f"epoch {self.epoch} failed on the server: {header.get('message')}")
+    def _grant(self, n: int) -> None:
+        """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
+        self._granted += n
+        self._sock.send_multipart([protocol.DELIMITER,
+                                   *protocol.encode(protocol.Credit(run=self.run, total=self._granted))])
 
-    def _take(self) -> Dict[str, Any]:
-        item, bufs = self._ready.popleft()
-        if item.get("i") != self._consumed:
-            self._done = True
-            raise Error(f"epoch {self.epoch}: expected seq #{self._consumed} but got #{item.get('i')} "
-                        "(messages were lost, e.g. on a reset connection)")
-        seq = wire.item_to_seq(item, bufs)
+    def _supersede(self, message: str) -> None:
+        if not self._done and self._error is None:
+            self._error = Superseded(message)
+
+    def _raise(self, error: Error) -> None:
+        self._error = error
+        raise error
+
+    def _wait_started(self) -> None:
+        self._alive_at = time.monotonic()
+        self._grant(self._client.window)
+        while not self._started:
+            self._receive("started")
+
+    def __next__(self) -> Dict[str, Any]:
+        if self._error is not None:
+            raise self._error
+        while not self._ready:
+            if self._done:
+                raise StopIteration
+            self._receive("progress")
+        item = self._ready.popleft()
+        if item.pos != self._consumed:
+            self._raise(Error(f"epoch {self.epoch}: expected seq #{self._consumed} but got #{item.pos} "
+                              "(messages were lost, e.g. on a reset connection)"))
+        seq = protocol.item_to_seq(item)
         self._consumed += 1
         self._ungranted += 1
         if self._ungranted * 2 >= self._client.window:
             self._grant(self._ungranted)
             self._ungranted = 0
         return seq
+
+    def _receive(self, what: str) -> None:
+        """Take the next message of this run; raise when none comes within the timeout."""
+        timeout = self._client.timeout
+        began = time.monotonic()
+        deadline = began + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                if time.monotonic() < deadline:
+                    continue
+                self._timed_out(what, timeout, began)
+            frames = self._sock.recv_multipart(copy=False)
+            if len(frames) < 2 or len(frames[0]) != 0:
+                continue
+            try:
+                decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DATA,))
+            except protocol.ProtocolError as exc:
+                self._raise(Error(f"malformed message from {self._client.address}: {exc}"))
+            msg = decoded.msg
+            if getattr(msg, "run", None) != self.run:
+                continue  # left over from an earlier epoch
+            self._alive_at = time.monotonic()
+            if isinstance(msg, protocol.Keepalive):
+                self._interval, self._workers, self._waiting_for = msg.interval, msg.workers, msg.waiting_for
+                continue
+            self._on(msg, decoded)
+            return
+
+    def _on(self, msg: protocol.Message, decoded: protocol.Decoded) -> None:
+        if isinstance(msg, protocol.Started):
+            self._started = True
+            self.num_seqs = msg.num_seqs
+        elif isinstance(msg, protocol.Seqs):
+            if decoded.bad:
+                self._raise(Error(f"epoch {self.epoch}: malformed seq from the server: {decoded.bad[0].reason}"))
+            self._ready.extend(decoded.items)
+        elif isinstance(msg, protocol.End):
+            self._done = True
+            arrived = self._consumed + len(self._ready)
+            if msg.count != arrived:
+                self._raise(Error(f"epoch {self.epoch} ended after {msg.count} seqs but {arrived} arrived "
+                                  "(messages were lost)"))
+            if self.num_seqs is not None and msg.count != self.num_seqs:
+                self._raise(Error(f"epoch {self.epoch} ended after {msg.count} of {self.num_seqs} seqs"))
+        elif isinstance(msg, protocol.RunFailed):
+            self._done = True
+            if msg.failure == protocol.FailureKind.MAPPER.value:
+                self._raise(MapperError(msg.message, seq_tag=msg.seq_tag, remote_traceback=msg.traceback))
+            if msg.failure == protocol.FailureKind.REQUEST.value:
+                self._raise(Error(f"cannot start epoch {self.epoch}: {msg.message}"))
+            self._raise(Error(f"epoch {self.epoch} failed on the server: {msg.message}"))
+        elif isinstance(msg, protocol.Superseded):
+            self._done = True
+            self._raise(Superseded(f"epoch {self.epoch} was superseded by epoch {msg.epoch}, "
+                                   "requested by another client"))
+
+    def _timed_out(self, what: str, timeout: float, began: float) -> None:
+        """Alive means keepalives kept coming while we waited; else the server is gone."""
+        address = self._client.address
+        silent = time.monotonic() - self._alive_at
+        if self._alive_at < began or silent > KEEPALIVE_MISSES * self._interval + 0.25:
+            self._raise(ServerUnavailable(f"no data from {address} for {silent:.1f} s (epoch {self.epoch})"))
+        waiting = f"; waiting for {self._waiting_for}" if self._waiting_for else ""
+        if what == "started":
+            self._raise(Error(f"epoch {self.epoch} did not start within {timeout:g} s although the server at "
+                              f"{address} is alive{waiting}"))
+        self._raise(Error(f"epoch {self.epoch} made no progress for {timeout:g} s although the server at {address} "
+                          f"is alive ({self._workers} workers{waiting})"))
+

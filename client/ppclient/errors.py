@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class Error(Exception):
     """Any failure reported by or about the server."""
+
+
+class UsageError(Error, ValueError):
+    """A bad argument given to the client (an address, a keys directory): nothing was sent."""
 
 
 class ServerUnavailable(Error):
     """The server did not answer within the client's timeout."""
 
 
+class Superseded(Error):
+    """Another request (of this or another client) started a newer epoch; this one ended."""
+
+
 class MapperError(Error):
     """A mapper raised on the server (or its output failed validation)."""
 
-    def __init__(self, message: str, *, seq_tag=None, remote_traceback: str = ""):
+    def __init__(self, message: str, *, seq_tag: Optional[str] = None, remote_traceback: str = ""):
         super().__init__(f"{message} (seq {seq_tag!r})" if seq_tag is not None else message)
         self.seq_tag = seq_tag
         self.remote_traceback = remote_traceback

@@ -1,0 +1,55 @@
+"""ZeroMQ endpoints as users write them: checking, wildcards and loopback.
+
+One place for the rules, used by the client, the workers and the server, so a typo such
+as ``127.0.0.1:5555`` is one clear error everywhere instead of a socket that never connects.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from .errors import UsageError
+
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+def check(endpoint: object, what: str = "address") -> str:
+    """``tcp://HOST:PORT`` (PORT 0-65535) or ``ipc://PATH``; raises UsageError naming `what`."""
+    what = f"option {what!r}" if what.startswith("-") else what
+    if not isinstance(endpoint, str):
+        raise UsageError(f"{what}: expected a string such as tcp://HOST:PORT, got {type(endpoint).__name__}")
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    proto, sep, rest = endpoint.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if proto != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{what}: expected tcp://HOST:PORT with PORT 0-65535 (or ipc://PATH), got {endpoint!r}")
+    return endpoint
+
+
+def host_port(endpoint: str) -> Tuple[str, str]:
+    """('HOST', 'PORT') of a tcp endpoint."""
+    host, _, port = endpoint.partition("://")[2].rpartition(":")
+    return host, port
+
+
+def is_wildcard(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and host_port(endpoint)[0] in WILDCARD_HOSTS
+
+
+def is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = host_port(endpoint)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def reachable(endpoint: str, via: str) -> str:
+    """A bound endpoint as a peer can connect to it: a wildcard host becomes the host of `via`
+    (the address the peer already reached), or 127.0.0.1."""
+    if not is_wildcard(endpoint):
+        return endpoint
+    _, port = host_port(endpoint)
+    host = host_port(via)[0] if via.startswith("tcp://") and not is_wildcard(via) else "127.0.0.1"
+    return f"tcp://{host}:{port}"

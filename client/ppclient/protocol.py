@@ -1,0 +1,814 @@
+"""Every message of the ppserver protocol, defined once.
+
+Three kinds of peers talk: clients (a REQ socket for requests, a DEALER for an epoch's
+data), the server (a control ROUTER and a worker ROUTER) and workers (a DEALER for tasks
+and results, a second DEALER for heartbeats). Each message is one class below: its fields
+with their types, who sends it and who receives it. `encode` turns a message (and the
+items of a batch message) into frames; `decode` checks a received header against the
+class's fields and refuses anything else, so handlers only ever see checked messages.
+
+`docs/protocol.md` describes the conversations; `wire.py` holds the framing (msgpack
+headers, raw array frames). Bump PROTOCOL whenever a message, a field or a rule changes
+in a way an older peer would misread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
+
+from . import wire
+from .errors import Error
+
+PROTOCOL = 2
+
+KIND = "t"  # the discriminator: every header has it, naming the message class
+PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
+HEARTBEAT_SUFFIX = b"|hb"  # a worker's heartbeat socket has its task socket's identity plus this
+DELIMITER = b""  # client sockets put an empty frame before the header (REQ's envelope)
+META_KEYS = wire.META_KEYS  # meta entries travel in the item header, never as frames
+
+
+class ProtocolError(Error):
+    """A message that is not one of this protocol's, or whose fields do not check."""
+
+
+class Peer(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+    WORKER = "worker"
+
+
+class Channel(enum.Enum):
+    """The socket pair a message travels on; a message on another one is refused."""
+
+    CONTROL = "control"  # a REQ (client, or a worker host discovering) -> the control ROUTER, and the reply
+    DATA = "data"  # a client's DEALER <-> the control ROUTER: one epoch's credit and seqs
+    WORKER = "worker"  # a worker's DEALERs (tasks, heartbeats) <-> the worker ROUTER
+
+
+def _nonneg(default: int = 0) -> Any:
+    return field(default=default, metadata={"min": 0})
+
+
+def _positive(default: int = 1) -> Any:
+    return field(default=default, metadata={"min": 1})
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message. Subclasses set `kind`, `sender`, `receiver`."""
+
+    kind: ClassVar[str]
+    channel: ClassVar[Channel]
+    sender: ClassVar[Tuple[Peer, ...]]
+    receiver: ClassVar[Tuple[Peer, ...]]
+    batch: ClassVar[bool] = False  # carries items (seqs) with one frame per array
+    versioned: ClassVar[bool] = False  # carries PROTO_FIELD
+
+
+# ---- client requests and the server's replies (client REQ <-> control ROUTER) -------------
+@dataclass(frozen=True)
+class InfoRequest(Message):
+    kind = "info"
+    channel = Channel.CONTROL
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    kind = "status"
+    channel = Channel.CONTROL
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+
+
+@dataclass(frozen=True)
+class EpochRequest(Message):
+    """Start an epoch for the consumer whose data socket has identity `consumer`."""
+
+    kind = "epoch"
+    channel = Channel.CONTROL
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+    epoch: int = _nonneg()
+    consumer: bytes = b""
+    seq_list: Optional[List[str]] = None
+    seq_order: Optional[List[int]] = None
+
+
+@dataclass(frozen=True)
+class DiscoverRequest(Message):
+    """A worker host asks the control address where the worker socket is."""
+
+    kind = "discover"
+    channel = Channel.CONTROL
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+
+
+@dataclass(frozen=True)
+class InfoReply(Message):
+    kind = "info_reply"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    versioned = True
+    data_keys: Dict[str, Any] = field(default_factory=dict)
+    input_keys: Dict[str, Any] = field(default_factory=dict)
+    num_seqs: Optional[int] = None
+    mode: str = "map_seq"
+    stream_partitions: Optional[int] = None
+    buf_size: int = 1
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    kind = "status_reply"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    versioned = True
+    status: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EpochAccepted(Message):
+    """The request checks; the epoch's `Started` (or its error) follows on the data socket."""
+
+    kind = "epoch_accepted"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    versioned = True
+    run: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class DiscoverReply(Message):
+    kind = "discover_reply"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    versioned = True
+    worker_endpoint: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorReply(Message):
+    """A refused request; `reason` says why (e.g. "protocol", "request")."""
+
+    kind = "error_reply"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT, Peer.WORKER)
+    versioned = True
+    error: str = ""
+    reason: str = "request"
+
+
+# ---- an epoch's data (client DEALER <-> control ROUTER) --------------------------------------
+@dataclass(frozen=True)
+class Credit(Message):
+    """The client has granted `total` seqs of this run so far (cumulative, so a lost grant heals)."""
+
+    kind = "credit"
+    channel = Channel.DATA
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    total: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class Started(Message):
+    """The dataset has set up the epoch; `num_seqs` is None when the mapper changes the count."""
+
+    kind = "started"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    run: int = _nonneg()
+    num_seqs: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Seqs(Message):
+    """Delivered seqs; item `i` is the position in the epoch, consecutive across messages."""
+
+    kind = "seqs"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    batch = True
+    run: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class Keepalive(Message):
+    """Sent every heartbeat interval while a run is live, so the client tells slow from dead."""
+
+    kind = "keepalive"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    run: int = _nonneg()
+    interval: float = 1.0
+    workers: int = _nonneg()
+    waiting_for: str = ""  # what holds the epoch back, in words
+
+
+@dataclass(frozen=True)
+class End(Message):
+    kind = "end"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    run: int = _nonneg()
+    count: int = _nonneg()
+
+
+class FailureKind(str, enum.Enum):
+    MAPPER = "mapper"  # a mapper raised, its output failed validation, or a seq killed workers
+    DATASET = "dataset"  # the dataset raised
+    REQUEST = "request"  # the request was refused once the dataset checked it (e.g. an unknown tag)
+    SERVER = "server"  # an internal error of the server
+
+
+@dataclass(frozen=True)
+class RunFailed(Message):
+    kind = "run_failed"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    run: int = _nonneg()
+    failure: str = FailureKind.SERVER.value
+    message: str = ""
+    seq_tag: Optional[str] = None
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class Superseded(Message):
+    """Another request started a newer run; nothing more of this run will come."""
+
+    kind = "superseded"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    run: int = _nonneg()
+    epoch: int = _nonneg()  # the epoch that replaced it
+
+
+# ---- workers (worker DEALER <-> worker ROUTER) -------------------------------------------------
+@dataclass(frozen=True)
+class Hello(Message):
+    """Registration. `replaces`: this process's previous identity, whose connection was reset."""
+
+    kind = "hello"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+    fingerprint: str = ""
+    host: str = ""
+    pid: int = 0
+    local_index: Optional[int] = None  # set by the server's own local workers
+    replaces: Optional[bytes] = None
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    kind = "welcome"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    versioned = True
+    templates: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refuse(Message):
+    kind = "refuse"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    versioned = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Unknown(Message):
+    """The server does not know this identity (it restarted or declared the worker dead)."""
+
+    kind = "unknown"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """On the heartbeat socket, both ways; any traffic on the task socket also counts."""
+
+    kind = "hb"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER, Peer.WORKER)
+    receiver = (Peer.SERVER, Peer.WORKER)
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    kind = "bye"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+
+
+@dataclass(frozen=True)
+class RunOpen(Message):
+    """Tasks of `run` may follow; `check_tags`: outputs must keep the input's seq_tag."""
+
+    kind = "run_open"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    run: int = _nonneg()
+    epoch: int = _nonneg()
+    check_tags: bool = False
+
+
+@dataclass(frozen=True)
+class RunClose(Message):
+    """Drop everything of `run`: its queued tasks, open streams and unsent results."""
+
+    kind = "run_close"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    run: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class Tasks(Message):
+    kind = "tasks"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    batch = True
+    run: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class Results(Message):
+    kind = "results"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    batch = True
+    run: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class TaskFailed(Message):
+    """A map_seq call raised or its output failed validation (or did not fit a message)."""
+
+    kind = "task_failed"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    pos: int = _nonneg()
+    seq_tag: Optional[str] = None
+    message: str = ""
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class StreamOpen(Message):
+    """Run partition `partition` here; skip its first `skip` outputs (already delivered)."""
+
+    kind = "stream_open"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+    skip: int = _nonneg()
+    credit: int = _positive()
+
+
+@dataclass(frozen=True)
+class StreamInputs(Message):
+    kind = "stream_inputs"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    batch = True
+    run: int = _nonneg()
+    partition: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class StreamEnd(Message):
+    """No more inputs for this partition."""
+
+    kind = "stream_end"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class StreamClose(Message):
+    """Stop this partition here and drop it (it restarts on another worker)."""
+
+    kind = "stream_close"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class StreamCredit(Message):
+    """The worker may send `n` more outputs of this partition."""
+
+    kind = "stream_credit"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+    n: int = _positive()
+
+
+@dataclass(frozen=True)
+class StreamAck(Message):
+    """The stream took `n` inputs: the server may send that many more."""
+
+    kind = "stream_ack"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+    n: int = _positive()
+
+
+@dataclass(frozen=True)
+class StreamOutputs(Message):
+    """Outputs of a partition; item `i` counts the stream's outputs from its start."""
+
+    kind = "stream_outputs"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    batch = True
+    run: int = _nonneg()
+    partition: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class StreamDone(Message):
+    kind = "stream_done"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class StreamFailed(Message):
+    kind = "stream_failed"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    partition: int = _nonneg()
+    seq_tag: Optional[str] = None
+    message: str = ""
+    traceback: str = ""
+
+
+MESSAGES: Dict[str, Type[Message]] = {
+    cls.kind: cls
+    for cls in (
+        InfoRequest, StatusRequest, EpochRequest, DiscoverRequest, InfoReply, StatusReply, EpochAccepted,
+        DiscoverReply, ErrorReply, Credit, Started, Seqs, Keepalive, End, RunFailed, Superseded, Hello, Welcome,
+        Refuse, Unknown, Heartbeat, Bye, RunOpen, RunClose, Tasks, Results, TaskFailed, StreamOpen, StreamInputs,
+        StreamEnd, StreamClose, StreamCredit, StreamAck, StreamOutputs, StreamDone, StreamFailed,
+    )
+}
+
+
+
+
+# ---- items: seqs inside batch messages ----------------------------------------------------
+@dataclass
+class Item:
+    """One seq inside a batch message: its position, meta entries, array specs and frames.
+
+    `arrays` lists `[key, dtype, shape]` per array; `frames` holds one buffer per array
+    (numpy arrays, bytes or zmq.Frames), which a forwarder passes on without decoding.
+    """
+
+    pos: int
+    meta: Dict[str, Any]
+    arrays: List[List[Any]]
+    frames: List[Any]
+    nbytes: int = 0
+
+    def header(self, pos: Optional[int] = None) -> Dict[str, Any]:
+        return {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
+
+    def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> "Item":
+        return Item(pos, self.meta if meta is None else meta, self.arrays, self.frames, self.nbytes)
+
+    @property
+    def seq_tag(self) -> Optional[str]:
+        return self.meta.get("seq_tag")
+
+
+def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
+    """A seq dict (data keys -> numpy arrays, plus meta entries) as an Item; see wire.seq_to_item."""
+    header, frames = wire.seq_to_item(seq, i=pos)
+    return Item(pos, header["meta"], header["arrays"], frames, sum(map(wire.nbytes, frames)))
+
+
+def item_to_seq(item: Item) -> Dict[str, Any]:
+    """The seq dict of an Item (arrays are read-only views of its frames)."""
+    return wire.item_to_seq(item.header(), item.frames)
+
+
+class BadItem(typing.NamedTuple):
+    pos: Optional[int]  # the position the item claimed, if it was an int
+    reason: str
+
+
+def check_item(spec: Any, frames: Sequence[Any]) -> Item:
+    """An item header checked against its frames: meta, keys, dtypes and byte counts.
+
+    Raises ProtocolError. Nothing here builds an array, so a forwarder pays only for the checks.
+    """
+    if not isinstance(spec, dict):
+        raise ProtocolError("item is not a map")
+    pos, meta, arrays = spec.get("i"), spec.get("meta"), spec.get("arrays")
+    if not _is_int(pos) or pos < 0:
+        raise ProtocolError(f"item position {pos!r} is not an int >= 0")
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"item {pos}: meta is not a map")
+    if not isinstance(arrays, list) or len(arrays) != len(frames):
+        raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
+    for key, value in meta.items():
+        if key == "seq_tag" and isinstance(value, str):
+            continue
+        if key == "seq_idx" and _is_int(value):
+            continue
+        if key == "complete_frac" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            continue
+        raise ProtocolError(f"item {pos}: bad meta entry {key!r}: {value!r:.40}")
+    nbytes = 0
+    keys = set()
+    for spec_, frame in zip(arrays, frames):
+        if not (isinstance(spec_, list) and len(spec_) == 3):
+            raise ProtocolError(f"item {pos}: bad array spec {spec_!r:.60}")
+        key, dtype_str, shape = spec_
+        if not isinstance(key, str) or key in META_KEYS or key in keys:
+            raise ProtocolError(f"item {pos}: bad or repeated array key {key!r:.40}")
+        keys.add(key)
+        try:
+            dtype = wire.check_dtype(dtype_str)
+        except wire.WireError as exc:
+            raise ProtocolError(f"item {pos}: {exc}") from None
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
+        size = wire.nbytes(frame)
+        if size != math.prod(shape) * dtype.itemsize:
+            raise ProtocolError(f"item {pos}: array {key!r} has {size} bytes, not those of {shape} {dtype}")
+        nbytes += size
+    return Item(pos, meta, arrays, list(frames), nbytes)
+
+
+# ---- encode / decode ------------------------------------------------------------------------
+def encode(msg: Message, items: Sequence[Item] = ()) -> List[Any]:
+    """The frames of a message: its header, then every item's frames in order."""
+    header: Dict[str, Any] = {KIND: msg.kind}
+    if msg.versioned:
+        header[PROTO_FIELD] = PROTOCOL
+    for f in _FIELDS[type(msg)]:
+        header[f.name] = getattr(msg, f.name)
+    if not msg.batch:
+        return [wire.pack(header)]
+    header["items"] = [item.header() for item in items]
+    frames: List[Any] = [wire.pack(header)]
+    for item in items:
+        frames.extend(item.frames)
+    return frames
+
+
+def encode_batch(msg: Message, headers: List[Dict[str, Any]], frames: Sequence[Any]) -> List[Any]:
+    """A batch message from ready item headers and their frames (the server's relay path)."""
+    header: Dict[str, Any] = {KIND: msg.kind}
+    for f in _FIELDS[type(msg)]:
+        header[f.name] = getattr(msg, f.name)
+    header["items"] = headers
+    return [wire.pack(header), *frames]
+
+
+@dataclass
+class Decoded:
+    msg: Message
+    items: List[Item] = field(default_factory=list)
+    bad: List[BadItem] = field(default_factory=list)  # items of a batch that did not check
+
+
+def decode(frames: Sequence[Any], receiver: Peer, channels: Tuple[Channel, ...],
+           *, max_header_bytes: int = wire.MAX_HEADER_BYTES) -> Decoded:
+    """Check and decode a message (header frame first) that `receiver` got on one of `channels`.
+
+    Raises ProtocolError for an unknown kind, one that does not go to `receiver` on those
+    channels, a missing field or one of the wrong type, and VersionMismatch for a versioned
+    message of another protocol version. Items of a batch that do not check are returned in
+    `bad` instead of `items`.
+    """
+    try:
+        header, bufs = wire.split(frames, max_bytes=max_header_bytes)
+    except wire.WireError as exc:
+        raise ProtocolError(str(exc)) from None
+    kind = header.get(KIND)
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r:.40}")
+    if receiver not in cls.receiver or cls.channel not in channels:
+        raise ProtocolError(f"a {receiver.value} does not accept {kind!r} messages on this socket")
+    if cls.versioned and header.get(PROTO_FIELD) != PROTOCOL:
+        raise VersionMismatch(header.get(PROTO_FIELD), kind)
+    values = {}
+    for f in _FIELDS[cls]:
+        if f.name not in header:  # encode writes every field: a missing one is not our peer's doing
+            raise ProtocolError(f"{kind!r} without its {f.name!r} field")
+        values[f.name] = _check_field(cls, f, header[f.name])
+    msg = cls(**values)
+    if not cls.batch:
+        if bufs:
+            raise ProtocolError(f"{kind!r} carries no frames, got {len(bufs)}")
+        return Decoded(msg)
+    return _decode_items(msg, header.get("items"), bufs)
+
+
+def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
+    if not isinstance(specs, list):
+        raise ProtocolError(f"{msg.kind!r} without an items list")
+    counts = [len(s["arrays"]) if isinstance(s, dict) and isinstance(s.get("arrays"), list) else None for s in specs]
+    out = Decoded(msg)
+    if None in counts or sum(c for c in counts if c is not None) != len(bufs):
+        # frames cannot be matched to items: every item is bad
+        for spec in specs:
+            pos = spec.get("i") if isinstance(spec, dict) else None
+            out.bad.append(BadItem(pos if _is_int(pos) else None, "items and frames do not match"))
+        return out
+    at = 0
+    for spec, n in zip(specs, counts):
+        assert n is not None
+        try:
+            out.items.append(check_item(spec, bufs[at:at + n]))
+        except ProtocolError as exc:
+            pos = spec.get("i")
+            out.bad.append(BadItem(pos if _is_int(pos) else None, str(exc)))
+        at += n
+    return out
+
+
+class VersionMismatch(ProtocolError):
+    def __init__(self, theirs: Any, kind: str):
+        super().__init__(mismatch_text(theirs, "the peer"))
+        self.theirs = theirs
+        self.msg_kind = kind
+
+
+def mismatch_text(theirs: Any, who: str) -> str:
+    return f"protocol version mismatch: {who} speaks {theirs!r}, this side speaks {PROTOCOL}"
+
+
+# ---- field checks ---------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_like(value: Any, depth: int = 0) -> bool:
+    if depth > 8:
+        return False
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_json_like(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _checker(tp: Any):
+    """A function value -> checked value for a field type; raises ValueError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        inner = _checker(next(a for a in args if a is not type(None)))
+        return lambda v: None if v is None else inner(v)
+    if origin in (list, List):
+        elem = _checker(args[0])
+        return lambda v: [elem(x) for x in _require(v, list)]
+    if origin in (dict, Dict):
+        return lambda v: _require_json(_require(v, dict))
+    if tp is int:
+        return lambda v: v if _is_int(v) else _bad(v, "an int")
+    if tp is float:
+        return lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+            else _bad(v, "a finite number")
+    if tp is bool:
+        return lambda v: v if isinstance(v, bool) else _bad(v, "a bool")
+    if tp is str:
+        return lambda v: v if isinstance(v, str) else _bad(v, "a str")
+    if tp is bytes:
+        return lambda v: v if isinstance(v, bytes) else _bad(v, "bytes")
+    raise TypeError(f"no check for field type {tp!r}")
+
+
+def _require(value: Any, tp: type) -> Any:
+    if not isinstance(value, tp):
+        _bad(value, f"a {tp.__name__}")
+    return value
+
+
+def _require_json(value: Dict[str, Any]) -> Dict[str, Any]:
+    if not _json_like(value):
+        raise ValueError("a map of plain values")
+    return value
+
+
+def _bad(value: Any, what: str) -> Any:
+    raise ValueError(f"{what}, got {type(value).__name__}")
+
+
+def _check_field(cls: Type[Message], f: dataclasses.Field, value: Any) -> Any:
+    try:
+        value = _CHECKS[cls][f.name](value)
+    except ValueError as exc:
+        raise ProtocolError(f"{cls.kind}.{f.name} must be {exc}") from None
+    low = f.metadata.get("min")
+    if low is not None and value is not None and value < low:
+        raise ProtocolError(f"{cls.kind}.{f.name} must be >= {low}, got {value}")
+    return value
+
+
+_FIELDS: Dict[Type[Message], Tuple[dataclasses.Field, ...]] = {}
+_CHECKS: Dict[Type[Message], Dict[str, Any]] = {}
+for _cls in MESSAGES.values():
+    _hints = typing.get_type_hints(_cls)
+    _FIELDS[_cls] = tuple(f for f in dataclasses.fields(_cls))
+    _CHECKS[_cls] = {f.name: _checker(_hints[f.name]) for f in _FIELDS[_cls]}
+
+
+def describe() -> List[Dict[str, Any]]:
+    """Every message with its sender, receiver and fields (for docs and tests)."""
+    out = []
+    hints_cache = {cls: typing.get_type_hints(cls) for cls in MESSAGES.values()}
+    for kind, cls in MESSAGES.items():
+        out.append({
+            "kind": kind,
+            "class": cls.__name__,
+            "sender": [p.value for p in cls.sender],
+            "receiver": [p.value for p in cls.receiver],
+            "channel": cls.channel.value,
+            "batch": cls.batch,
+            "fields": {f.name: _type_name(hints_cache[cls][f.name]) for f in _FIELDS[cls]},
+        })
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:
+        return "Optional[" + _type_name(next(a for a in args if a is not type(None))) + "]"
+    if origin in (list, List):
+        return f"List[{_type_name(args[0])}]"
+    if origin in (dict, Dict):
+        return "Dict[str, Any]"
+    return getattr(tp, "__name__", str(tp))
+
+

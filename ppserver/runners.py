@@ -1,0 +1,234 @@
+"""What a worker runs: map_seq tasks one by one, map_seq_stream partitions as generators.
+
+Both keep per-run state: a RunOpen from the server opens a run (its epoch, whether tags are
+checked), a RunClose drops everything of it, and messages of runs not open are dropped.
+Outputs are checked against the templates before they leave (apply.py) and against
+max_message_bytes, so the server never has to disconnect a worker for an oversized result:
+such a seq fails as a MapperError naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+
+from ppclient import protocol
+from ppclient.protocol import Item
+
+from .apply import MappingError, apply_map_seq, run_stream, writable
+from .config import Config
+
+log = logging.getLogger("ppserver.worker")
+
+FLUSH_BYTES = 512 * 1024  # large seqs gain nothing from batching; small ones gain a lot
+
+Send = Callable[..., None]
+
+
+@dataclass
+class OpenRun:
+    epoch: int
+    check_tags: bool
+
+
+def check_size(item: Item, limit: int) -> None:
+    """An output the server would refuse (it disconnects senders of oversized messages)."""
+    if item.nbytes > limit:
+        biggest = max(zip(item.frames, item.arrays), key=lambda fa: protocol.wire.nbytes(fa[0]))[1][0]
+        raise MappingError(f"output is {item.nbytes} bytes (array {biggest!r} the largest), more than "
+                           f"max_message_bytes ({limit})", item.seq_tag)
+
+
+def _failure_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, MappingError) else f"{type(exc).__name__}: {exc}"
+
+
+class MapSeqRunner:
+    def __init__(self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]]):
+        self.cfg = cfg
+        self.send = send
+        self.templates = templates
+        self.tasks: Deque[Tuple[int, Item]] = deque()
+        self.results: List[Item] = []
+        self.results_run = -1
+        self.results_bytes = 0
+        self.flush_every = max(1, min(cfg.buf_size // 2, 16))
+        self.done = 0
+        self.messages_in = self.messages_out = 0
+
+    def add(self, run: int, items: List[Item]) -> None:
+        self.tasks.extend((run, item) for item in items)
+        self.messages_in += 1
+
+    def drop_run(self, run: int) -> None:
+        self.tasks = deque(t for t in self.tasks if t[0] != run)
+        if self.results_run == run:
+            if self.results:
+                log.info("dropped %d results (%d bytes) of closed run %d", len(self.results), self.results_bytes, run)
+            self.results, self.results_bytes = [], 0
+
+    def clear(self) -> None:
+        self.tasks.clear()
+        self.results, self.results_bytes = [], 0
+
+    def flush(self) -> None:
+        if self.results:
+            self.send(protocol.Results(run=self.results_run), self.results)
+            self.messages_out += 1
+            self.results, self.results_bytes = [], 0
+
+    def step(self, runs: Dict[int, OpenRun]) -> None:
+        run_id, item = self.tasks.popleft()
+        run = runs.get(run_id)
+        if run is None:
+            return
+        if self.results and self.results_run != run_id:
+            self.flush()
+        seq = writable(protocol.item_to_seq(item))
+        try:
+            out = apply_map_seq(self.cfg.map_seq, seq, epoch=run.epoch, seed=self.cfg.seed,
+                                templates=self.templates(),
+                                expected_tag=seq.get("seq_tag") if run.check_tags else None)
+            result = protocol.seq_to_item(out, item.pos)
+            check_size(result, self.cfg.max_message_bytes)
+        except Exception as exc:
+            tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else seq.get("seq_tag")
+            log.error("mapper failed on seq %r: %s", tag, _failure_text(exc))
+            self.flush()
+            self.send(protocol.TaskFailed(run=run_id, pos=item.pos, seq_tag=tag, message=_failure_text(exc),
+                                          traceback=traceback.format_exc()))
+            self.drop_run(run_id)
+            return
+        if self.results_bytes + result.nbytes > self.cfg.max_message_bytes:
+            self.flush()
+        self.results.append(result)
+        self.results_run = run_id
+        self.results_bytes += result.nbytes
+        self.done += 1
+        # Results travel in batches, but never more than half the credit, so the server
+        # refills this worker's queue before it runs dry.
+        if not self.tasks or len(self.results) >= self.flush_every or self.results_bytes >= FLUSH_BYTES:
+            self.flush()
+
+
+class Interrupted(Exception):
+    """Raised inside a stream's input iterator when its partition is closed."""
+
+
+class _Partition:
+    def __init__(self, run: int, msg: protocol.StreamOpen, epoch: int):
+        self.run = run
+        self.index = msg.partition
+        self.epoch = epoch
+        self.skip = msg.skip
+        self.out_credit = msg.credit
+        self.inputs: Deque[Dict[str, Any]] = deque()
+        self.eof = False
+        self.gen: Optional[Iterator[Dict[str, Any]]] = None
+        self.emitted = 0
+        self.last_tag: Optional[str] = None
+        self.closed = False
+
+    def runnable(self) -> bool:
+        return (self.out_credit > 0 or self.emitted < self.skip) and (bool(self.inputs) or self.eof or self.gen is None)
+
+
+class StreamRunner:
+    """Partitions as generators whose input iterator pulls inputs from the server while it waits."""
+
+    def __init__(self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]],
+                 wait_for_input: Callable[[], None]):
+        self.cfg = cfg
+        self.send = send
+        self.templates = templates
+        self.wait_for_input = wait_for_input
+        self.parts: Dict[Tuple[int, int], _Partition] = {}
+        self.rr = 0
+        self.done = 0
+
+    def open(self, msg: protocol.StreamOpen, runs: Dict[int, OpenRun]) -> None:
+        run = runs.get(msg.run)
+        if run is not None:
+            self.parts[(msg.run, msg.partition)] = _Partition(msg.run, msg, run.epoch)
+
+    def close(self, run: int, partition: Optional[int] = None) -> None:
+        for key in [k for k in self.parts if k[0] == run and (partition is None or k[1] == partition)]:
+            self.parts.pop(key).closed = True
+
+    def clear(self) -> None:
+        for part in self.parts.values():
+            part.closed = True
+        self.parts.clear()
+
+    def on_message(self, msg: protocol.Message, items: List[Item]) -> None:
+        part = self.parts.get((getattr(msg, "run", -1), getattr(msg, "partition", -1)))
+        if part is None:
+            return
+        if isinstance(msg, protocol.StreamInputs):
+            part.inputs.extend(writable(protocol.item_to_seq(item)) for item in items)
+        elif isinstance(msg, protocol.StreamEnd):
+            part.eof = True
+        elif isinstance(msg, protocol.StreamCredit):
+            part.out_credit += msg.n
+
+    def runnable(self) -> Optional[_Partition]:
+        if not self.parts:
+            return None
+        keys = sorted(self.parts)
+        for k in range(len(keys)):
+            part = self.parts[keys[(self.rr + k) % len(keys)]]
+            if part.runnable():
+                self.rr = (self.rr + k + 1) % len(keys)
+                return part
+        return None
+
+    def _inputs(self, part: _Partition) -> Iterator[Dict[str, Any]]:
+        while True:
+            if part.closed:
+                raise Interrupted()
+            if part.inputs:
+                seq = part.inputs.popleft()
+                part.last_tag = seq.get("seq_tag")
+                self.send(protocol.StreamAck(run=part.run, partition=part.index, n=1))
+                yield seq
+            elif part.eof:
+                return
+            else:
+                self.wait_for_input()
+
+    def step(self, part: _Partition) -> None:
+        """Advance one partition by one output."""
+        try:
+            if part.gen is None:
+                part.gen = run_stream(self.cfg.map_seq_stream, self._inputs(part), epoch=part.epoch,
+                                      seed=self.cfg.seed, partition=part.index, templates=self.templates())
+            seq = next(part.gen)
+            if part.closed:
+                return
+            item = protocol.seq_to_item(seq, part.emitted)
+            check_size(item, self.cfg.max_message_bytes)
+        except StopIteration:
+            if not part.closed:
+                self.send(protocol.StreamDone(run=part.run, partition=part.index))
+                self.parts.pop((part.run, part.index), None)
+            return
+        except Interrupted:
+            return
+        except Exception as exc:
+            if part.closed:
+                return
+            self.parts.pop((part.run, part.index), None)
+            tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else part.last_tag
+            log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, _failure_text(exc))
+            self.send(protocol.StreamFailed(run=part.run, partition=part.index, seq_tag=tag,
+                                            message=_failure_text(exc), traceback=traceback.format_exc()))
+            return
+        part.emitted += 1
+        if part.emitted <= part.skip:
+            return  # delivered already, before this partition moved here
+        self.send(protocol.StreamOutputs(run=part.run, partition=part.index), [item])
+        part.out_credit -= 1
+        self.done += 1

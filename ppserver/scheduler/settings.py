@@ -1,0 +1,31 @@
+"""The scheduler's settings (from the config) and the failure of a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ppclient.protocol import FailureKind
+
+
+@dataclass(frozen=True)
+class Settings:
+    buf_size: int = 1  # tasks in flight per worker; inputs and outputs in flight per stream partition
+    max_seq_retries: int = 3
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    stream: bool = False
+    partitions: int = 1
+    preserves_num_seqs: bool = True  # stream mode: every input gives exactly one output
+    read_slack: int = 8  # inputs read beyond the workers' credit, so no worker waits for the reader
+    max_dispatch_batch: int = 16  # tasks per message
+    dispatch_bytes: int = 512 * 1024  # input bytes per message (large seqs gain nothing from batching)
+    max_delivery_batch: int = 64  # seqs per message to a client
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    message: str
+    seq_tag: Optional[str] = None
+    traceback: str = ""

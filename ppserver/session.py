@@ -1,0 +1,240 @@
+"""A worker's session with the server: discovery, registration, heartbeats, losing the server.
+
+The worker learns the worker endpoint from the control address (DiscoverRequest), registers
+with its protocol version and config fingerprint (Hello) and then keeps a heartbeat thread
+with its own socket, so the server hears from it while a mapper runs. The session is lost
+when the server stops answering heartbeats for heartbeat_timeout, says it does not know
+this worker (Unknown), or the connection is reset (a reset loses queued messages both
+ways); the worker then drops its work and registers afresh under a new identity that names
+the old one, so the server redoes the old identity's work at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import zmq
+
+from ppclient import endpoints, protocol
+from ppclient.keyfiles import ClientKeys
+from ppclient.protocol import Channel, Peer
+
+log = logging.getLogger("ppserver.worker")
+
+BACKOFF_START = 0.25
+BACKOFF_MAX = 4.0
+POLL_MS = 50
+
+
+class Refused(Exception):
+    """The server refused this worker (protocol or config mismatch): retrying cannot help."""
+
+
+class Stopped(Exception):
+    """The worker is stopping (SIGTERM) or its session is lost."""
+
+
+class Heartbeat(threading.Thread):
+    """Sends heartbeats on its own socket and watches the server's."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, interval: float,
+                 keys: Optional[ClientKeys]):
+        super().__init__(name="heartbeat", daemon=True)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.identity = identity + protocol.HEARTBEAT_SUFFIX
+        if keys is not None:
+            keys.apply(self.sock)
+        self.sock.connect(endpoint)
+        self.interval = interval
+        self.stop_event = threading.Event()
+        self.server_seen = time.monotonic()
+        self.forgotten = False
+
+    def run(self) -> None:
+        beat = protocol.encode(protocol.Heartbeat())
+        next_send = 0.0
+        try:
+            while not self.stop_event.is_set():
+                now = time.monotonic()
+                if now >= next_send:
+                    self.sock.send_multipart(beat, flags=zmq.NOBLOCK)
+                    next_send = now + self.interval
+                if self.sock.poll(int(min(self.interval, 0.2) * 1000)):
+                    frames = self.sock.recv_multipart()
+                    self.server_seen = time.monotonic()
+                    try:
+                        msg = protocol.decode(frames, Peer.WORKER, (Channel.WORKER,)).msg
+                    except protocol.ProtocolError:
+                        continue
+                    if isinstance(msg, protocol.Unknown):
+                        self.forgotten = True
+        except zmq.ZMQError:
+            pass
+        finally:
+            self.sock.close(linger=0)
+
+
+class Session:
+    def __init__(self, ctx: zmq.Context, *, connect: str, fingerprint: str, heartbeat_interval: float,
+                 heartbeat_timeout: float, keys: Optional[ClientKeys], worker_endpoint: Optional[str] = None,
+                 local_index: Optional[int] = None):
+        self.ctx = ctx
+        self.connect = connect
+        self.fingerprint = fingerprint
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.keys = keys
+        self.worker_endpoint = worker_endpoint
+        self.local_index = local_index
+        self.host = socket.gethostname()
+        self.stopping = False
+        self.sock: Optional[zmq.Socket] = None
+        self.templates: Dict[str, Any] = {}
+        self.identity: Optional[bytes] = None
+        self.forgotten = False
+        self._hb: Optional[Heartbeat] = None
+        self._monitor: Optional[zmq.Socket] = None
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        if self.keys is not None:
+            self.keys.apply(sock)
+        return sock
+
+    # ---- registration ---------------------------------------------------------------------
+    def discover(self) -> str:
+        """Ask the control address for the worker endpoint, retrying with backoff until it answers."""
+        if self.worker_endpoint:  # a local worker of the server: told where to connect
+            return self.worker_endpoint
+        delay = BACKOFF_START
+        attempt = 0
+        while not self.stopping:
+            attempt += 1
+            req = self._socket(zmq.REQ)
+            req.connect(self.connect)
+            try:
+                req.send_multipart(protocol.encode(protocol.DiscoverRequest()))
+                if req.poll(int(max(self.heartbeat_interval, 1.0) * 1000)):
+                    reply = protocol.decode(req.recv_multipart(), Peer.WORKER, (Channel.CONTROL,)).msg
+                    if isinstance(reply, protocol.ErrorReply):
+                        raise Refused(reply.error)
+                    if isinstance(reply, protocol.DiscoverReply):
+                        return endpoints.reachable(reply.worker_endpoint, self.connect)
+            except protocol.VersionMismatch as exc:
+                raise Refused(protocol.mismatch_text(exc.theirs, "the server")) from None
+            except protocol.ProtocolError as exc:
+                log.warning("bad reply from %s: %s", self.connect, exc)
+            finally:
+                req.close(linger=0)
+            if attempt == 1 or attempt % 10 == 0:
+                log.info("waiting for server at %s (attempt %d)", self.connect, attempt)
+            self.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+        raise Stopped()
+
+    def register(self, endpoint: str) -> bool:
+        """Say hello; True once welcomed. Raises Refused if the server refuses this worker."""
+        identity = f"{self.host}:{os.getpid()}:{random.getrandbits(32):08x}".encode()
+        replaces, self.identity = self.identity, identity
+        sock = self._socket(zmq.DEALER)
+        sock.identity = identity
+        sock.rcvhwm = 0
+        sock.sndhwm = 0
+        sock.connect(endpoint)
+        sock.send_multipart(protocol.encode(protocol.Hello(
+            fingerprint=self.fingerprint, host=self.host, pid=os.getpid(), local_index=self.local_index,
+            replaces=replaces)))
+        deadline = time.monotonic() + self.heartbeat_timeout
+        while time.monotonic() < deadline and not self.stopping:
+            if not sock.poll(POLL_MS):
+                continue
+            try:
+                msg = protocol.decode(sock.recv_multipart(), Peer.WORKER, (Channel.WORKER,)).msg
+            except protocol.VersionMismatch as exc:
+                sock.close(linger=0)
+                raise Refused(protocol.mismatch_text(exc.theirs, "the server")) from None
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed message from the server: %s", exc)
+                continue
+            if isinstance(msg, protocol.Refuse):
+                sock.close(linger=0)
+                raise Refused(msg.reason)
+            if isinstance(msg, protocol.Welcome):
+                self.templates = msg.templates
+                self.sock = sock
+                self.forgotten = False
+                self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._hb = Heartbeat(self.ctx, endpoint, identity, self.heartbeat_interval, self.keys)
+                self._hb.start()
+                log.info("registered with %s as %s", endpoint, identity.decode())
+                return True
+        sock.close(linger=0)
+        return False
+
+    def unregister(self, *, say_bye: bool) -> None:
+        if self._monitor is not None:
+            if self.sock is not None:
+                self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        if self.sock is not None:
+            if say_bye:
+                try:
+                    self.sock.send_multipart(protocol.encode(protocol.Bye()), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                time.sleep(0.05)  # let the bye leave before the socket closes
+            self.sock.close(linger=0)
+            self.sock = None
+        if self._hb is not None:
+            self._hb.stop_event.set()
+            self._hb.join(timeout=2)
+            self._hb = None
+
+    # ---- while registered -----------------------------------------------------------------------
+    def lost(self) -> bool:
+        hb = self._hb
+        if hb is None or self.forgotten:
+            return True
+        if self._monitor is not None and self._monitor.poll(0):
+            log.warning("the connection to the server was reset; registering again")
+            self.forgotten = True
+            return True
+        return hb.forgotten or time.monotonic() - hb.server_seen > self.heartbeat_timeout
+
+    def send(self, msg: protocol.Message, items: Any = ()) -> None:
+        assert self.sock is not None
+        self.sock.send_multipart(protocol.encode(msg, items), copy=False)
+
+    def receive(self, timeout_ms: int) -> List[protocol.Decoded]:
+        """Every message waiting (waits up to timeout_ms for the first); malformed ones are logged."""
+        sock = self.sock
+        assert sock is not None
+        out: List[protocol.Decoded] = []
+        if not sock.poll(timeout_ms):
+            return out
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(copy=False)
+            try:
+                decoded = protocol.decode(frames, Peer.WORKER, (Channel.WORKER,))
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed message from the server: %s", exc)
+                continue
+            if isinstance(decoded.msg, protocol.Unknown):
+                self.forgotten = True
+                raise Stopped()
+            out.append(decoded)
+        return out
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < end:
+            time.sleep(min(0.05, end - time.monotonic()))
