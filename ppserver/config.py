@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy
 
+from .apply import dtype_text
 from .errors import ConfigError
 
 KNOWN_KEYS = {
@@ -175,9 +176,14 @@ def _check_map_outputs(map_outputs) -> Optional[Dict[str, Dict[str, Any]]]:
             raise ConfigError("map_outputs", f"{key!r}: 'shape' must be a tuple of ints or None, got {shape!r}")
         try:
             dtype = numpy.dtype(spec.get("dtype", "float32"))
-        except TypeError:
+        except (TypeError, ValueError):
             raise ConfigError("map_outputs", f"{key!r}: unknown dtype {spec.get('dtype')!r}") from None
-        out[key] = {"shape": list(shape), "dtype": dtype.name}
+        if dtype.hasobject or dtype.kind == "V":  # the wire refuses them
+            raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} is not a plain "
+                              "(non-object, non-structured) dtype")
+        if dtype.itemsize == 0:
+            raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5'")
+        out[key] = {"shape": list(shape), "dtype": dtype_text(dtype)}
     return out
 
 

@@ -1,0 +1,167 @@
+"""Config loading, output validation and the config fingerprint, through the CLI where a user sees them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ppclient
+from ppserver.apply import MappingError, StreamValidator, apply_map_seq, run_stream, validate
+from ppserver.config import from_settings, load_config
+from ppserver.errors import ConfigError
+
+from conftest import (
+    REPO,
+    collect,
+    free_port,
+    numpy_config,
+    read,
+    reference,
+    run_server,
+    run_worker_host,
+    write_config,
+)
+
+IDENTITY = "dataset = {'class': 'DemoDataset', 'num_seqs': 3}\nmap_seq = lambda s, **k: s\n"
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+def serve(cfg: str) -> subprocess.CompletedProcess:
+    return run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0")
+
+
+def worker(cfg: str) -> subprocess.CompletedProcess:
+    # nothing listens there: a config that loads would make it wait for the server until the timeout
+    return run_cli("worker", cfg, "--connect", f"tcp://127.0.0.1:{free_port()}", "--procs", "1")
+
+
+def config_error_line(res: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a config error (exit 2, no traceback)."""
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def expect_config_error(key: str, fn, *args, **kwargs) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    assert info.value.key == key, str(info.value)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def settings(**extra):
+    return {"dataset": {"class": "DemoDataset"}, "map_seq": lambda s, **k: s, **extra}
+
+
+def seq_of(**arrays):
+    return {**arrays, "seq_tag": "t-1", "seq_idx": 1, "complete_frac": 0.5}
+
+
+# ---- 11: output keys ------------------------------------------------------------------------
+
+
+def test_non_str_output_key_is_a_mapping_error_with_the_seq_tag():
+    templates = {"data": {"shape": [None], "dtype": "float32"}}
+    arr = np.zeros(3, np.float32)
+    with pytest.raises(MappingError, match="output key 3 is a int") as info:
+        validate({**seq_of(data=arr), 3: arr}, templates)
+    assert info.value.seq_tag == "t-1"
+    with pytest.raises(MappingError, match=r"output key \(1, 2\)") as info:
+        apply_map_seq(lambda s, **k: {**s, (1, 2): s["data"]}, seq_of(data=arr), epoch=1, seed=0,
+                      templates=templates)
+    assert info.value.seq_tag == "t-1"
+
+
+def test_non_str_output_key_reaches_the_client_as_mapper_error(tmp_path):
+    cfg = numpy_config(tmp_path, "def map_seq(seq, **kwargs):\n    return {**seq, 3: seq['data']}\n", n=5)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        with pytest.raises(ppclient.MapperError, match="output key 3") as info:
+            collect(c.epoch(1))
+        assert info.value.seq_tag == "seq-0"
+
+
+# ---- 12: map_outputs dtypes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "written, kept",
+    [("float32", "float32"), ("=f4", "float32"), (np.float32, "float32"), ("int64", "int64"),
+     ("U5", "<U5"), ("S3", "|S3"), (">f4", ">f4"), (">i2", ">i2"), ("M8[s]", "datetime64[s]")],
+)
+def test_map_outputs_keeps_a_dtype_numpy_reads_back(written, kept):
+    cfg = from_settings(settings(map_outputs={"x": {"shape": (None,), "dtype": written}}))
+    assert cfg.map_outputs == {"x": {"shape": [None], "dtype": kept}}
+    assert np.dtype(kept) == np.dtype(written)
+
+
+@pytest.mark.parametrize("dtype", ["nonsense", "O", "f4,i4", "2f4", "V4", "U", "S"])
+def test_map_outputs_refuses_dtypes_no_seq_can_match(dtype):
+    expect_config_error("map_outputs", from_settings, settings(map_outputs={"x": {"shape": (), "dtype": dtype}}))
+
+
+def test_validate_ignores_byte_order_and_names_dtypes_distinctly():
+    def check(arr, dtype):
+        validate(seq_of(x=arr), {"x": {"shape": [None], "dtype": dtype}})
+
+    check(np.arange(3, dtype=">f4"), "float32")
+    check(np.arange(3, dtype="<f4"), ">f4")
+    check(np.array(["abcde"], dtype=">U5"), "<U5")
+    with pytest.raises(MappingError, match="got float64, expected float32"):
+        check(np.arange(3, dtype="f8"), "float32")
+    with pytest.raises(MappingError, match="got <U5, expected <U3"):
+        check(np.array(["abcde"], dtype="U5"), "<U3")
+    with pytest.raises(MappingError, match="got >f8, expected float32"):
+        check(np.arange(3, dtype=">f8"), ">f4")
+
+
+def test_outputs_are_converted_to_native_byte_order():
+    templates = {"x": {"shape": [None], "dtype": ">f4"}, "u": {"shape": [], "dtype": "U5"}}
+    values = np.arange(4, dtype=">f4")
+
+    def map_seq(seq, **kwargs):
+        return {"x": values, "u": np.array("abcde", dtype=">U5")}
+
+    out = apply_map_seq(map_seq, seq_of(), epoch=1, seed=0, templates=templates)
+    for key, want in (("x", values), ("u", np.array("abcde"))):
+        assert out[key].dtype.isnative and out[key].dtype == want.dtype.newbyteorder("=")
+        assert np.array_equal(out[key], want)
+    assert values.dtype.str == ">f4"  # converted by copy, the mapper's array is untouched
+
+    def stream(seqs, **kwargs):
+        for seq in seqs:
+            yield {**seq, "x": values}
+
+    outs = list(run_stream(stream, iter([seq_of(), seq_of()]), epoch=1, seed=0, partition=0,
+                           templates={"x": templates["x"]}))
+    assert len(outs) == 2 and all(o["x"].dtype.isnative and np.array_equal(o["x"], values) for o in outs)
+    assert StreamValidator({"x": templates["x"]})(seq_of(x=values))["x"].dtype.str == "<f4"
+
+
+def test_flexible_and_big_endian_map_outputs_are_served_in_native_order(tmp_path):
+    body = """
+    def map_seq(seq, **kwargs):
+        return {"feat": seq["data"].astype(">f4"), "name": np.array([seq["seq_tag"][:5]], dtype="U5")}
+    map_outputs = {"feat": {"shape": (None, 8), "dtype": ">f4"}, "name": {"shape": (1,), "dtype": "U5"}}
+    """
+    cfg = numpy_config(tmp_path, body, n=6)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        assert c.info()["data_keys"] == {"feat": {"shape": [None, 8], "dtype": ">f4"},
+                                         "name": {"shape": [1], "dtype": "<U5"}}
+        got = collect(c.epoch(1))
+    want = reference(cfg, 1)
+    assert len(got) == 6
+    for g, w in zip(got, want):
+        assert g["feat"].dtype == np.float32 and g["feat"].dtype.isnative
+        assert np.array_equal(g["feat"], w["feat"]) and g["name"].tolist() == [w["seq_tag"][:5]]
