@@ -1,16 +1,19 @@
 """Reading and checking the Python config file that the server and every worker load.
 
-The config is a Python file, as in RETURNN: its top-level lowercase names are the settings.
-Modules, functions, classes and names starting with ``_`` or written in UPPER_CASE are
-helpers and are ignored; any other lowercase name must be a known key, so a typo is an
-error instead of a silently ignored setting.
+The config is a Python file, as in RETURNN: its top-level names are the settings.
+Modules, functions (callables), classes and names starting with ``_`` or written in
+UPPER_CASE are helpers and are ignored; any other name must be a known key, so a typo
+(``buf_sise``, ``numWorkers``) is an error instead of a silently ignored setting.
 """
 
 from __future__ import annotations
 
+import __future__
+import difflib
 import hashlib
 import inspect
 import os
+import re
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -65,11 +68,34 @@ class Config:
 
 
 def _is_helper(name: str, value: Any) -> bool:
-    if name.startswith("_") or name != name.lower() or name.isupper():
+    """Names the config may define freely; everything else must be a setting (see KNOWN_KEYS)."""
+    if name.startswith("_") or name.isupper():
+        return True
+    if isinstance(value, type(__future__.annotations)):  # from __future__ import annotations
         return True
     return isinstance(value, (types.ModuleType, type)) or (
         callable(value) and name not in ("map_seq", "map_seq_stream")
     )
+
+
+def _unknown_key(name: str) -> ConfigError:
+    """The error for a name that is neither a helper nor a setting, with the likely intended setting."""
+    snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+    known = sorted(KNOWN_KEYS)
+    matches = difflib.get_close_matches(snake, known, n=1) or difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {matches[0]!r}?)" if matches else ""
+    return ConfigError(name, f"unknown setting{hint}; helpers must be UPPER_CASE or start with '_'")
+
+
+def _error_line(exc: BaseException, path: str) -> str:
+    """' (line N)' of the deepest traceback frame in the config file, or ''."""
+    line = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = f" (line {tb.tb_lineno})"
+        tb = tb.tb_next
+    return line
 
 
 def load_config(path: str) -> Config:
@@ -83,17 +109,20 @@ def load_config(path: str) -> Config:
     try:
         exec(compile(source, path, "exec"), namespace)
     except Exception as exc:
-        line = ""
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == path:
-                line = f" (line {tb.tb_lineno})"
-            tb = tb.tb_next
-        raise ConfigError("config", f"{path} failed to load{line}: {type(exc).__name__}: {exc}") from None
+        message = " ".join(str(exc).split())
+        raise ConfigError(
+            "config", f"{path} failed to load{_error_line(exc, path)}: {type(exc).__name__}: {message}"
+        ) from None
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: must not end the server silently
+        if isinstance(exc, SystemExit):
+            what = "called sys.exit()" if exc.code is None else f"called sys.exit({exc.code!r})"
+        else:
+            what = f"raised {type(exc).__name__}"
+        raise ConfigError("config", f"{path!r} stopped while loading{_error_line(exc, path)}: {what}") from None
     settings = {k: v for k, v in namespace.items() if k != "__builtins__" and not _is_helper(k, v)}
     unknown = sorted(set(settings) - KNOWN_KEYS)
     if unknown:
-        raise ConfigError(unknown[0], "unknown config key (helpers must be UPPER_CASE or start with '_')")
+        raise _unknown_key(unknown[0])
     return from_settings(settings, path=path, source=source)
 
 

@@ -165,3 +165,121 @@ def test_flexible_and_big_endian_map_outputs_are_served_in_native_order(tmp_path
     for g, w in zip(got, want):
         assert g["feat"].dtype == np.float32 and g["feat"].dtype.isnative
         assert np.array_equal(g["feat"], w["feat"]) and g["name"].tolist() == [w["seq_tag"][:5]]
+
+
+# ---- 13a: unknown names ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, key, hint",
+    [("numWorkers = 3", "numWorkers", "num_workers"), ("bufSize = 2", "bufSize", "buf_size"),
+     ("buf_sise = 2", "buf_sise", "buf_size"), ("Dataset = {}", "Dataset", "dataset"),
+     ("frobnicate = 1", "frobnicate", None)],
+)
+def test_unknown_name_is_an_error_with_a_suggestion(tmp_path, line, key, hint):
+    cfg = write_config(tmp_path, IDENTITY + line + "\n")
+    err = expect_config_error(key, load_config, cfg)
+    assert "helpers must be UPPER_CASE or start with '_'" in str(err)
+    if hint:
+        assert f"(did you mean '{hint}'?)" in str(err)
+    else:
+        assert "did you mean" not in str(err)
+
+
+def test_helpers_are_ignored(tmp_path):
+    cfg = write_config(tmp_path, """
+        from __future__ import annotations
+        import numpy as np
+        from functools import partial
+        from ppserver.mapping import Sequential
+        _private = 1
+        N_SEQS = 3
+        X2 = [1]
+        class Helper:
+            pass
+        def scale(seq, **kwargs):
+            return seq
+        scaled = partial(scale)
+        pipeline = Sequential(scale)
+        dataset = {"class": "DemoDataset", "num_seqs": N_SEQS}
+        map_seq = pipeline
+        num_workers = 2
+    """)
+    c = load_config(cfg)
+    assert c.num_workers == 2 and c.map_seq is not None
+
+
+def test_unknown_camel_case_name_stops_serve(tmp_path):
+    line = config_error_line(serve(write_config(tmp_path, IDENTITY + "numWorkers = 3\n")))
+    assert "'numWorkers'" in line and "did you mean 'num_workers'" in line
+
+
+# ---- 13b: dataset construction --------------------------------------------------------------
+
+BAD_DATASETS = """
+import os
+from ppserver.datasets import Dataset
+from ppserver.errors import ConfigError
+
+class Raises(Dataset):
+    def __init__(self, *, kind, **kwargs):
+        super().__init__(**kwargs)
+        if kind == "value":
+            raise ValueError("bad corpus\\nsecond line")
+        if kind == "missing":
+            open(os.path.join(os.path.dirname(__file__), "no_such_corpus.txt"))
+        if kind == "config":
+            raise ConfigError("num_frames", "must be even,\\nnot odd")
+        if kind == "exit":
+            raise SystemExit(3)
+"""
+
+
+def dataset_config(tmp_path, kind: str) -> str:
+    (tmp_path / "bad_ds_mod.py").write_text(BAD_DATASETS)
+    return write_config(tmp_path, f"""
+        import os, sys
+        sys.path.insert(0, os.path.dirname(__file__))
+        dataset = {{"class": "bad_ds_mod:Raises", "kind": {kind!r}}}
+        map_seq = lambda s, **k: s
+    """)
+
+
+@pytest.mark.parametrize(
+    "kind, key, text",
+    [("value", "dataset", "Raises: ValueError: bad corpus second line"),
+     ("missing", "dataset", "Raises: FileNotFoundError: [Errno 2] No such file or directory:"),
+     ("exit", "dataset", "Raises: SystemExit: 3"),
+     ("config", "num_frames", "must be even, not odd")],
+)
+def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, key, text):
+    line = config_error_line(serve(dataset_config(tmp_path, kind)))
+    assert f"'{key}'" in line and text in line
+    if kind == "missing":
+        assert "no_such_corpus.txt" in line
+
+
+# ---- 13c, 13d: config files that do not load ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stop, what",
+    [("import sys\nsys.exit(0)", "called sys.exit(0)"), ("import sys\nsys.exit('bye')", "called sys.exit('bye')"),
+     ("raise SystemExit", "called sys.exit()"), ("raise KeyboardInterrupt", "raised KeyboardInterrupt")],
+)
+def test_config_that_exits_while_loading_is_a_config_error(tmp_path, stop, what):
+    cfg = write_config(tmp_path, IDENTITY + stop + "\n", name="stopping_cfg.py")
+    for res in (serve(cfg), worker(cfg)):
+        line = config_error_line(res)
+        assert "stopping_cfg.py" in line and "stopped while loading" in line and what in line
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "syntax"])
+def test_unreadable_config_file_is_a_config_error(tmp_path, kind):
+    path = str(tmp_path / "the_cfg.py")
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "syntax":
+        write_config(tmp_path, "dataset = {\n", name="the_cfg.py")
+    for res in (serve(path), worker(path)):
+        assert "the_cfg.py" in config_error_line(res)
