@@ -283,3 +283,103 @@ def test_unreadable_config_file_is_a_config_error(tmp_path, kind):
         write_config(tmp_path, "dataset = {\n", name="the_cfg.py")
     for res in (serve(path), worker(path)):
         assert "the_cfg.py" in config_error_line(res)
+
+
+# ---- 14: fingerprint ------------------------------------------------------------------------
+
+HELPER_CONFIG = """
+import os, sys
+sys.path.insert(0, os.path.dirname(__file__))
+{imports}
+_r = np.random.RandomState(7)
+SEQS = [{{"data": _r.randn(10, 8).astype("float32")}} for _ in range(12)]
+dataset = {{"class": "NumpyDataset", "seqs": SEQS}}
+"""
+
+HELPER_FILES = {
+    "fp_helper.py": "import fp_deep\n\ndef scale(seq, **kwargs):\n    return fp_deep.scale(seq)\n\nmap_seq = scale\n",
+    "fp_deep.py": "def scale(seq):\n    seq['data'] = seq['data'] * 2\n    return seq\n",
+    "fp_pkg/__init__.py": "FACTOR = 2\n",
+    "fp_pkg/sub.py": "def map_seq(seq, **kwargs):\n    return seq\n",
+    "fp_unrelated.py": "X = 1\n",
+}
+
+# How the config reaches a local module, and which file a host may have edited.
+REACH = {
+    "module": ("import numpy as np\nimport fp_helper\ndef map_seq(seq, **kwargs):\n    return fp_helper.scale(seq)",
+               "fp_helper.py"),
+    "function": ("import numpy as np\nfrom fp_helper import map_seq", "fp_helper.py"),
+    "transitive": ("import numpy as np\nfrom fp_helper import map_seq", "fp_deep.py"),
+    "sequential": ("import numpy as np, importlib\nfrom ppserver.mapping import Sequential\n"
+                   "map_seq = Sequential(importlib.import_module('fp_helper').scale)", "fp_helper.py"),
+    "package": ("import numpy as np\nfrom fp_pkg.sub import map_seq", "fp_pkg/__init__.py"),
+}
+
+
+def helper_dir(root, reach: str) -> str:
+    """A config folder with local helper modules; returns the config's path."""
+    os.makedirs(os.path.join(root, "fp_pkg"), exist_ok=True)
+    for name, text in HELPER_FILES.items():
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(root, "config.py"), "w") as f:
+        f.write(HELPER_CONFIG.format(imports=REACH[reach][0]))
+    return os.path.join(root, "config.py")
+
+
+def fresh_fingerprint(cfg: str, pre_import: str = "") -> str:
+    """The fingerprint as a new process computes it (as server and worker do), after `pre_import`."""
+    code = f"{pre_import}\nimport sys\nfrom ppserver.config import load_config\nprint(load_config(sys.argv[1]).fingerprint)"
+    res = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+@pytest.mark.parametrize("reach", sorted(REACH))
+def test_fingerprint_covers_local_modules_not_paths(tmp_path, reach):
+    a = helper_dir(str(tmp_path / "a"), reach)
+    b = helper_dir(str(tmp_path / "b"), reach)
+    fp = fresh_fingerprint(a)
+    assert fresh_fingerprint(b) == fp  # same files in another folder
+    with open(os.path.join(tmp_path, "b", REACH[reach][1]), "a") as f:
+        f.write("# edited\n")
+    assert fresh_fingerprint(b) != fp
+
+
+def test_fingerprint_does_not_depend_on_earlier_imports(tmp_path):
+    cfg = helper_dir(str(tmp_path / "a"), "module")
+    fp = fresh_fingerprint(cfg)
+    folder = os.path.dirname(cfg)
+    for pre in ("import fp_unrelated", "import fp_helper", "import fp_deep, fp_unrelated, fp_pkg.sub",
+                "import json, ppserver.server, ppserver.worker"):
+        assert fresh_fingerprint(cfg, f"import sys\nsys.path.insert(0, {folder!r})\n{pre}") == fp, pre
+
+
+def test_remote_worker_with_an_edited_helper_module_is_refused(tmp_path):
+    cfg = helper_dir(str(tmp_path / "server"), "module")
+    other = os.path.join(tmp_path, "host2")
+    shutil.copytree(os.path.dirname(cfg), other)
+    with open(os.path.join(other, "fp_helper.py"), "a") as f:
+        f.write("# edited on this host only\n")
+    slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv:
+        with run_worker_host(os.path.join(other, "config.py"), srv.address, procs=1, log_path=wlog) as host:
+            assert host.wait(timeout=30) == 2
+        assert "refused worker" in read(slog) and "config fingerprint mismatch" in read(slog)
+        # an unedited copy in another folder is accepted and serves
+        same = os.path.join(tmp_path, "host3")
+        shutil.copytree(os.path.dirname(cfg), same)
+        with run_worker_host(os.path.join(same, "config.py"), srv.address, procs=1) as host:
+            srv.wait_workers(2)
+            assert host.poll() is None
+            with srv.client() as c:
+                assert len(collect(c.epoch(1))) == 12
+
+
+def test_fingerprint_covers_names_only_through_the_config(tmp_path):
+    """A local module next to the config that the config does not use does not count."""
+    cfg = helper_dir(str(tmp_path / "a"), "function")
+    fp = fresh_fingerprint(cfg)
+    with open(os.path.join(tmp_path, "a", "fp_unrelated.py"), "a") as f:
+        f.write("# edited\n")
+    assert fresh_fingerprint(cfg) == fp
