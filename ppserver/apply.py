@@ -71,7 +71,23 @@ def fwd_compat_kwargs() -> Dict[str, Any]:
 
 @functools.lru_cache(maxsize=256)
 def _dtype(name: str) -> numpy.dtype:
-    return numpy.dtype(name)
+    """A template's dtype in native byte order: validation does not check byte order."""
+    return _native_dtype(numpy.dtype(name))
+
+
+def _native_dtype(dtype: numpy.dtype) -> numpy.dtype:
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def dtype_text(dtype: numpy.dtype) -> str:
+    """How a dtype is written in templates and messages: a string numpy parses back to the same dtype.
+
+    `.name` reads best ("float32") but loses the size of flexible dtypes ("<U5" is "str160")
+    and the byte order, so those keep `.str`.
+    """
+    if dtype.isnative and not numpy.issubdtype(dtype, numpy.flexible):
+        return dtype.name
+    return dtype.str
 
 
 def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
@@ -80,6 +96,8 @@ def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
     if not isinstance(seq, dict):
         raise MappingError(f"mapper must return a dict, got {type(seq).__name__}")
     for key, value in seq.items():
+        if not isinstance(key, str):
+            raise MappingError(f"output key {key!r} is a {type(key).__name__}, expected a str", tag)
         if key in META_KEYS:
             continue
         if not isinstance(value, numpy.ndarray):
@@ -93,14 +111,26 @@ def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
             raise MappingError(
                 f"ndim mismatch for {key!r}: got {value.ndim}, expected {len(shape)} (shape {tuple(shape)})", tag
             )
-        if value.dtype != _dtype(tpl["dtype"]):
-            raise MappingError(f"dtype mismatch for {key!r}: got {value.dtype.name}, expected {tpl['dtype']}", tag)
+        want_dtype = _dtype(tpl["dtype"])
+        if _native_dtype(value.dtype) != want_dtype:
+            raise MappingError(
+                f"dtype mismatch for {key!r}: got {dtype_text(value.dtype)}, expected {dtype_text(want_dtype)}", tag
+            )
         for axis, (got, want) in enumerate(zip(value.shape, shape)):
             if want is not None and got != want:
                 raise MappingError(f"dim {axis} mismatch for {key!r}: got {got}, expected {want}", tag)
     cf = seq.get("complete_frac")
     if cf is not None and not 0.0 <= float(cf) <= 1.0:
         raise MappingError(f"complete_frac must be in [0, 1], got {cf}", tag)
+
+
+def native(seq: Dict[str, Any]) -> Dict[str, Any]:
+    """Outputs in native byte order (copies where needed): consumers such as torch.from_numpy refuse others."""
+    if all(v.dtype.isnative for k, v in seq.items() if k not in META_KEYS):
+        return seq
+    return {
+        k: (v if k in META_KEYS or v.dtype.isnative else v.astype(v.dtype.newbyteorder("="))) for k, v in seq.items()
+    }
 
 
 def writable(seq: Dict[str, Any]) -> Dict[str, Any]:
@@ -131,7 +161,7 @@ def apply_map_seq(
     validate(out, templates)
     if expected_tag is not None and out["seq_tag"] != expected_tag:
         raise MappingError(f"seq tag mismatch: {out['seq_tag']!r} != {expected_tag!r} (seq_list given)", expected_tag)
-    return out
+    return native(out)
 
 
 class StreamValidator:
@@ -151,7 +181,7 @@ class StreamValidator:
                     f"complete_frac must not decrease: got {cf} after {self.last_complete_frac}", seq.get("seq_tag")
                 )
             self.last_complete_frac = cf
-        return seq
+        return native(seq)
 
 
 def run_stream(

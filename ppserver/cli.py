@@ -86,7 +86,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _fail_config(command: str, exc: Exception) -> int:
-    print(f"ppserver {command}: error: {exc}", file=sys.stderr)
+    """Exit 2 with one line, also for a ConfigError (e.g. a dataset's own) whose message spans lines."""
+    message = " ".join(str(exc).split())
+    print(f"ppserver {command}: error: {message}", file=sys.stderr)
     return EXIT_CONFIG
 
 

@@ -1,22 +1,29 @@
 """Reading and checking the Python config file that the server and every worker load.
 
-The config is a Python file, as in RETURNN: its top-level lowercase names are the settings.
-Modules, functions, classes and names starting with ``_`` or written in UPPER_CASE are
-helpers and are ignored; any other lowercase name must be a known key, so a typo is an
-error instead of a silently ignored setting.
+The config is a Python file, as in RETURNN: its top-level names are the settings.
+Modules, functions (callables), classes and names starting with ``_`` or written in
+UPPER_CASE are helpers and are ignored; any other name must be a known key, so a typo
+(``buf_sise``, ``numWorkers``) is an error instead of a silently ignored setting.
 """
 
 from __future__ import annotations
 
+import __future__
+import difflib
 import hashlib
 import inspect
 import os
+import re
+import site
+import sys
+import sysconfig
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy
 
+from .apply import dtype_text
 from .errors import ConfigError
 
 KNOWN_KEYS = {
@@ -69,11 +76,34 @@ class Config:
 
 
 def _is_helper(name: str, value: Any) -> bool:
-    if name.startswith("_") or name != name.lower() or name.isupper():
+    """Names the config may define freely; everything else must be a setting (see KNOWN_KEYS)."""
+    if name.startswith("_") or name.isupper():
+        return True
+    if isinstance(value, type(__future__.annotations)):  # from __future__ import annotations
         return True
     return isinstance(value, (types.ModuleType, type)) or (
         callable(value) and name not in ("map_seq", "map_seq_stream")
     )
+
+
+def _unknown_key(name: str) -> ConfigError:
+    """The error for a name that is neither a helper nor a setting, with the likely intended setting."""
+    snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+    known = sorted(KNOWN_KEYS)
+    matches = difflib.get_close_matches(snake, known, n=1) or difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {matches[0]!r}?)" if matches else ""
+    return ConfigError(name, f"unknown setting{hint}; helpers must be UPPER_CASE or start with '_'")
+
+
+def _error_line(exc: BaseException, path: str) -> str:
+    """' (line N)' of the deepest traceback frame in the config file, or ''."""
+    line = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = f" (line {tb.tb_lineno})"
+        tb = tb.tb_next
+    return line
 
 
 def load_config(path: str) -> Config:
@@ -87,21 +117,31 @@ def load_config(path: str) -> Config:
     try:
         exec(compile(source, path, "exec"), namespace)
     except Exception as exc:
-        line = ""
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == path:
-                line = f" (line {tb.tb_lineno})"
-            tb = tb.tb_next
-        raise ConfigError("config", f"{path} failed to load{line}: {type(exc).__name__}: {exc}") from None
+        message = " ".join(str(exc).split())
+        raise ConfigError(
+            "config", f"{path} failed to load{_error_line(exc, path)}: {type(exc).__name__}: {message}"
+        ) from None
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: must not end the server silently
+        if isinstance(exc, SystemExit):
+            what = "called sys.exit()" if exc.code is None else f"called sys.exit({exc.code!r})"
+        else:
+            what = f"raised {type(exc).__name__}"
+        raise ConfigError("config", f"{path!r} stopped while loading{_error_line(exc, path)}: {what}") from None
     settings = {k: v for k, v in namespace.items() if k != "__builtins__" and not _is_helper(k, v)}
     unknown = sorted(set(settings) - KNOWN_KEYS)
     if unknown:
-        raise ConfigError(unknown[0], "unknown config key (helpers must be UPPER_CASE or start with '_')")
-    return from_settings(settings, path=path, source=source)
+        raise _unknown_key(unknown[0])
+    return from_settings(settings, path=path, source=source, namespace=namespace)
 
 
-def from_settings(settings: Dict[str, Any], *, path: str = "<settings>", source: bytes = b"") -> Config:
+def from_settings(
+    settings: Dict[str, Any],
+    *,
+    path: str = "<settings>",
+    source: bytes = b"",
+    namespace: Optional[Dict[str, Any]] = None,
+) -> Config:
+    """Check settings; `namespace` (the whole config, helpers included) decides the fingerprint's modules."""
     if "dataset" not in settings:
         raise ConfigError("dataset", "missing: set dataset = {'class': ..., ...}")
     dataset = settings["dataset"]
@@ -129,7 +169,7 @@ def from_settings(settings: Dict[str, Any], *, path: str = "<settings>", source:
 
     cfg = Config(
         path=path,
-        fingerprint=fingerprint(source, [map_seq, map_seq_stream]),
+        fingerprint=fingerprint(source, [map_seq, map_seq_stream], roots=(namespace or settings).values()),
         dataset=dataset,
         map_seq=map_seq,
         map_seq_stream=map_seq_stream,
@@ -181,9 +221,14 @@ def _check_map_outputs(map_outputs) -> Optional[Dict[str, Dict[str, Any]]]:
             raise ConfigError("map_outputs", f"{key!r}: 'shape' must be a tuple of ints or None, got {shape!r}")
         try:
             dtype = numpy.dtype(spec.get("dtype", "float32"))
-        except TypeError:
+        except (TypeError, ValueError):
             raise ConfigError("map_outputs", f"{key!r}: unknown dtype {spec.get('dtype')!r}") from None
-        out[key] = {"shape": list(shape), "dtype": dtype.name}
+        if dtype.hasobject or dtype.kind == "V":  # the wire refuses them
+            raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} is not a plain "
+                              "(non-object, non-structured) dtype")
+        if dtype.itemsize == 0:
+            raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5'")
+        out[key] = {"shape": list(shape), "dtype": dtype_text(dtype)}
     return out
 
 
@@ -211,12 +256,136 @@ def _semantics_source() -> bytes:
     return f"{protocol.PROTOCOL}\n{__version__}\n{inspect.getsource(apply)}".encode()
 
 
-def fingerprint(source: bytes, mappers: List[Optional[Callable]]) -> str:
-    """Hash of the config file and the source of its mappers: equal on hosts that agree."""
+_OWN_PACKAGES = ("ppserver", "ppclient")  # covered by _semantics_source, wherever they are installed
+
+
+def _installed_dirs() -> List[str]:
+    """Folders whose modules are the interpreter's or installed packages: the same on hosts that agree."""
+    paths = sysconfig.get_paths()
+    dirs = [paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        dirs += list(site.getsitepackages()) + [site.getusersitepackages()]
+    except AttributeError:  # site replaced by an old virtualenv
+        pass
+    return sorted({os.path.realpath(d) for d in dirs if d})
+
+
+def _is_local(module: types.ModuleType, installed: List[str]) -> bool:
+    name = module.__name__
+    if name == "__main__" or name.split(".")[0] in _OWN_PACKAGES:
+        return False
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str) or not os.path.isfile(file):
+        return False  # built-in, frozen or namespace package
+    file = os.path.realpath(file)
+    parts = file.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    return not any(file.startswith(d + os.sep) for d in installed)
+
+
+def _referenced(value: Any, seen: Dict[int, Any]) -> Iterable[types.ModuleType]:
+    """Modules a config or module global leads to: its own, its defining module's, and those of what it holds.
+
+    `seen` maps id -> object and keeps the objects alive, so an id is never reused during the walk.
+    """
+    stack = [value]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, complex, numpy.ndarray)):
+            continue
+        seen[id(obj)] = obj
+        if isinstance(obj, types.ModuleType):
+            yield obj
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+            continue
+        if not callable(obj):
+            continue
+        for owner in {getattr(obj, "__module__", None), type(obj).__module__}:
+            if isinstance(owner, str) and owner in sys.modules:
+                yield sys.modules[owner]
+        if inspect.isfunction(obj):
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if _cell_is_set(c))
+            stack.extend(obj.__defaults__ or ())
+            stack.extend((obj.__kwdefaults__ or {}).values())
+            stack.extend(obj.__dict__.values())  # __wrapped__ of decorated functions
+        elif inspect.ismethod(obj):
+            stack.extend((obj.__func__, obj.__self__))
+        elif not isinstance(obj, type):
+            # callable instances: composed mappers (Sequential(...).funcs), functools.partial, ...
+            stack.extend((_attr(obj, "__dict__") or {}).values())
+            stack.extend(_attr(obj, k) for k in ("func", "args", "keywords", "funcs"))
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """getattr that survives objects whose __getattr__ raises anything."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _cell_is_set(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def local_modules(roots: Iterable[Any]) -> Dict[str, str]:
+    """{name: file} of the modules reachable from `roots` that are neither stdlib, installed nor ppserver's.
+
+    A kept module's globals are followed further (and its parent packages are kept), so a
+    helper a helper imports counts too. Only what the config reaches counts, so the result does
+    not depend on what else the process imported before.
+    """
+    installed = _installed_dirs()
+    seen: Dict[int, Any] = {}
+    checked: Dict[str, bool] = {}
+    found: Dict[str, str] = {}
+    pending = list(roots)
+    while pending:
+        for module in _referenced(pending.pop(), seen):
+            name = module.__name__
+            if name not in checked:
+                checked[name] = _is_local(module, installed)
+            if name in found or not checked[name]:
+                continue
+            found[name] = module.__file__
+            pending.extend(list(vars(module).values()))
+            parent = name.rpartition(".")[0]
+            if parent and parent in sys.modules:
+                pending.append(sys.modules[parent])
+    return found
+
+
+FINGERPRINT_COVERS = "the config file, the local modules it imports, the mapper source and ppserver's mapping code"
+
+
+def fingerprint(source: bytes, mappers: List[Optional[Callable]], roots: Iterable[Any] = ()) -> str:
+    """Hash of what decides the mapped seqs (FINGERPRINT_COVERS): equal on hosts that agree.
+
+    Local modules are hashed by name and file bytes, never by path, so copies of the same
+    files in different folders (as on another host) agree.
+    """
     h = hashlib.sha256(source)
     h.update(_semantics_source())
     seen: set = set()
     for fn in mappers:
         for part in _source_of(fn, seen):
             h.update(part.encode("utf8", "replace"))
+    for name, file in sorted(local_modules(list(roots) + list(mappers)).items()):
+        try:
+            with open(file, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read module {name!r} for the fingerprint: {exc.strerror}") from None
+        h.update(f"\0module {name} {len(data)}\0".encode())
+        h.update(data)
     return h.hexdigest()[:16]

@@ -578,5 +578,8 @@ def make_dataset(spec: dict, *, order_seed: int = 0) -> Dataset:
     kwargs.setdefault("order_seed", order_seed)
     try:
         return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError("dataset", f"bad arguments for {name}: {_one_line(exc)}") from None
+    except ConfigError:
+        raise  # the dataset's own check names its key (seq_ordering, path, ...)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing constructor is a config problem
+        # One line naming the key instead of a traceback; any caller (the server) gets a ConfigError.
+        raise ConfigError("dataset", f"{cls.__name__}: {_one_line(exc)}") from None

@@ -359,6 +359,32 @@ def test_make_dataset_import_path(tmp_path, monkeypatch):
     expect_config_error("dataset", make_dataset, {"class": "my_ds_mod:Tiny", "bogus": 1})
 
 
+def test_make_dataset_constructor_failures_are_config_errors(tmp_path, monkeypatch):
+    (tmp_path / "failing_ds_mod.py").write_text(
+        textwrap.dedent(
+            """
+            from ppserver.datasets import Dataset
+            from ppserver.errors import ConfigError
+
+            class Failing(Dataset):
+                def __init__(self, *, exc, **kwargs):
+                    super().__init__(**kwargs)
+                    raise exc
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = expect_config_error("dataset", make_dataset, {"class": "failing_ds_mod:Failing", "exc": ValueError("a\nb")})
+    assert str(err) == "config key 'dataset': Failing: ValueError: a b"
+    missing = FileNotFoundError(2, "No such file or directory", "corpus.txt")
+    err = expect_config_error("dataset", make_dataset, {"class": "failing_ds_mod:Failing", "exc": missing})
+    assert "Failing: FileNotFoundError:" in str(err) and "corpus.txt" in str(err)
+    expect_config_error("dataset", make_dataset, {"class": "failing_ds_mod:Failing", "exc": SystemExit(0)})
+    # a ConfigError of the dataset's own keeps its key
+    own = ConfigError("seq_ordering", "bad")
+    assert expect_config_error("seq_ordering", make_dataset, {"class": "failing_ds_mod:Failing", "exc": own}) is own
+
+
 def test_make_dataset_errors():
     expect_config_error("dataset", make_dataset, {"num_seqs": 3})
     expect_config_error("dataset", make_dataset, {"class": "NoSuchDataset"})

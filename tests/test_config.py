@@ -1,0 +1,385 @@
+"""Config loading, output validation and the config fingerprint, through the CLI where a user sees them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ppclient
+from ppserver.apply import MappingError, StreamValidator, apply_map_seq, run_stream, validate
+from ppserver.config import from_settings, load_config
+from ppserver.errors import ConfigError
+
+from conftest import (
+    REPO,
+    collect,
+    free_port,
+    numpy_config,
+    read,
+    reference,
+    run_server,
+    run_worker_host,
+    write_config,
+)
+
+IDENTITY = "dataset = {'class': 'DemoDataset', 'num_seqs': 3}\nmap_seq = lambda s, **k: s\n"
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+def serve(cfg: str) -> subprocess.CompletedProcess:
+    return run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0")
+
+
+def worker(cfg: str) -> subprocess.CompletedProcess:
+    # nothing listens there: a config that loads would make it wait for the server until the timeout
+    return run_cli("worker", cfg, "--connect", f"tcp://127.0.0.1:{free_port()}", "--procs", "1")
+
+
+def config_error_line(res: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a config error (exit 2, no traceback)."""
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def expect_config_error(key: str, fn, *args, **kwargs) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    assert info.value.key == key, str(info.value)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def settings(**extra):
+    return {"dataset": {"class": "DemoDataset"}, "map_seq": lambda s, **k: s, **extra}
+
+
+def seq_of(**arrays):
+    return {**arrays, "seq_tag": "t-1", "seq_idx": 1, "complete_frac": 0.5}
+
+
+# ---- 11: output keys ------------------------------------------------------------------------
+
+
+def test_non_str_output_key_is_a_mapping_error_with_the_seq_tag():
+    templates = {"data": {"shape": [None], "dtype": "float32"}}
+    arr = np.zeros(3, np.float32)
+    with pytest.raises(MappingError, match="output key 3 is a int") as info:
+        validate({**seq_of(data=arr), 3: arr}, templates)
+    assert info.value.seq_tag == "t-1"
+    with pytest.raises(MappingError, match=r"output key \(1, 2\)") as info:
+        apply_map_seq(lambda s, **k: {**s, (1, 2): s["data"]}, seq_of(data=arr), epoch=1, seed=0,
+                      templates=templates)
+    assert info.value.seq_tag == "t-1"
+
+
+def test_non_str_output_key_reaches_the_client_as_mapper_error(tmp_path):
+    cfg = numpy_config(tmp_path, "def map_seq(seq, **kwargs):\n    return {**seq, 3: seq['data']}\n", n=5)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        with pytest.raises(ppclient.MapperError, match="output key 3") as info:
+            collect(c.epoch(1))
+        assert info.value.seq_tag == "seq-0"
+
+
+# ---- 12: map_outputs dtypes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "written, kept",
+    [("float32", "float32"), ("=f4", "float32"), (np.float32, "float32"), ("int64", "int64"),
+     ("U5", "<U5"), ("S3", "|S3"), (">f4", ">f4"), (">i2", ">i2"), ("M8[s]", "datetime64[s]")],
+)
+def test_map_outputs_keeps_a_dtype_numpy_reads_back(written, kept):
+    cfg = from_settings(settings(map_outputs={"x": {"shape": (None,), "dtype": written}}))
+    assert cfg.map_outputs == {"x": {"shape": [None], "dtype": kept}}
+    assert np.dtype(kept) == np.dtype(written)
+
+
+@pytest.mark.parametrize("dtype", ["nonsense", "O", "f4,i4", "2f4", "V4", "U", "S"])
+def test_map_outputs_refuses_dtypes_no_seq_can_match(dtype):
+    expect_config_error("map_outputs", from_settings, settings(map_outputs={"x": {"shape": (), "dtype": dtype}}))
+
+
+def test_validate_ignores_byte_order_and_names_dtypes_distinctly():
+    def check(arr, dtype):
+        validate(seq_of(x=arr), {"x": {"shape": [None], "dtype": dtype}})
+
+    check(np.arange(3, dtype=">f4"), "float32")
+    check(np.arange(3, dtype="<f4"), ">f4")
+    check(np.array(["abcde"], dtype=">U5"), "<U5")
+    with pytest.raises(MappingError, match="got float64, expected float32"):
+        check(np.arange(3, dtype="f8"), "float32")
+    with pytest.raises(MappingError, match="got <U5, expected <U3"):
+        check(np.array(["abcde"], dtype="U5"), "<U3")
+    with pytest.raises(MappingError, match="got >f8, expected float32"):
+        check(np.arange(3, dtype=">f8"), ">f4")
+
+
+def test_outputs_are_converted_to_native_byte_order():
+    templates = {"x": {"shape": [None], "dtype": ">f4"}, "u": {"shape": [], "dtype": "U5"}}
+    values = np.arange(4, dtype=">f4")
+
+    def map_seq(seq, **kwargs):
+        return {"x": values, "u": np.array("abcde", dtype=">U5")}
+
+    out = apply_map_seq(map_seq, seq_of(), epoch=1, seed=0, templates=templates)
+    for key, want in (("x", values), ("u", np.array("abcde"))):
+        assert out[key].dtype.isnative and out[key].dtype == want.dtype.newbyteorder("=")
+        assert np.array_equal(out[key], want)
+    assert values.dtype.str == ">f4"  # converted by copy, the mapper's array is untouched
+
+    def stream(seqs, **kwargs):
+        for seq in seqs:
+            yield {**seq, "x": values}
+
+    outs = list(run_stream(stream, iter([seq_of(), seq_of()]), epoch=1, seed=0, partition=0,
+                           templates={"x": templates["x"]}))
+    assert len(outs) == 2 and all(o["x"].dtype.isnative and np.array_equal(o["x"], values) for o in outs)
+    assert StreamValidator({"x": templates["x"]})(seq_of(x=values))["x"].dtype.str == "<f4"
+
+
+def test_flexible_and_big_endian_map_outputs_are_served_in_native_order(tmp_path):
+    body = """
+    def map_seq(seq, **kwargs):
+        return {"feat": seq["data"].astype(">f4"), "name": np.array([seq["seq_tag"][:5]], dtype="U5")}
+    map_outputs = {"feat": {"shape": (None, 8), "dtype": ">f4"}, "name": {"shape": (1,), "dtype": "U5"}}
+    """
+    cfg = numpy_config(tmp_path, body, n=6)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        assert c.info()["data_keys"] == {"feat": {"shape": [None, 8], "dtype": ">f4"},
+                                         "name": {"shape": [1], "dtype": "<U5"}}
+        got = collect(c.epoch(1))
+    want = reference(cfg, 1)
+    assert len(got) == 6
+    for g, w in zip(got, want):
+        assert g["feat"].dtype == np.float32 and g["feat"].dtype.isnative
+        assert np.array_equal(g["feat"], w["feat"]) and g["name"].tolist() == [w["seq_tag"][:5]]
+
+
+# ---- 13a: unknown names ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, key, hint",
+    [("numWorkers = 3", "numWorkers", "num_workers"), ("bufSize = 2", "bufSize", "buf_size"),
+     ("buf_sise = 2", "buf_sise", "buf_size"), ("Dataset = {}", "Dataset", "dataset"),
+     ("frobnicate = 1", "frobnicate", None)],
+)
+def test_unknown_name_is_an_error_with_a_suggestion(tmp_path, line, key, hint):
+    cfg = write_config(tmp_path, IDENTITY + line + "\n")
+    err = expect_config_error(key, load_config, cfg)
+    assert "helpers must be UPPER_CASE or start with '_'" in str(err)
+    if hint:
+        assert f"(did you mean '{hint}'?)" in str(err)
+    else:
+        assert "did you mean" not in str(err)
+
+
+def test_helpers_are_ignored(tmp_path):
+    cfg = write_config(tmp_path, """
+        from __future__ import annotations
+        import numpy as np
+        from functools import partial
+        from ppserver.mapping import Sequential
+        _private = 1
+        N_SEQS = 3
+        X2 = [1]
+        class Helper:
+            pass
+        def scale(seq, **kwargs):
+            return seq
+        scaled = partial(scale)
+        pipeline = Sequential(scale)
+        dataset = {"class": "DemoDataset", "num_seqs": N_SEQS}
+        map_seq = pipeline
+        num_workers = 2
+    """)
+    c = load_config(cfg)
+    assert c.num_workers == 2 and c.map_seq is not None
+
+
+def test_unknown_camel_case_name_stops_serve(tmp_path):
+    line = config_error_line(serve(write_config(tmp_path, IDENTITY + "numWorkers = 3\n")))
+    assert "'numWorkers'" in line and "did you mean 'num_workers'" in line
+
+
+# ---- 13b: dataset construction --------------------------------------------------------------
+
+BAD_DATASETS = """
+import os
+from ppserver.datasets import Dataset
+from ppserver.errors import ConfigError
+
+class Raises(Dataset):
+    def __init__(self, *, kind, **kwargs):
+        super().__init__(**kwargs)
+        if kind == "value":
+            raise ValueError("bad corpus\\nsecond line")
+        if kind == "missing":
+            open(os.path.join(os.path.dirname(__file__), "no_such_corpus.txt"))
+        if kind == "config":
+            raise ConfigError("num_frames", "must be even,\\nnot odd")
+        if kind == "exit":
+            raise SystemExit(3)
+"""
+
+
+def dataset_config(tmp_path, kind: str) -> str:
+    (tmp_path / "bad_ds_mod.py").write_text(BAD_DATASETS)
+    return write_config(tmp_path, f"""
+        import os, sys
+        sys.path.insert(0, os.path.dirname(__file__))
+        dataset = {{"class": "bad_ds_mod:Raises", "kind": {kind!r}}}
+        map_seq = lambda s, **k: s
+    """)
+
+
+@pytest.mark.parametrize(
+    "kind, key, text",
+    [("value", "dataset", "Raises: ValueError: bad corpus second line"),
+     ("missing", "dataset", "Raises: FileNotFoundError: [Errno 2] No such file or directory:"),
+     ("exit", "dataset", "Raises: SystemExit: 3"),
+     ("config", "num_frames", "must be even, not odd")],
+)
+def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, key, text):
+    line = config_error_line(serve(dataset_config(tmp_path, kind)))
+    assert f"'{key}'" in line and text in line
+    if kind == "missing":
+        assert "no_such_corpus.txt" in line
+
+
+# ---- 13c, 13d: config files that do not load ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stop, what",
+    [("import sys\nsys.exit(0)", "called sys.exit(0)"), ("import sys\nsys.exit('bye')", "called sys.exit('bye')"),
+     ("raise SystemExit", "called sys.exit()"), ("raise KeyboardInterrupt", "raised KeyboardInterrupt")],
+)
+def test_config_that_exits_while_loading_is_a_config_error(tmp_path, stop, what):
+    cfg = write_config(tmp_path, IDENTITY + stop + "\n", name="stopping_cfg.py")
+    for res in (serve(cfg), worker(cfg)):
+        line = config_error_line(res)
+        assert "stopping_cfg.py" in line and "stopped while loading" in line and what in line
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "syntax"])
+def test_unreadable_config_file_is_a_config_error(tmp_path, kind):
+    path = str(tmp_path / "the_cfg.py")
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "syntax":
+        write_config(tmp_path, "dataset = {\n", name="the_cfg.py")
+    for res in (serve(path), worker(path)):
+        assert "the_cfg.py" in config_error_line(res)
+
+
+# ---- 14: fingerprint ------------------------------------------------------------------------
+
+HELPER_CONFIG = """
+import os, sys
+sys.path.insert(0, os.path.dirname(__file__))
+{imports}
+_r = np.random.RandomState(7)
+SEQS = [{{"data": _r.randn(10, 8).astype("float32")}} for _ in range(12)]
+dataset = {{"class": "NumpyDataset", "seqs": SEQS}}
+"""
+
+HELPER_FILES = {
+    "fp_helper.py": "import fp_deep\n\ndef scale(seq, **kwargs):\n    return fp_deep.scale(seq)\n\nmap_seq = scale\n",
+    "fp_deep.py": "def scale(seq):\n    seq['data'] = seq['data'] * 2\n    return seq\n",
+    "fp_pkg/__init__.py": "FACTOR = 2\n",
+    "fp_pkg/sub.py": "def map_seq(seq, **kwargs):\n    return seq\n",
+    "fp_unrelated.py": "X = 1\n",
+}
+
+# How the config reaches a local module, and which file a host may have edited.
+REACH = {
+    "module": ("import numpy as np\nimport fp_helper\ndef map_seq(seq, **kwargs):\n    return fp_helper.scale(seq)",
+               "fp_helper.py"),
+    "function": ("import numpy as np\nfrom fp_helper import map_seq", "fp_helper.py"),
+    "transitive": ("import numpy as np\nfrom fp_helper import map_seq", "fp_deep.py"),
+    "sequential": ("import numpy as np, importlib\nfrom ppserver.mapping import Sequential\n"
+                   "map_seq = Sequential(importlib.import_module('fp_helper').scale)", "fp_helper.py"),
+    "package": ("import numpy as np\nfrom fp_pkg.sub import map_seq", "fp_pkg/__init__.py"),
+}
+
+
+def helper_dir(root, reach: str) -> str:
+    """A config folder with local helper modules; returns the config's path."""
+    os.makedirs(os.path.join(root, "fp_pkg"), exist_ok=True)
+    for name, text in HELPER_FILES.items():
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(root, "config.py"), "w") as f:
+        f.write(HELPER_CONFIG.format(imports=REACH[reach][0]))
+    return os.path.join(root, "config.py")
+
+
+def fresh_fingerprint(cfg: str, pre_import: str = "") -> str:
+    """The fingerprint as a new process computes it (as server and worker do), after `pre_import`."""
+    code = f"{pre_import}\nimport sys\nfrom ppserver.config import load_config\nprint(load_config(sys.argv[1]).fingerprint)"
+    res = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+@pytest.mark.parametrize("reach", sorted(REACH))
+def test_fingerprint_covers_local_modules_not_paths(tmp_path, reach):
+    a = helper_dir(str(tmp_path / "a"), reach)
+    b = helper_dir(str(tmp_path / "b"), reach)
+    fp = fresh_fingerprint(a)
+    assert fresh_fingerprint(b) == fp  # same files in another folder
+    with open(os.path.join(tmp_path, "b", REACH[reach][1]), "a") as f:
+        f.write("# edited\n")
+    assert fresh_fingerprint(b) != fp
+
+
+def test_fingerprint_does_not_depend_on_earlier_imports(tmp_path):
+    cfg = helper_dir(str(tmp_path / "a"), "module")
+    fp = fresh_fingerprint(cfg)
+    folder = os.path.dirname(cfg)
+    for pre in ("import fp_unrelated", "import fp_helper", "import fp_deep, fp_unrelated, fp_pkg.sub",
+                "import json, ppserver.server, ppserver.worker"):
+        assert fresh_fingerprint(cfg, f"import sys\nsys.path.insert(0, {folder!r})\n{pre}") == fp, pre
+
+
+def test_remote_worker_with_an_edited_helper_module_is_refused(tmp_path):
+    cfg = helper_dir(str(tmp_path / "server"), "module")
+    other = os.path.join(tmp_path, "host2")
+    shutil.copytree(os.path.dirname(cfg), other)
+    with open(os.path.join(other, "fp_helper.py"), "a") as f:
+        f.write("# edited on this host only\n")
+    slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv:
+        with run_worker_host(os.path.join(other, "config.py"), srv.address, procs=1, log_path=wlog) as host:
+            assert host.wait(timeout=30) == 2
+        assert "refused worker" in read(slog) and "config fingerprint mismatch" in read(slog)
+        # an unedited copy in another folder is accepted and serves
+        same = os.path.join(tmp_path, "host3")
+        shutil.copytree(os.path.dirname(cfg), same)
+        with run_worker_host(os.path.join(same, "config.py"), srv.address, procs=1) as host:
+            srv.wait_workers(2)
+            assert host.poll() is None
+            with srv.client() as c:
+                assert len(collect(c.epoch(1))) == 12
+
+
+def test_fingerprint_covers_names_only_through_the_config(tmp_path):
+    """A local module next to the config that the config does not use does not count."""
+    cfg = helper_dir(str(tmp_path / "a"), "function")
+    fp = fresh_fingerprint(cfg)
+    with open(os.path.join(tmp_path, "a", "fp_unrelated.py"), "a") as f:
+        f.write("# edited\n")
+    assert fresh_fingerprint(cfg) == fp
