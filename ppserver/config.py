@@ -43,9 +43,6 @@ KNOWN_KEYS = {
     "max_request_bytes",
 }
 
-# What the fingerprint hashes; a worker whose fingerprint differs from the server's is refused.
-FINGERPRINT_COVERS = "the config file, the source of its mappers and ppserver's mapping code"
-
 
 @dataclass
 class Config:
