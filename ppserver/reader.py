@@ -3,7 +3,9 @@
 The I/O thread hands it commands (prepare an epoch, read up to a position, read some
 positions again, stop a run) and never waits for it; the reader hands back scheduler
 events through a deque and wakes the I/O loop through a pipe (no ZeroMQ socket, so a
-reader stuck inside the dataset cannot keep the server from shutting down).
+reader stuck inside the dataset cannot keep the server from shutting down). Every seq is
+handed over as soon as it is read (the loop batches what it finds waiting), so a read that
+hangs never holds back the seqs read before it.
 
 Preparing an epoch checks the request against the dataset first (unknown seq tags, bad
 seq_order), so a rejected request never disturbs the run being read; only a request that
@@ -29,9 +31,7 @@ from .scheduler import events as ev
 
 log = logging.getLogger("ppserver.reader")
 
-MAX_BATCH = 16  # seqs per hand-over
-MAX_BATCH_BYTES = 1 << 20
-HANDOVER_QUEUE = 2  # hand-overs waiting for the loop before a batch is held back to grow
+MAX_BATCH = 16  # seqs the loop takes from the reader as one event
 IDLE_WAIT_S = 0.1
 BUSY_REPORT_S = 1.0  # how long a dataset call must take before status and keepalives mention it
 
@@ -69,6 +69,7 @@ class Reader(threading.Thread):
         self.dataset = dataset
         self.commands: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.out: Deque[ev.Event] = deque()  # appended here, popped by the loop (deque ops are atomic)
+        self.woken = False  # a wake-up byte is in the pipe and the loop has not taken events since
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -86,12 +87,22 @@ class Reader(threading.Thread):
         self.commands.put(command)
 
     def take(self) -> Optional[ev.Event]:
+        """The next event; consecutive InputsRead of one run come as one (up to MAX_BATCH seqs)."""
         try:
-            return self.out.popleft()
+            event = self.out.popleft()
         except IndexError:
             return None
+        if not isinstance(event, ev.InputsRead):
+            return event
+        items = list(event.items)
+        while len(items) < MAX_BATCH and self.out and isinstance(self.out[0], ev.InputsRead) \
+                and self.out[0].run == event.run:
+            items.extend(self.out.popleft().items)
+        return ev.InputsRead(event.now, event.run, items)
 
     def drain_wakeups(self) -> None:
+        """Call before take(): a hand-over after this writes a new wake-up."""
+        self.woken = False
         try:
             while os.read(self.wake_r, 4096):
                 pass
@@ -118,6 +129,9 @@ class Reader(threading.Thread):
     # ---- the reader's side ----------------------------------------------------------------
     def _emit(self, event: ev.Event) -> None:
         self.out.append(event)
+        if self.woken:
+            return  # the loop will see this event with the ones it was woken for
+        self.woken = True
         try:
             os.write(self.wake_w, b"x")
         except BlockingIOError:
@@ -142,18 +156,18 @@ class Reader(threading.Thread):
                     self.run_id = None
 
     def _step(self) -> None:
-        block = not self.replays and not self._can_read()
-        try:
-            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
-        except queue.Empty:
-            command = None
-        if command is not None:
-            self._apply(command)
+        if not self.commands.empty() or (not self.replays and not self._can_read()):
+            try:
+                command = self.commands.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                return
+            if command is not None:
+                self._apply(command)
             return
         if self.replays:
             self._replay(self.replays.popleft())
-        elif self._can_read():
-            self._read_batch()
+        else:
+            self._read_next()
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, Prepare):
@@ -218,28 +232,20 @@ class Reader(threading.Thread):
     def _read_one(self, pos: int) -> Item:
         return seq_to_item(self._call(f"get_seq({pos})", self.dataset.get_seq, pos), pos)
 
-    def _read_batch(self) -> None:
+    def _read_next(self) -> None:
         run = self.run_id
         assert run is not None
-        limit = min(self.upto, self.num_seqs)
-        batch: List[Item] = []
-        nbytes = 0
-        try:
-            while self.next_pos < limit and len(batch) < MAX_BATCH and nbytes < MAX_BATCH_BYTES:
+        if self.next_pos < min(self.upto, self.num_seqs):
+            try:
                 item = self._read_one(self.next_pos)
-                self.next_pos += 1
-                batch.append(item)
-                nbytes += item.nbytes
-                if len(self.out) < HANDOVER_QUEUE or self.quit.is_set() or not self.commands.empty():
-                    break  # the loop is hungry (or something else needs the thread): hand over now
-        except Exception as exc:
-            log.error("reading the dataset failed in run %d: %s", run, exc)
-            self._emit(ev.ReadFailed(time.monotonic(), run, f"dataset failed: {_message(exc)}",
-                                     traceback.format_exc()))
-            self._drop_run()
-            return
-        if batch:
-            self._emit(ev.InputsRead(time.monotonic(), run, batch))
+            except Exception as exc:
+                log.error("reading the dataset failed in run %d: %s", run, exc)
+                self._emit(ev.ReadFailed(time.monotonic(), run, f"dataset failed: {_message(exc)}",
+                                         traceback.format_exc()))
+                self._drop_run()
+                return
+            self.next_pos += 1
+            self._emit(ev.InputsRead(time.monotonic(), run, [item]))
         if self.next_pos >= self.num_seqs and not self.ended:
             self.ended = True
             self._emit(ev.InputsEnded(time.monotonic(), run, self.num_seqs))

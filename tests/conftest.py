@@ -74,7 +74,13 @@ def run_server(config: str, *, workers: Optional[int] = None, extra: Optional[Li
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     kids: List[int] = []
     try:
-        server = ServerProc(proc, wait_ready(proc, timeout=60))
+        try:
+            server = ServerProc(proc, wait_ready(proc, timeout=60))
+        except RuntimeError as exc:
+            if log_path:
+                log_file.flush()
+                raise RuntimeError(f"{exc}; its log:\n{read(log_path)[-3000:]}") from None
+            raise
         if wait_workers and workers != 0:
             server.wait_workers(workers or 1)
         kids = children_of(proc.pid)

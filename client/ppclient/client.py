@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional
 
 import zmq
 
@@ -48,6 +48,8 @@ class Client:
         self._data: Optional[zmq.Socket] = None
         self._consumer = b"ppc-" + os.urandom(12)
         self._current: Optional[EpochIterator] = None
+        # Messages of each live run, so one run's seqs are not lost while another one is awaited.
+        self._inbox: Dict[int, Deque[protocol.Decoded]] = {}
 
     # ---- sockets ------------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.Socket:
@@ -118,8 +120,6 @@ class Client:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
         data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
-        if self._current is not None:
-            self._current._supersede(f"epoch {self._current.epoch} was superseded by epoch {epoch} of this client")
         reply = self._request(protocol.EpochRequest(
             epoch=epoch, consumer=self._consumer,
             seq_list=[str(t) for t in seq_list] if seq_list is not None else None,
@@ -127,9 +127,42 @@ class Client:
         ))
         assert isinstance(reply, protocol.EpochAccepted)
         it = EpochIterator(self, data, reply.run, epoch)
-        self._current = it
-        it._wait_started()
+        self._inbox[it.run] = deque()
+        try:
+            it._wait_started()
+        except Error:
+            self._inbox.pop(it.run, None)
+            raise  # a refused request leaves the current epoch as it was
+        old, self._current = self._current, it
+        if old is not None:
+            old._supersede(f"epoch {old.epoch} was superseded by epoch {epoch} of this client")
+            self._inbox.pop(old.run, None)
         return it
+
+    def _next_message(self, run: int, deadline: float) -> Optional[protocol.Decoded]:
+        """The next message of `run` (None at the deadline); others' go to their inboxes."""
+        inbox = self._inbox.get(run)
+        if inbox:
+            return inbox.popleft()
+        sock = self._data_socket()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                if time.monotonic() < deadline:
+                    continue
+                return None
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) < 2 or len(frames[0]) != 0:
+                continue
+            try:
+                decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DATA,))
+            except protocol.ProtocolError as exc:
+                raise Error(f"malformed message from {self.address}: {exc}") from None
+            owner = getattr(decoded.msg, "run", None)
+            if owner == run:
+                return decoded
+            if owner in self._inbox:
+                self._inbox[owner].append(decoded)  # a live run's: keep it for that iterator
 
     def close(self) -> None:
         for sock in (self._req, self._data):
@@ -183,11 +216,12 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                                    *protocol.encode(protocol.Credit(run=self.run, total=self._granted))])
 
     def _supersede(self, message: str) -> None:
-        if not self._done and self._error is None:
+        if self._error is None and (not self._done or self._ready):
             self._error = Superseded(message)
 
-    def _raise(self, error: Error) -> None:
+    def _raise(self, error: Error) -> NoReturn:
         self._error = error
+        self._client._inbox.pop(self.run, None)
         raise error
 
     def _wait_started(self) -> None:
@@ -201,6 +235,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             raise self._error
         while not self._ready:
             if self._done:
+                self._client._inbox.pop(self.run, None)
                 raise StopIteration
             self._receive("progress")
         item = self._ready.popleft()
@@ -221,21 +256,14 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         began = time.monotonic()
         deadline = began + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                if time.monotonic() < deadline:
-                    continue
-                self._timed_out(what, timeout, began)
-            frames = self._sock.recv_multipart(copy=False)
-            if len(frames) < 2 or len(frames[0]) != 0:
-                continue
             try:
-                decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DATA,))
-            except protocol.ProtocolError as exc:
-                self._raise(Error(f"malformed message from {self._client.address}: {exc}"))
+                decoded = self._client._next_message(self.run, deadline)
+            except Error as exc:
+                self._raise(exc)
+            if decoded is None:
+                self._timed_out(what, timeout, began)
+                return
             msg = decoded.msg
-            if getattr(msg, "run", None) != self.run:
-                continue  # left over from an earlier epoch
             self._alive_at = time.monotonic()
             if isinstance(msg, protocol.Keepalive):
                 self._interval, self._workers, self._waiting_for = msg.interval, msg.workers, msg.waiting_for

@@ -203,7 +203,8 @@ class Scheduler:
             self._maybe_fail(e.run, d.results_received(self.workers[e.wid], e.items, e.bad), out)
 
     def _on_task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
-        if self._dispatch_of(e.run, SeqDispatch) is not None:
+        d = self._dispatch_of(e.run, SeqDispatch)
+        if d is not None and d.owns_task(self.workers[e.wid], e.pos):  # not a late word on a seq redone elsewhere
             self._fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
 
     def _on_stream_acked(self, e: ev.StreamAcked, out: List[Instruction]) -> None:

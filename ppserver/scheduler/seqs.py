@@ -114,29 +114,36 @@ class SeqDispatch:
     def dispatch(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
         """Send what the workers' credit allows: lowest positions first, to the worker with the most
         free credit, in chunks of half a worker's credit (or dispatch_bytes), so consecutive seqs
-        spread over the workers and results come back close to delivery order."""
+        spread over the workers and results come back close to delivery order. A seq whose result
+        was malformed waits for another worker, unless there is none."""
         s = self.settings
         chunk = max(1, min(s.buf_size // 2, s.max_dispatch_batch))
+        deferred: List[int] = []
         while self.todo:
             head = self.todo[0]
             if head not in self.pending or head in self.inflight:
                 heapq.heappop(self.todo)  # stale entry
                 continue
+            avoid = self.avoid.get(head) if len(workers) > 1 else None
             if head in self.deaths:  # a suspect goes alone to an idle worker
-                w = next((w for w in workers.values() if not w.tasks and w.wid != self.avoid.get(head)), None)
-                if w is None:
-                    w = next((w for w in workers.values() if not w.tasks), None)
-                if w is None:
-                    return
+                idle = [w for w in workers.values() if not w.tasks and w.wid != avoid]
+                if not idle:
+                    if avoid is not None and any(not w.tasks for w in workers.values()):
+                        deferred.append(heapq.heappop(self.todo))
+                        continue
+                    break
+                w = idle[0]
                 w.isolating = True
                 limit = 1
             else:
-                candidates = [w for w in workers.values() if not w.isolating and w.free() > 0]
+                free = [w for w in workers.values() if not w.isolating and w.free() > 0]
+                candidates = [w for w in free if w.wid != avoid]
                 if not candidates:
-                    return
-                avoid = self.avoid.get(head)
-                preferred = [w for w in candidates if w.wid != avoid] or candidates
-                w = max(preferred, key=lambda w: w.free())
+                    if free:  # only the avoided worker has room: let the others go first
+                        deferred.append(heapq.heappop(self.todo))
+                        continue
+                    break
+                w = max(candidates, key=lambda w: w.free())
                 limit = min(w.free(), chunk)
             batch: List[Item] = []
             nbytes = 0
@@ -154,6 +161,8 @@ class SeqDispatch:
                 nbytes += item.nbytes
             if batch:
                 out.append(ToWorker(w.wid, Tasks(run=self.run), batch))
+        for pos in deferred:
+            heapq.heappush(self.todo, pos)
 
     # ---- delivery -------------------------------------------------------------------------
     def pop_next(self, out: List[Instruction]) -> Optional[Item]:

@@ -1,0 +1,380 @@
+"""No hang, loop or lost epoch on bad input: stuck and slow datasets, oversized and malformed
+results, refused requests, bad addresses and keys, dead servers, superseded epochs.
+
+Every test runs real `ppserver serve` processes (and fake peers speaking the protocol over
+real sockets) on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import zmq
+
+import ppclient
+from ppclient import protocol
+from ppclient.protocol import Channel, Peer
+
+from conftest import (
+    REPO,
+    assert_same_epoch,
+    children_of,
+    collect,
+    numpy_config,
+    read,
+    reference,
+    run_server,
+    wait_gone,
+    write_config,
+)
+
+SLOW = """
+import time
+def map_seq(seq, *, rng, **kwargs):
+    time.sleep({delay})
+    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+
+# A corpus whose reads can be made slow or stuck, from a module next to the config.
+DATA_MODULE = """
+import time
+import numpy as np
+from ppserver.datasets import Dataset
+
+class Corpus(Dataset):
+    def __init__(self, n=30, stuck_at=None, len_delay=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.n, self.stuck_at, self.len_delay = n, stuck_at, len_delay
+    def _num_corpus_seqs(self):
+        return self.n
+    def _load(self, i):
+        if i == self.stuck_at:
+            time.sleep(3600)
+        return {"data": np.full((3 + i % 5, 4), i, dtype="float32")}
+    def _tag(self, i):
+        return f"s{i}"
+    def _seq_len(self, i):
+        time.sleep(self.len_delay)
+        return 3 + i % 5
+    def _compute_data_keys(self):
+        return {"data": {"shape": [None, 4], "dtype": "float32"}}
+"""
+
+
+def corpus_config(tmp_path, dataset_kwargs: str, extra: str = "") -> str:
+    write_config(tmp_path, DATA_MODULE, name="corpus.py")
+    return write_config(tmp_path, textwrap.dedent(f"""
+    import os, sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    dataset = {{"class": "corpus:Corpus", {dataset_kwargs}}}
+    def map_seq(seq, **kwargs):
+        return seq
+    """) + extra)
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+# ---- 1. a dataset read that never returns ----------------------------------------------------
+def test_stuck_dataset_is_an_error_and_the_server_stays_responsive(tmp_path):
+    cfg = corpus_config(tmp_path, '"stuck_at": 5')
+    with run_server(cfg, workers=1) as srv:
+        kids = children_of(srv.proc.pid)
+        with srv.client(timeout=3) as a:
+            it = a.epoch(1)
+            got = [next(it) for _ in range(5)]
+            assert [s["seq_tag"] for s in got] == [f"s{i}" for i in range(5)]
+            with pytest.raises(ppclient.Error, match="no progress") as info:
+                next(it)
+            assert not isinstance(info.value, ppclient.ServerUnavailable)
+            assert "get_seq(5)" in str(info.value)
+            # the server answers while its dataset is stuck
+            start = time.monotonic()
+            st = a.status()
+            assert time.monotonic() - start < 2
+            assert "get_seq(5)" in st["dataset"] and st["workers_alive"] == 1
+            # a new epoch cannot start (the dataset never returns), which is an error, not a hang
+            with srv.client(timeout=3) as b:
+                start = time.monotonic()
+                with pytest.raises(ppclient.Error, match="did not start") as info:
+                    b.epoch(2)
+                assert time.monotonic() - start < 6
+                assert not isinstance(info.value, ppclient.ServerUnavailable)
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=5) == 0
+        assert time.monotonic() - start < 5
+        assert wait_gone(kids, 2.0) == []
+
+
+# ---- 2. slow epoch set-up ----------------------------------------------------------------------
+def test_slow_epoch_setup_keeps_workers_alive(tmp_path):
+    # 30 lengths x 0.1 s: 3 s inside init_seq_order, 15 heartbeat timeouts
+    cfg = corpus_config(tmp_path, '"len_delay": 0.1, "seq_ordering": "sorted"',
+                        "heartbeat_interval = 0.1\nheartbeat_timeout = 0.2\n")
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv, srv.client(timeout=20) as c:
+        got = collect(c.epoch(1))
+        st = c.status()
+    assert_same_epoch(got, reference(cfg, 1))
+    assert st["departures"] == {} and st["workers_alive"] == 2
+    assert read(slog).count("joined") == 2 and " lost" not in read(slog)
+
+
+# ---- 3. a result larger than max_message_bytes -------------------------------------------------
+def test_oversized_result_is_a_mapper_error_not_a_reconnect_loop(tmp_path):
+    body = """
+    import numpy as np
+    def map_seq(seq, *, epoch, **kwargs):
+        if epoch == 1 and seq["seq_tag"] == "seq-3":
+            seq["data"] = np.zeros((40000,), "float32")[None].repeat(2, 0).reshape(-1, 8)
+        return seq
+    max_message_bytes = 65536
+    """
+    cfg = numpy_config(tmp_path, body, n=12)
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv, srv.client(timeout=20) as c:
+        with pytest.raises(ppclient.MapperError, match="max_message_bytes") as info:
+            collect(c.epoch(1))
+        assert info.value.seq_tag == "seq-3"
+        assert_same_epoch(collect(c.epoch(2)), reference(cfg, 2))
+        assert c.status()["departures"] == {}
+    assert read(slog).count("joined") == 1
+
+
+# ---- 4. a refused epoch request leaves the running epoch alone ---------------------------------------
+def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=60)
+    with run_server(cfg, workers=2) as srv, srv.client(timeout=20) as a, srv.client(timeout=20) as b:
+        it = a.epoch(1)
+        got = [next(it) for _ in range(5)]
+        with pytest.raises(ppclient.Error, match="unknown seq tag 'nope'"):
+            b.epoch(2, seq_list=["seq-1", "nope"])
+        with pytest.raises(ppclient.Error, match="out of range"):
+            b.epoch(2, seq_order=[999])
+        got += [next(it) for _ in range(5)]
+        with pytest.raises(ppclient.Error, match="unknown seq tag"):
+            a.epoch(3, seq_list=["nope"])  # the same client: its running epoch goes on too
+        got += collect(it)
+    assert_same_epoch(got, reference(cfg, 1))
+
+
+# ---- 5. bad addresses and key directories: one line, exit 2, never a hang --------------------------
+@pytest.mark.parametrize("argv", [
+    ["status", "127.0.0.1:5555"],
+    ["status", "garbage"],
+    ["status", "tcp://127.0.0.1:5555", "--keys", "/nonexistent-keys"],
+    ["worker", "CONFIG", "--connect", "127.0.0.1:5555"],
+    ["worker", "CONFIG", "--connect", "tcp://127.0.0.1:5555", "--keys", "/nonexistent-keys"],
+    ["serve", "CONFIG", "--keys", "/nonexistent-keys"],
+])
+def test_bad_address_or_keys_is_one_line_and_exit_2(tmp_path, argv):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=3)
+    argv = [cfg if a == "CONFIG" else a for a in argv]
+    res = subprocess.run([sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=30,
+                         cwd=REPO)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and " INFO " not in ln]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    assert ("nonexistent-keys" in lines[0]) == ("--keys" in argv)
+
+
+def test_worker_process_with_a_bad_address_exits_2(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=3)
+    res = subprocess.run([sys.executable, "-m", "ppserver.worker", cfg, "--connect", "garbage"],
+                         capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert res.returncode == 2 and "'--connect'" in res.stderr
+
+
+def test_client_refuses_bad_address_and_keys_at_once():
+    for address in ("127.0.0.1:5555", "garbage", "tcp://host", "tcp://h:99999", None):
+        with pytest.raises(ppclient.UsageError):
+            ppclient.Client(address)  # type: ignore[arg-type]
+    with pytest.raises(ppclient.UsageError, match="nonexistent-keys"):
+        ppclient.Client("tcp://127.0.0.1:5555", keys="/nonexistent-keys")
+    with pytest.raises(ppclient.UsageError, match="window"):
+        ppclient.Client("tcp://127.0.0.1:5555", window=0)
+
+
+# ---- 6. malformed results from a registered worker ---------------------------------------------
+class FakeWorker:
+    """A registered worker that answers every task with a malformed result."""
+
+    BREAKS = ("meta not a map", "bytes do not fit", "non-str key")
+
+    def __init__(self, endpoint: str, fingerprint: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.identity = b"fake:" + os.urandom(4).hex().encode()
+        self.sock.connect(endpoint)
+        self.sock.send_multipart(protocol.encode(protocol.Hello(fingerprint=fingerprint, host="fake", pid=1)))
+        self.answered = 0
+
+    def serve(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if not self.sock.poll(50):
+                continue
+            decoded = protocol.decode(self.sock.recv_multipart(), Peer.WORKER, (Channel.WORKER,))
+            if isinstance(decoded.msg, protocol.Tasks):
+                for item in decoded.items:
+                    self._answer(decoded.msg.run, item)
+            self.sock.send_multipart(protocol.encode(protocol.Heartbeat()))
+
+    def _answer(self, run: int, item: protocol.Item) -> None:
+        header = item.header()
+        frames = list(item.frames)
+        how = self.BREAKS[self.answered % len(self.BREAKS)]
+        if how == "meta not a map":
+            header["meta"] = ["seq_tag", "x"]
+        elif how == "bytes do not fit":
+            frames = [bytes(7) for _ in frames]
+        else:
+            header["arrays"] = [[1, *spec[1:]] for spec in header["arrays"]]
+        self.answered += 1
+        msg = protocol.encode_batch(protocol.Results(run=run), [header], frames)
+        self.sock.send_multipart(msg)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _fingerprint(cfg: str) -> str:
+    from ppserver.config import load_config
+
+    return load_config(cfg).fingerprint
+
+
+def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path):
+    import threading
+
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=60, extra="buf_size = 2\n")
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg))
+        thread = threading.Thread(target=fake.serve, args=(8.0,), daemon=True)
+        thread.start()
+        try:
+            srv.wait_workers(2)
+            got = collect(c.epoch(1))
+            st = c.status()
+        finally:
+            thread.join(timeout=15)
+            fake.close()
+    assert_same_epoch(got, reference(cfg, 1))
+    assert fake.answered >= 3
+    assert st["malformed_results"] >= fake.answered - 1
+
+
+def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
+    import threading
+
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
+    with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
+        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg))
+        thread = threading.Thread(target=fake.serve, args=(6.0,), daemon=True)
+        thread.start()
+        try:
+            srv.wait_workers(1)
+            with pytest.raises(ppclient.MapperError, match="3 malformed results") as info:
+                collect(c.epoch(1))
+            assert info.value.seq_tag == "seq-0"
+        finally:
+            thread.join(timeout=15)
+            fake.close()
+
+
+# ---- 7. junk on the control socket -----------------------------------------------------------------
+def test_oversized_control_messages_disconnect_without_growing_the_server(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=8)
+    with run_server(cfg, workers=1) as srv:
+        before = rss_kib(srv.proc.pid)
+        ctx = zmq.Context()
+        try:
+            junk = os.urandom(1 << 20) * 100  # 100 MB, far above max_request_bytes (16 MiB)
+            for _ in range(3):
+                s = ctx.socket(zmq.DEALER)
+                s.linger = 0
+                s.connect(srv.address)
+                s.send_multipart([b"", junk])
+                time.sleep(0.5)
+                s.close(linger=0)
+        finally:
+            ctx.term()
+        grown_mb = (rss_kib(srv.proc.pid) - before) / 1024
+        assert grown_mb < 50, grown_mb
+        with srv.client() as c:
+            assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+
+
+# ---- 8. a server killed while the client waits on a slow seq ---------------------------------------
+def test_server_killed_during_a_slow_seq_is_unavailable_not_stuck(tmp_path):
+    body = """
+    import time
+    def map_seq(seq, **kwargs):
+        if seq["seq_tag"] == "seq-3":
+            time.sleep(60)
+        return seq
+    """
+    cfg = numpy_config(tmp_path, body, n=10)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=4) as c:
+        it = c.epoch(1)
+        assert [next(it)["seq_tag"] for _ in range(3)] == ["seq-0", "seq-1", "seq-2"]
+        time.sleep(1.5)  # keepalives arrive while seq-3 is mapped
+        srv.proc.kill()
+        srv.proc.wait()
+        start = time.monotonic()
+        with pytest.raises(ppclient.ServerUnavailable):
+            next(it)
+        assert time.monotonic() - start < 6
+
+
+# ---- 9. superseded by another client's request --------------------------------------------------------
+def test_superseded_epoch_raises_at_once(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.02), n=200)
+    with run_server(cfg, workers=2) as srv, srv.client(timeout=30) as a, srv.client(timeout=30) as b:
+        old = a.epoch(1)
+        next(old)
+        new = b.epoch(2)
+        start = time.monotonic()
+        with pytest.raises(ppclient.Superseded, match="another client"):
+            collect(old)
+        assert time.monotonic() - start < 2
+        assert isinstance(ppclient.Superseded("x"), ppclient.Error)
+        assert_same_epoch(collect(new), reference(cfg, 2))
+
+
+# ---- 10. a MapperError stays raised ----------------------------------------------------------------------
+def test_mapper_error_is_raised_on_every_later_next(tmp_path):
+    body = """
+    def map_seq(seq, **kwargs):
+        if seq["seq_tag"] == "seq-3":
+            raise ValueError("no good")
+        return seq
+    """
+    cfg = numpy_config(tmp_path, body, n=10)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        it = c.epoch(1)
+        got = []
+        with pytest.raises(ppclient.MapperError) as first:
+            for seq in it:
+                got.append(seq)
+        assert [s["seq_tag"] for s in got] == ["seq-0", "seq-1", "seq-2"]
+        for _ in range(3):  # a loop that catches the error and pulls on never ends the epoch quietly
+            with pytest.raises(ppclient.MapperError) as again:
+                next(it)
+            assert again.value is first.value
