@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Set-up and everyday tasks with nothing but Python 3.10+ and pip.
 
-    python3 make.py demo    # create .venv if missing, install, run `ppserver demo`
-    python3 make.py test    # create .venv if missing, install, run the test suite
-    python3 make.py bench   # run the throughput benchmark (by hand; prints ratios)
+python3 make.py demo    # create .venv if missing, install, run `ppserver demo`
+python3 make.py test    # create .venv if missing, install, run the test suite
+python3 make.py bench   # run the throughput benchmark (by hand; prints ratios)
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def ensure_venv() -> None:
         return
     subprocess.run([PY, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=False)
     # ppclient first: ppserver depends on it, and it lives in ./client
-    subprocess.run([PY, "-m", "pip", "install", "-q", "-e", os.path.join(ROOT, "client"), "-e", f"{ROOT}[test]"],
-                   check=True)
+    subprocess.run(
+        [PY, "-m", "pip", "install", "-q", "-e", os.path.join(ROOT, "client"), "-e", f"{ROOT}[test]"], check=True
+    )
     with open(STAMP, "w") as f:
         f.write(want)
 

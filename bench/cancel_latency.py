@@ -19,9 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ppclient import Client  # noqa: E402
-from ppserver.cli import wait_ready  # noqa: E402
-from ppserver.supervisor import stop_process  # noqa: E402
+from ppclient import Client
+from ppserver.cli import wait_ready
+from ppserver.supervisor import stop_process
 
 CONFIG = """
 import time
@@ -44,8 +44,12 @@ def main() -> int:
         cfg = os.path.join(tmp, "config.py")
         with open(cfg, "w") as f:
             f.write(CONFIG.format(delay=args.delay))
-        proc = subprocess.Popen([sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0",
-                                 "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             with Client(wait_ready(proc, 60), timeout=30) as c:
                 list(c.epoch(0, seq_order=[0, 1, 2, 3]))  # workers registered and warm
@@ -65,8 +69,10 @@ def main() -> int:
     bound = 100 + args.delay * 1000
     print(f"first seq of the new epoch after the request, {args.trials} trials, mapper {args.delay * 1000:g} ms:")
     print("  " + " ".join(f"{x:.0f}" for x in ms) + " ms")
-    print(f"  median {ms[len(ms) // 2]:.0f} ms, max {ms[-1]:.0f} ms; bound 100 ms + own processing "
-          f"({bound:.0f} ms) plus the old seq in progress (<= {args.delay * 1000:g} ms)")
+    print(
+        f"  median {ms[len(ms) // 2]:.0f} ms, max {ms[-1]:.0f} ms; bound 100 ms + own processing "
+        f"({bound:.0f} ms) plus the old seq in progress (<= {args.delay * 1000:g} ms)"
+    )
     return 0
 
 

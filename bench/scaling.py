@@ -130,15 +130,23 @@ def run_count(lab: Lab, cfg: str, procs: int, seqs: int, warmup_seqs: int, port:
         ours = cores["server"] + cores["workers"] + cores["client"]
         ideal = procs / DELAY
         return {
-            "procs": procs, "seqs": seqs, "seconds": round(elapsed, 3), "seqs_per_s": round(rate, 1),
-            "ideal_seqs_per_s": round(ideal, 1), "pct_of_ideal": round(100 * rate / ideal, 1),
-            "startup_s": round(startup, 1), "workers_alive": st["workers_alive"],
-            "per_worker_seqs_min": min(done) if done else 0, "per_worker_seqs_max": max(done) if done else 0,
+            "procs": procs,
+            "seqs": seqs,
+            "seconds": round(elapsed, 3),
+            "seqs_per_s": round(rate, 1),
+            "ideal_seqs_per_s": round(ideal, 1),
+            "pct_of_ideal": round(100 * rate / ideal, 1),
+            "startup_s": round(startup, 1),
+            "workers_alive": st["workers_alive"],
+            "per_worker_seqs_min": min(done) if done else 0,
+            "per_worker_seqs_max": max(done) if done else 0,
             "cores": {k: round(v, 2) for k, v in cores.items()},
             # CPU time per delivered seq (ms) and the rate this machine's cores allow at that cost
-            "cpu_ms_per_seq": {"server": round(cores["server"] / rate * 1e3, 3),
-                               "workers": round(cores["workers"] / rate * 1e3, 3),
-                               "all": round(ours / rate * 1e3, 3)},
+            "cpu_ms_per_seq": {
+                "server": round(cores["server"] / rate * 1e3, 3),
+                "workers": round(cores["workers"] / rate * 1e3, 3),
+                "all": round(ours / rate * 1e3, 3),
+            },
             "cpu_bound_seqs_per_s": round(NCPU / (ours / rate), 1),
         }
     finally:
@@ -165,9 +173,14 @@ def in_process_baseline(cfg_path: str, seconds: float) -> Dict[str, Any]:
         n += 1
     elapsed = time.monotonic() - start
     cpu = time.process_time() - cpu
-    return {"seqs": n, "seconds": round(elapsed, 3), "seqs_per_s": round(n / elapsed, 1),
-            "ideal_seqs_per_s": round(1 / DELAY, 1), "pct_of_ideal": round(100 * n / elapsed * DELAY, 1),
-            "cpu_ms_per_seq": round(cpu / n * 1e3, 3)}
+    return {
+        "seqs": n,
+        "seconds": round(elapsed, 3),
+        "seqs_per_s": round(n / elapsed, 1),
+        "ideal_seqs_per_s": round(1 / DELAY, 1),
+        "pct_of_ideal": round(100 * n / elapsed * DELAY, 1),
+        "cpu_ms_per_seq": round(cpu / n * 1e3, 3),
+    }
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -187,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _term)
-    seqs_for = {c: int(round(c / DELAY * args.seconds)) for c in counts}
+    seqs_for = {c: round(c / DELAY * args.seconds) for c in counts}
     results: List[Dict[str, Any]] = []
     tmp = tempfile.mkdtemp(prefix="ppscaling-")
     completed = False
@@ -195,8 +208,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = os.path.join(tmp, "config.py")
         with open(cfg, "w") as f:
             f.write(CONFIG.format(n=max(seqs_for.values()), delay=DELAY, buf_size=args.buf_size))
-        print(f"machine: {NCPU} CPUs, load average {os.getloadavg()[0]:.2f} at start; map_seq sleeps "
-              f"{DELAY * 1000:g} ms on (10, 8) float32 seqs; buf_size {args.buf_size}", flush=True)
+        print(
+            f"machine: {NCPU} CPUs, load average {os.getloadavg()[0]:.2f} at start; map_seq sleeps "
+            f"{DELAY * 1000:g} ms on (10, 8) float32 seqs; buf_size {args.buf_size}",
+            flush=True,
+        )
         baseline = in_process_baseline(cfg, seconds=2.0)
         lab = Lab(hosts=2, log_dir=tmp)
         try:
@@ -206,10 +222,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         try:
             for c in counts:
-                print(f"... {c} worker processes ({c // 2} per host), {seqs_for[c]} seqs", file=sys.stderr,
-                      flush=True)
-                results.append(run_count(lab, cfg, c, seqs_for[c], warmup_seqs=min(20 * c, seqs_for[c]),
-                                         port=args.port))
+                print(f"... {c} worker processes ({c // 2} per host), {seqs_for[c]} seqs", file=sys.stderr, flush=True)
+                results.append(
+                    run_count(lab, cfg, c, seqs_for[c], warmup_seqs=min(20 * c, seqs_for[c]), port=args.port)
+                )
         finally:
             lab.destroy()
         completed = True
@@ -221,30 +237,49 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print()
     print(f"{'':43}{'cores busy, timed epoch':<31}{'CPU ms per seq':<23}")
-    print(f"{'procs':>5} {'seqs':>6} {'time s':>6} {'seqs/s':>6} {'ideal':>6} {'%ideal':>6} | "
-          f"{'server':>6} {'workers':>7} {'client':>6} {'other':>6} | {'server':>6} {'workers':>7} "
-          f"{'all':>5} | {'CPU-bound seqs/s':>16}")
+    print(
+        f"{'procs':>5} {'seqs':>6} {'time s':>6} {'seqs/s':>6} {'ideal':>6} {'%ideal':>6} | "
+        f"{'server':>6} {'workers':>7} {'client':>6} {'other':>6} | {'server':>6} {'workers':>7} "
+        f"{'all':>5} | {'CPU-bound seqs/s':>16}"
+    )
     for r in results:
         cores, ms = r["cores"], r["cpu_ms_per_seq"]
-        print(f"{r['procs']:>5} {r['seqs']:>6} {r['seconds']:>6.2f} {r['seqs_per_s']:>6.0f} "
-              f"{r['ideal_seqs_per_s']:>6.0f} {r['pct_of_ideal']:>5.1f}% | {cores['server']:>6.2f} "
-              f"{cores['workers']:>7.2f} {cores['client']:>6.2f} {cores['other']:>6.2f} | {ms['server']:>6.3f} "
-              f"{ms['workers']:>7.3f} {ms['all']:>5.3f} | {r['cpu_bound_seqs_per_s']:>16.0f}")
-    print(f"baseline: the same map_seq in one process in a loop: {baseline['seqs_per_s']:.0f} seqs/s "
-          f"({baseline['pct_of_ideal']:.1f}% of {baseline['ideal_seqs_per_s']:.0f}), "
-          f"{baseline['cpu_ms_per_seq']:.3f} ms CPU per seq")
-    print(f"(CPU-bound seqs/s = {NCPU} cores / CPU ms per seq of server + workers + client: the most "
-          f"this machine allows at the measured per-seq cost)")
+        print(
+            f"{r['procs']:>5} {r['seqs']:>6} {r['seconds']:>6.2f} {r['seqs_per_s']:>6.0f} "
+            f"{r['ideal_seqs_per_s']:>6.0f} {r['pct_of_ideal']:>5.1f}% | {cores['server']:>6.2f} "
+            f"{cores['workers']:>7.2f} {cores['client']:>6.2f} {cores['other']:>6.2f} | {ms['server']:>6.3f} "
+            f"{ms['workers']:>7.3f} {ms['all']:>5.3f} | {r['cpu_bound_seqs_per_s']:>16.0f}"
+        )
+    print(
+        f"baseline: the same map_seq in one process in a loop: {baseline['seqs_per_s']:.0f} seqs/s "
+        f"({baseline['pct_of_ideal']:.1f}% of {baseline['ideal_seqs_per_s']:.0f}), "
+        f"{baseline['cpu_ms_per_seq']:.3f} ms CPU per seq"
+    )
+    print(
+        f"(CPU-bound seqs/s = {NCPU} cores / CPU ms per seq of server + workers + client: the most "
+        f"this machine allows at the measured per-seq cost)"
+    )
     verdict = None
     at_target = [r for r in results if r["procs"] == TARGET_PROCS]
     if at_target:
         pct = at_target[0]["pct_of_ideal"]
         verdict = pct >= TARGET * 100
-        print(f"target: >= {TARGET * 100:.0f}% of ideal at {TARGET_PROCS} processes: {pct:.1f}% -> "
-              f"{'PASS' if verdict else 'FAIL'}")
+        print(
+            f"target: >= {TARGET * 100:.0f}% of ideal at {TARGET_PROCS} processes: {pct:.1f}% -> "
+            f"{'PASS' if verdict else 'FAIL'}"
+        )
     if args.json:
-        doc = json.dumps({"delay_s": DELAY, "cpus": NCPU, "buf_size": args.buf_size, "results": results,
-                          "baseline": baseline, "target_pass": verdict}, indent=2)
+        doc = json.dumps(
+            {
+                "delay_s": DELAY,
+                "cpus": NCPU,
+                "buf_size": args.buf_size,
+                "results": results,
+                "baseline": baseline,
+                "target_pass": verdict,
+            },
+            indent=2,
+        )
         if args.json == "-":
             print(doc)
         else:

@@ -72,7 +72,7 @@ def returnn_burn_double(tensor_dict, **kwargs):
 
 # ppserver configs. The server and each worker execute the file; the in-process baseline
 # loads it with ppserver.config.load_config, so both run the very same map_seq.
-CONFIG_DOUBLE = '''\
+CONFIG_DOUBLE = """\
 from ppserver.mappers import double
 
 dataset = {{"class": "NumpyDataset", "path": {path!r}}}
@@ -80,7 +80,7 @@ map_seq = double
 buf_size = {buf_size}
 num_workers = {workers}
 seed = 0
-'''
+"""
 
 CONFIG_BURN = '''\
 import time
@@ -173,15 +173,23 @@ class Result:
 
     def as_json(self) -> Dict[str, Any]:
         return {
-            "case": self.case, "pipeline": self.pipeline, "seqs": self.seqs, "bytes": self.nbytes,
-            "seconds": round(self.seconds, 6), "epoch_seconds": [round(s, 6) for s in self.epoch_seconds],
+            "case": self.case,
+            "pipeline": self.pipeline,
+            "seqs": self.seqs,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "epoch_seconds": [round(s, 6) for s in self.epoch_seconds],
             "warmup_seconds": None if self.warmup_seconds is None else round(self.warmup_seconds, 6),
-            "seqs_per_s": self.seqs_per_s, "mb_per_s": self.mb_per_s,
-            "best_epoch_seqs_per_s": (self.seqs / len(self.epoch_seconds) / min(self.epoch_seconds)
-                                      if self.ok else None),
+            "seqs_per_s": self.seqs_per_s,
+            "mb_per_s": self.mb_per_s,
+            "best_epoch_seqs_per_s": (
+                self.seqs / len(self.epoch_seconds) / min(self.epoch_seconds) if self.ok else None
+            ),
             "other_cpu_core_seconds": None if self.other_cpu is None else round(self.other_cpu, 3),
             "other_cpu_fraction": self.other_cpu_frac,
-            "error": self.error, "note": self.note, "check": self.check,
+            "error": self.error,
+            "note": self.note,
+            "check": self.check,
         }
 
 
@@ -206,6 +214,7 @@ def tally(seqs) -> Tuple[int, int, Optional[Dict[str, Any]], Optional[Dict[str, 
 
 
 # ---- CPU accounting: is anything else running on the machine? ----------------------------
+
 
 def _stat_fields(pid: str) -> Optional[List[str]]:
     try:
@@ -277,8 +286,9 @@ class InProcess:
     def epoch(self, epoch: int):
         ds, apply, map_seq, seed, templates = self.dataset, self.apply, self.cfg.map_seq, self.cfg.seed, self.templates
         ds.init_seq_order(epoch)
-        return tally(apply(map_seq, ds.get_seq(pos), epoch=epoch, seed=seed, templates=templates)
-                     for pos in range(ds.num_seqs))
+        return tally(
+            apply(map_seq, ds.get_seq(pos), epoch=epoch, seed=seed, templates=templates) for pos in range(ds.num_seqs)
+        )
 
     def close(self) -> Optional[str]:
         self.dataset = None
@@ -299,8 +309,17 @@ class PPServer:
         from ppclient import Client
         from ppserver.cli import wait_ready
 
-        argv = [sys.executable, "-m", "ppserver", "serve", self.config, "--bind", "tcp://127.0.0.1:0",
-                "--workers", str(self.workers)]
+        argv = [
+            sys.executable,
+            "-m",
+            "ppserver",
+            "serve",
+            self.config,
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--workers",
+            str(self.workers),
+        ]
         with open(self.log_path, "w") as server_log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=server_log, text=True)
         address = wait_ready(self.proc, timeout=60)
@@ -362,6 +381,7 @@ class Returnn:
         ds.init_seq_order(epoch=epoch)  # the first call spawns the worker processes
         if not self.procs:
             self.procs = [wp.worker_proc for wp in (getattr(ds, "_worker_procs", None) or [])]
+
         def seqs():
             pos = 0
             while ds.is_less_than_num_seqs(pos):
@@ -391,16 +411,23 @@ def ppserver_version() -> str:
     """ppserver's version, plus the git commit of its source tree when there is one (read-only git calls)."""
     try:
         from importlib.metadata import version
+
         text = f"ppserver {version('ppserver')}"
     except Exception:
         text = "ppserver ?"
     import ppserver
+
     src = os.path.dirname(os.path.dirname(os.path.abspath(ppserver.__file__)))
     try:
-        sha = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no", "--",
-                                "ppserver", "client"], capture_output=True, text=True, timeout=10)
+        sha = subprocess.run(
+            ["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", src, "status", "--porcelain", "--untracked-files=no", "--", "ppserver", "client"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if sha.returncode == 0:
             text += f" (git {sha.stdout.strip()}{', modified' if dirty.stdout.strip() else ''})"
     except (OSError, subprocess.SubprocessError):
@@ -419,6 +446,7 @@ def returnn_version() -> Tuple[Optional[str], Optional[str]]:
 
 
 # ---- correctness ------------------------------------------------------------------------
+
 
 def compare(got: Dict[str, Any], want: Dict[str, Any], *, meta: bool) -> Optional[str]:
     """None if equal, else what differs. Arrays by numpy.array_equal plus dtype and shape."""
@@ -448,6 +476,7 @@ def check(res: Result, got: Tuple[Any, Any], ref: Tuple[Any, Any], *, meta: bool
 
 # ---- one case ---------------------------------------------------------------------------
 
+
 def make_data(case: Case, n: int, path: str) -> List[Dict[str, np.ndarray]]:
     from ppserver.datasets import load_npz, save_npz
 
@@ -459,7 +488,7 @@ def make_data(case: Case, n: int, path: str) -> List[Dict[str, np.ndarray]]:
 
 def tail(path: str, lines: int = 25) -> str:
     try:
-        with open(path, "r", errors="replace") as f:
+        with open(path, errors="replace") as f:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
@@ -467,14 +496,19 @@ def tail(path: str, lines: int = 25) -> str:
 
 def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Result]:
     n = case.seqs_quick if args.quick else case.seqs_full
-    log(f"case ({case.key}) {case.title}: {n} seqs x {case.seq_bytes / 1e6:.3f} MB; "
-        f"1 warm-up + {args.epochs} timed epochs per pipeline")
+    log(
+        f"case ({case.key}) {case.title}: {n} seqs x {case.seq_bytes / 1e6:.3f} MB; "
+        f"1 warm-up + {args.epochs} timed epochs per pipeline"
+    )
     npz = os.path.join(tmpdir, f"case_{case.key}.npz")
     seqs = make_data(case, n, npz)
     config = os.path.join(tmpdir, f"config_{case.key}.py")
     with open(config, "w") as f:
-        f.write((CONFIG_BURN if case.burn else CONFIG_DOUBLE).format(
-            path=npz, buf_size=BUF_SIZE, workers=args.workers, burn=BURN_SECONDS))
+        f.write(
+            (CONFIG_BURN if case.burn else CONFIG_DOUBLE).format(
+                path=npz, buf_size=BUF_SIZE, workers=args.workers, burn=BURN_SECONDS
+            )
+        )
     server_log = os.path.join(tmpdir, f"server_{case.key}.log")
 
     results = {p: Result(case.key, p) for p in PIPELINES}
@@ -517,7 +551,7 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
             except Exception as exc:
                 fail(pipe, exc)
         for k, epoch in enumerate(range(2, 2 + args.epochs)):
-            order = live[k % len(live):] + live[: k % len(live)] if live else []
+            order = live[k % len(live) :] + live[: k % len(live)] if live else []
             for pipe in order:
                 res = results[pipe.name]
                 try:
@@ -540,8 +574,10 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
                 else:
                     res.other_cpu += (after[0] - before[0]) - (after[1] - before[1])
                 last[pipe.name] = (first, lst)
-                log(f"  {pipe.name:<10} epoch {epoch}: {got_n} seqs in {dt:.3f} s "
-                    f"({got_n / dt:.0f} seqs/s, {nbytes / dt / 1e6:.1f} MB/s)")
+                log(
+                    f"  {pipe.name:<10} epoch {epoch}: {got_n} seqs in {dt:.3f} s "
+                    f"({got_n / dt:.0f} seqs/s, {nbytes / dt / 1e6:.1f} MB/s)"
+                )
     finally:
         for pipe in list(live):
             shut(pipe)
@@ -557,6 +593,7 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
 
 
 # ---- report -----------------------------------------------------------------------------
+
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
@@ -614,15 +651,21 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
                 status = status[:57] + "..."
         if res.note:
             notes.append(f"  {res.case}/{res.pipeline}: {res.note}")
-        table.append([
-            res.case, res.pipeline, fmt(res.seqs_per_s, ".0f"), fmt(res.mb_per_s, ".1f"),
-            fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
-            fmt(rr["pp_over_returnn_mb"], ".2f", "x") if is_pp else "",
-            fmt(rr["pp_over_inprocess_seqs"], ".2f", "x") if is_pp else "",
-            fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%")
-            if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS else "",
-            status,
-        ])
+        table.append(
+            [
+                res.case,
+                res.pipeline,
+                fmt(res.seqs_per_s, ".0f"),
+                fmt(res.mb_per_s, ".1f"),
+                fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
+                fmt(rr["pp_over_returnn_mb"], ".2f", "x") if is_pp else "",
+                fmt(rr["pp_over_inprocess_seqs"], ".2f", "x") if is_pp else "",
+                fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%")
+                if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS
+                else "",
+                status,
+            ]
+        )
     widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
 
     def line(cells):
@@ -648,12 +691,18 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     print(f"           took under {MIN_ACCOUNTED_SECONDS:g} s, too short for /proc's 10 ms ticks")
     print("check: first and last seq of the last timed epoch equal the in-process result")
     print("       (numpy.array_equal, dtype, shape; for ppserver also seq_tag, seq_idx, complete_frac)")
-    busy = [res for res in rows
-            if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS and (res.other_cpu_frac or 0) > OTHER_CPU_WARN]
+    busy = [
+        res
+        for res in rows
+        if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS and (res.other_cpu_frac or 0) > OTHER_CPU_WARN
+    ]
     if busy:
         print()
-        print(f"WARNING: other processes used more than {OTHER_CPU_WARN:.0%} of the machine during "
-              + ", ".join(f"{res.case}/{res.pipeline}" for res in busy) + "; those numbers are not reliable.")
+        print(
+            f"WARNING: other processes used more than {OTHER_CPU_WARN:.0%} of the machine during "
+            + ", ".join(f"{res.case}/{res.pipeline}" for res in busy)
+            + "; those numbers are not reliable."
+        )
     print()
     print("targets:")
     for v in verdicts:
@@ -667,14 +716,20 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="ppserver throughput vs an in-process loop and RETURNN "
-                                "PostprocessingDataset (see bench/README.md)")
+    p = argparse.ArgumentParser(
+        description="ppserver throughput vs an in-process loop and RETURNN PostprocessingDataset (see bench/README.md)"
+    )
     p.add_argument("--quick", action="store_true", help="about 1/5 of the seqs per case and 1 timed epoch")
     p.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c (default %(default)s)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="timed epochs per pipeline after the warm-up epoch (default 3, 1 with --quick)")
-    p.add_argument("--workers", type=int, default=2,
-                   help="ppserver --workers and RETURNN num_workers (default %(default)s)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="timed epochs per pipeline after the warm-up epoch (default 3, 1 with --quick)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=2, help="ppserver --workers and RETURNN num_workers (default %(default)s)"
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
     p.add_argument("--strict", action="store_true", help="exit with 1 if a target FAILs")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (data, configs, server logs)")
@@ -727,14 +782,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = {
             "command": command,
             "ppserver": pp_version,
-            "machine": {"nproc": NCPU, "cpu_count": os.cpu_count(), "arch": platform.machine(),
-                        "python": platform.python_version(), "numpy": np.__version__,
-                        "returnn": rt_version, "returnn_skipped": rt_reason},
-            "settings": {"workers": args.workers, "buf_size": BUF_SIZE, "timed_epochs": args.epochs,
-                         "quick": args.quick, "burn_seconds": BURN_SECONDS},
-            "cases": {c: {"title": CASES[c].title, "shape": list(CASES[c].shape), "dtype": "float32",
-                          "seqs": CASES[c].seqs_quick if args.quick else CASES[c].seqs_full,
-                          "seq_bytes": CASES[c].seq_bytes} for c in keys},
+            "machine": {
+                "nproc": NCPU,
+                "cpu_count": os.cpu_count(),
+                "arch": platform.machine(),
+                "python": platform.python_version(),
+                "numpy": np.__version__,
+                "returnn": rt_version,
+                "returnn_skipped": rt_reason,
+            },
+            "settings": {
+                "workers": args.workers,
+                "buf_size": BUF_SIZE,
+                "timed_epochs": args.epochs,
+                "quick": args.quick,
+                "burn_seconds": BURN_SECONDS,
+            },
+            "cases": {
+                c: {
+                    "title": CASES[c].title,
+                    "shape": list(CASES[c].shape),
+                    "dtype": "float32",
+                    "seqs": CASES[c].seqs_quick if args.quick else CASES[c].seqs_full,
+                    "seq_bytes": CASES[c].seq_bytes,
+                }
+                for c in keys
+            },
             "results": [r.as_json() for r in rows],
             "ratios": ratios(rows),
             "targets": verdicts,

@@ -28,46 +28,81 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    s = sub.add_parser("serve", help="run the server with local workers",
-                       description="Load CONFIG, open its dataset once, start local worker processes and "
-                       "serve epochs. Prints 'ready ADDRESS' on stdout once it accepts requests. "
-                       "SIGTERM or SIGINT stops it and its workers.")
+    s = sub.add_parser(
+        "serve",
+        help="run the server with local workers",
+        description="Load CONFIG, open its dataset once, start local worker processes and "
+        "serve epochs. Prints 'ready ADDRESS' on stdout once it accepts requests. "
+        "SIGTERM or SIGINT stops it and its workers.",
+    )
     s.add_argument("config", metavar="CONFIG", help="Python config file (dataset, map_seq or map_seq_stream, ...)")
-    s.add_argument("--bind", default="tcp://127.0.0.1:5555",
-                   help="control address for clients and workers (default %(default)s; port 0 picks a free port)")
-    s.add_argument("--worker-bind", default=None, metavar="ADDR",
-                   help="address for the worker socket (default: the --bind host with a free port)")
-    s.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="local worker processes (default: num_workers from CONFIG; 0 = remote workers only)")
+    s.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="control address for clients and workers (default %(default)s; port 0 picks a free port)",
+    )
+    s.add_argument(
+        "--worker-bind",
+        default=None,
+        metavar="ADDR",
+        help="address for the worker socket (default: the --bind host with a free port)",
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local worker processes (default: num_workers from CONFIG; 0 = remote workers only)",
+    )
     s.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys from `ppserver keygen DIR`")
-    s.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --bind without keys (traffic unencrypted, peers unauthenticated)")
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --bind without keys (traffic unencrypted, peers unauthenticated)",
+    )
 
-    w = sub.add_parser("worker", help="run worker processes on this host for a remote server",
-                       description="Start N worker processes that connect to a running server (or wait for it). "
-                       "SIGTERM hands back their work and exits within 5 s. Exit code 2: refused by the server "
-                       "(protocol or config mismatch).")
+    w = sub.add_parser(
+        "worker",
+        help="run worker processes on this host for a remote server",
+        description="Start N worker processes that connect to a running server (or wait for it). "
+        "SIGTERM hands back their work and exits within 5 s. Exit code 2: refused by the server "
+        "(protocol or config mismatch).",
+    )
     w.add_argument("config", metavar="CONFIG", help="the same config file the server runs")
     w.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the server's control address")
-    w.add_argument("--procs", type=int, default=os.cpu_count() or 1, metavar="N",
-                   help="worker processes to start (default: CPU count, %(default)s)")
+    w.add_argument(
+        "--procs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="worker processes to start (default: CPU count, %(default)s)",
+    )
     w.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys (client pair and server public key)")
 
-    st = sub.add_parser("status", help="show a server's state",
-                        description="Epoch, seqs delivered, seqs/s, workers and queue depths of a running server.")
+    st = sub.add_parser(
+        "status",
+        help="show a server's state",
+        description="Epoch, seqs delivered, seqs/s, workers and queue depths of a running server.",
+    )
     st.add_argument("address", metavar="ADDRESS", help="the server's control address, e.g. tcp://127.0.0.1:5555")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default %(default)s)")
     st.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys")
 
-    k = sub.add_parser("keygen", help="write CURVE key pairs",
-                       description="Write server.key/server.key_secret and client.key/client.key_secret into DIR "
-                       "and authorise the client key (DIR/authorized/).")
+    k = sub.add_parser(
+        "keygen",
+        help="write CURVE key pairs",
+        description="Write server.key/server.key_secret and client.key/client.key_secret into DIR "
+        "and authorise the client key (DIR/authorized/).",
+    )
     k.add_argument("dir", metavar="DIR")
 
-    d = sub.add_parser("demo", help="run a short demo end to end",
-                       description="Start a server with local workers on synthetic speech-like data and a "
-                       "SpecAugment-style mapper, pull 2 epochs through ppclient, print seqs/s and MB/s, stop.")
+    d = sub.add_parser(
+        "demo",
+        help="run a short demo end to end",
+        description="Start a server with local workers on synthetic speech-like data and a "
+        "SpecAugment-style mapper, pull 2 epochs through ppclient, print seqs/s and MB/s, stop.",
+    )
     d.add_argument("--epochs", type=int, default=2, help=argparse.SUPPRESS)
     return p
 
@@ -80,9 +115,7 @@ def _version() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    return {"serve": _serve, "worker": _worker, "status": _status, "keygen": _keygen, "demo": _demo}[
-        args.command
-    ](args)
+    return {"serve": _serve, "worker": _worker, "status": _status, "keygen": _keygen, "demo": _demo}[args.command](args)
 
 
 def _fail_config(command: str, exc: Exception) -> int:
@@ -113,8 +146,9 @@ def _serve(args) -> int:
         # partitions follow the config, not --workers, so outputs never depend on the worker count
         cfg.stream_partitions = cfg.partitions
         cfg.num_workers = max(workers, 1)
-        return serve(cfg, bind=args.bind, worker_bind=args.worker_bind, workers=workers, keys=args.keys,
-                     insecure=args.insecure)
+        return serve(
+            cfg, bind=args.bind, worker_bind=args.worker_bind, workers=workers, keys=args.keys, insecure=args.insecure
+        )
     except (ConfigError, UsageError) as exc:
         return _fail_config("serve", exc)
     except OSError as exc:
@@ -141,8 +175,7 @@ def _worker(args) -> int:
     except (ConfigError, UsageError) as exc:
         return _fail_config("worker", exc)
     config = os.path.abspath(args.config)
-    pool = ProcessPool(lambda i: worker_argv(config, args.connect, index=i, keys=args.keys), args.procs,
-                       name="worker")
+    pool = ProcessPool(lambda i: worker_argv(config, args.connect, index=i, keys=args.keys), args.procs, name="worker")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *a: stopping.append(1))
@@ -195,8 +228,10 @@ def format_status(st) -> str:
     if st.get("workers"):
         lines.append(f"  {'host':<20} {'pid':>7} {'done':>8} {'in flight':>9} {'last hb':>8}")
         for w in st["workers"]:
-            lines.append(f"  {w['host'][:20]:<20} {w['pid']:>7} {w['seqs_done']:>8} {w['in_flight']:>9} "
-                         f"{w['last_heartbeat_s']:>7.1f}s")
+            lines.append(
+                f"  {w['host'][:20]:<20} {w['pid']:>7} {w['seqs_done']:>8} {w['in_flight']:>9} "
+                f"{w['last_heartbeat_s']:>7.1f}s"
+            )
     return "\n".join(lines)
 
 
@@ -214,8 +249,11 @@ def _demo(args) -> int:
     from .supervisor import stop_process
 
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_config.py")
-    proc = subprocess.Popen([sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = wait_ready(proc, timeout=60)
         print(f"demo: server ready at {address}", flush=True)
@@ -233,11 +271,18 @@ def _demo(args) -> int:
                     nbytes += sum(v.nbytes for k, v in seq.items() if hasattr(v, "nbytes"))
                     if n % 20 == 0 or n == total:
                         el = time.monotonic() - start
-                        print(f"\rdemo: epoch {epoch}: {n}/{total} seqs  {n / el:8.1f} seqs/s  "
-                              f"{nbytes / el / 1e6:7.1f} MB/s", end="", flush=True)
+                        print(
+                            f"\rdemo: epoch {epoch}: {n}/{total} seqs  {n / el:8.1f} seqs/s  "
+                            f"{nbytes / el / 1e6:7.1f} MB/s",
+                            end="",
+                            flush=True,
+                        )
                 el = time.monotonic() - start
-                print(f"\rdemo: epoch {epoch}: {n} seqs in {el:.2f} s: {n / el:.1f} seqs/s, "
-                      f"{nbytes / el / 1e6:.1f} MB/s" + " " * 10, flush=True)
+                print(
+                    f"\rdemo: epoch {epoch}: {n} seqs in {el:.2f} s: {n / el:.1f} seqs/s, "
+                    f"{nbytes / el / 1e6:.1f} MB/s" + " " * 10,
+                    flush=True,
+                )
         print("demo: done", flush=True)
         return 0
     finally:
@@ -248,6 +293,7 @@ def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
     """Read the server's stdout until its 'ready ADDRESS' line; raise if it exits or stalls."""
     import selectors
 
+    assert proc.stdout is not None, "start the server with stdout=subprocess.PIPE"
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout

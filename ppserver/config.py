@@ -7,8 +7,8 @@ UPPER_CASE are helpers and are ignored; any other name must be a known key, so a
 """
 
 from __future__ import annotations
-
 import __future__
+
 import difflib
 import hashlib
 import inspect
@@ -221,8 +221,9 @@ def _check_map_outputs(map_outputs) -> Optional[Dict[str, Dict[str, Any]]]:
         except (TypeError, ValueError):
             raise ConfigError("map_outputs", f"{key!r}: unknown dtype {spec.get('dtype')!r}") from None
         if dtype.hasobject or dtype.kind == "V":  # the wire refuses them
-            raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} is not a plain "
-                              "(non-object, non-structured) dtype")
+            raise ConfigError(
+                "map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} is not a plain (non-object, non-structured) dtype"
+            )
         if dtype.itemsize == 0:
             raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5'")
         out[key] = {"shape": list(shape), "dtype": dtype_text(dtype)}
@@ -323,13 +324,13 @@ def _attr(obj: Any, name: str) -> Any:
     """getattr that survives objects whose __getattr__ raises anything."""
     try:
         return getattr(obj, name, None)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
 def _cell_is_set(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
@@ -354,7 +355,7 @@ def local_modules(roots: Iterable[Any]) -> Dict[str, str]:
                 checked[name] = _is_local(module, installed)
             if name in found or not checked[name]:
                 continue
-            found[name] = module.__file__
+            found[name] = module.__file__ or ""
             pending.extend(list(vars(module).values()))
             parent = name.rpartition(".")[0]
             if parent and parent in sys.modules:

@@ -22,8 +22,16 @@ from .scheduler import events as ev
 
 
 class Control:
-    def __init__(self, cfg: Config, sched: Scheduler, reader: rd.Reader, *, info: Dict[str, Any],
-                 status: Callable[[], Dict[str, Any]], worker_address: Callable[[], str]):
+    def __init__(
+        self,
+        cfg: Config,
+        sched: Scheduler,
+        reader: rd.Reader,
+        *,
+        info: Dict[str, Any],
+        status: Callable[[], Dict[str, Any]],
+        worker_address: Callable[[], str],
+    ):
         self.cfg = cfg
         self.sched = sched
         self.reader = reader

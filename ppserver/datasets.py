@@ -50,13 +50,14 @@ def _parse_seq_ordering(value: Any) -> tuple[str, int | None, bool]:
     if value in ("default", "reverse", "sorted", "sorted_reverse", "random", "laplace"):
         return value, None, False
     if value.startswith("laplace:"):
-        arg = value[len("laplace:"):]
+        arg = value[len("laplace:") :]
         per_bin = arg.startswith(".")
         digits = arg[1:] if per_bin else arg
         if digits.isdigit() and int(digits) >= 1:
             return "laplace", int(digits), per_bin
         raise ConfigError(
-            "seq_ordering", f"bad laplace spec {value!r}; use 'laplace:N' (N bins) or 'laplace:.N' (N seqs per bin), N >= 1"
+            "seq_ordering",
+            f"bad laplace spec {value!r}; use 'laplace:N' (N bins) or 'laplace:.N' (N seqs per bin), N >= 1",
         )
     raise ConfigError("seq_ordering", f"unknown ordering {value!r}; expected one of {', '.join(SEQ_ORDERINGS)}")
 
@@ -132,9 +133,7 @@ class Dataset:
 
     # ---- epoch order -------------------------------------------------------------------------
 
-    def init_seq_order(
-        self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None
-    ) -> None:
+    def init_seq_order(self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None) -> None:
         """Fix the order for `epoch`; `seq_list` (tags) or `seq_order` (corpus indices) override the ordering."""
         order = self._requested_order(epoch, seq_list, seq_order)
         if order is None:
@@ -292,7 +291,7 @@ def _validate_seqs(seqs: Any) -> list[dict[str, np.ndarray]]:
                 raise ConfigError("seqs", f"seq {i}: key {k!r} is reserved for seq meta data")
             try:
                 arr = np.asarray(v)
-            except Exception as exc:  # noqa: BLE001 - any conversion failure is a config problem
+            except Exception as exc:
                 raise ConfigError("seqs", f"seq {i} key {k!r}: not convertible to an array: {exc}") from None
             if arr.dtype.hasobject:
                 raise ConfigError("seqs", f"seq {i} key {k!r}: object arrays are not supported")
@@ -345,7 +344,7 @@ def save_npz(path: str | os.PathLike, seqs: list[dict[str, np.ndarray]], tags: l
         members["tags"] = np.array(_validate_tags(tags, len(arrays)), dtype=str)
     # A file object keeps np.savez from appending ".npz" to the name.
     with open(path, "wb") as f:
-        np.savez(f, **members)
+        np.savez(f, **members)  # type: ignore[arg-type]  # numpy's stub types the first kwarg
 
 
 def load_npz(path: str | os.PathLike) -> tuple[list[dict[str, np.ndarray]], list[str] | None]:
@@ -353,15 +352,17 @@ def load_npz(path: str | os.PathLike) -> tuple[list[dict[str, np.ndarray]], list
     try:
         with np.load(path, allow_pickle=False) as npz:
             members = {name: npz[name] for name in npz.files}
-    except Exception as exc:  # noqa: BLE001 - unreadable file of any kind
+    except Exception as exc:
         raise ConfigError("path", f"cannot read npz file {os.fspath(path)!r}: {exc}") from None
     tags_arr = members.pop("tags", None)
     by_idx: dict[int, dict[str, np.ndarray]] = {}
     for name, arr in members.items():
         head, sep, key = name.partition("/")
-        num = head[len(_NPZ_PREFIX):]
+        num = head[len(_NPZ_PREFIX) :]
         if not sep or not key or not head.startswith(_NPZ_PREFIX) or not num.isdigit():
-            raise ConfigError("path", f"unexpected member {name!r} in {os.fspath(path)!r}; expected 'seq<i>/<key>' or 'tags'")
+            raise ConfigError(
+                "path", f"unexpected member {name!r} in {os.fspath(path)!r}; expected 'seq<i>/<key>' or 'tags'"
+            )
         by_idx.setdefault(int(num), {})[key] = arr
     if sorted(by_idx) != list(range(len(by_idx))):
         raise ConfigError("path", f"seq indices in {os.fspath(path)!r} are not contiguous from 0")
@@ -491,7 +492,7 @@ class DemoDataset(Dataset):
         return f"demo-{corpus_idx}"
 
     def _corpus_idx_for_tag(self, tag: str) -> int | None:
-        num = tag[len("demo-"):] if tag.startswith("demo-") else ""
+        num = tag[len("demo-") :] if tag.startswith("demo-") else ""
         if num.isdigit() and str(int(num)) == num and int(num) < self.num_seqs_total:
             return int(num)
         return None
@@ -550,7 +551,7 @@ def _import_class(name: str) -> Any:
         obj: Any = importlib.import_module(module_name)
         for attr in attr_path.split("."):
             obj = getattr(obj, attr)
-    except Exception as exc:  # noqa: BLE001 - any import-time failure is a config problem
+    except Exception as exc:
         raise ConfigError("dataset", f"cannot import class {name!r}: {_one_line(exc)}") from None
     return obj
 
@@ -580,6 +581,6 @@ def make_dataset(spec: dict, *, order_seed: int = 0) -> Dataset:
         return cls(**kwargs)
     except ConfigError:
         raise  # the dataset's own check names its key (seq_ordering, path, ...)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing constructor is a config problem
+    except (Exception, SystemExit) as exc:
         # One line naming the key instead of a traceback; any caller (the server) gets a ConfigError.
         raise ConfigError("dataset", f"{cls.__name__}: {_one_line(exc)}") from None

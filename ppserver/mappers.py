@@ -51,7 +51,10 @@ def spec_augment(
     x = np.array(seq[key], copy=True)
     if x.ndim < 2:
         raise ValueError(f"spec_augment: seq[{key!r}] must have shape (time, ..., features), got {x.shape}")
-    for axis, max_masks, max_width in ((0, max_time_masks, max_time_width), (x.ndim - 1, max_freq_masks, max_freq_width)):
+    for axis, max_masks, max_width in (
+        (0, max_time_masks, max_time_width),
+        (x.ndim - 1, max_freq_masks, max_freq_width),
+    ):
         size = x.shape[axis]
         if max_masks == 0 or max_width == 0 or size == 0:
             continue

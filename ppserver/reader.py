@@ -67,7 +67,7 @@ class Reader(threading.Thread):
     def __init__(self, dataset: Any):
         super().__init__(name="reader", daemon=True)
         self.dataset = dataset
-        self.commands: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.out: Deque[ev.Event] = deque()  # appended here, popped by the loop (deque ops are atomic)
         self.woken = False  # a wake-up byte is in the pipe and the loop has not taken events since
         self.wake_r, self.wake_w = os.pipe()
@@ -95,9 +95,15 @@ class Reader(threading.Thread):
         if not isinstance(event, ev.InputsRead):
             return event
         items = list(event.items)
-        while len(items) < MAX_BATCH and self.out and isinstance(self.out[0], ev.InputsRead) \
-                and self.out[0].run == event.run:
-            items.extend(self.out.popleft().items)
+        while (
+            len(items) < MAX_BATCH
+            and self.out
+            and isinstance(self.out[0], ev.InputsRead)
+            and self.out[0].run == event.run
+        ):
+            more = self.out.popleft()
+            assert isinstance(more, ev.InputsRead)
+            items.extend(more.items)
         return ev.InputsRead(event.now, event.run, items)
 
     def drain_wakeups(self) -> None:
@@ -151,8 +157,11 @@ class Reader(threading.Thread):
             except Exception:  # a bug here must not end the thread silently
                 log.exception("reader step failed")
                 if self.run_id is not None:
-                    self._emit(ev.ReadFailed(time.monotonic(), self.run_id, "internal error in the reader",
-                                             traceback.format_exc()))
+                    self._emit(
+                        ev.ReadFailed(
+                            time.monotonic(), self.run_id, "internal error in the reader", traceback.format_exc()
+                        )
+                    )
                     self.run_id = None
 
     def _step(self) -> None:
@@ -196,16 +205,20 @@ class Reader(threading.Thread):
         check = getattr(self.dataset, "check_epoch_args", None)
         if check is not None:
             try:
-                self._call(f"checking the request for epoch {cmd.epoch}", check, cmd.epoch, cmd.seq_list,
-                           cmd.seq_order)
+                self._call(f"checking the request for epoch {cmd.epoch}", check, cmd.epoch, cmd.seq_list, cmd.seq_order)
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 self._emit(ev.RunRejected(now(), cmd.run, _message(exc)))
                 return
         replaced = self.run_id
         self._drop_run()
         try:
-            self._call(f"init_seq_order(epoch={cmd.epoch})", self.dataset.init_seq_order, cmd.epoch, cmd.seq_list,
-                       cmd.seq_order)
+            self._call(
+                f"init_seq_order(epoch={cmd.epoch})",
+                self.dataset.init_seq_order,
+                cmd.epoch,
+                cmd.seq_list,
+                cmd.seq_order,
+            )
             num_seqs = int(self.dataset.num_seqs)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             self._emit(ev.RunRejected(now(), cmd.run, _message(exc)))
@@ -213,8 +226,14 @@ class Reader(threading.Thread):
             return
         except Exception as exc:
             log.exception("the dataset failed to set up epoch %d", cmd.epoch)
-            self._emit(ev.ReadFailed(now(), cmd.run, f"the dataset failed to set up epoch {cmd.epoch}: "
-                                     f"{_message(exc)}", traceback.format_exc()))
+            self._emit(
+                ev.ReadFailed(
+                    now(),
+                    cmd.run,
+                    f"the dataset failed to set up epoch {cmd.epoch}: {_message(exc)}",
+                    traceback.format_exc(),
+                )
+            )
             self._fail_replaced(replaced, cmd.epoch, exc)
             return
         self.run_id = cmd.run
@@ -226,8 +245,13 @@ class Reader(threading.Thread):
 
     def _fail_replaced(self, replaced: Optional[int], epoch: int, exc: BaseException) -> None:
         if replaced is not None:
-            self._emit(ev.ReadFailed(time.monotonic(), replaced, f"the dataset lost this epoch's state while "
-                                     f"failing to set up epoch {epoch}: {_message(exc)}"))
+            self._emit(
+                ev.ReadFailed(
+                    time.monotonic(),
+                    replaced,
+                    f"the dataset lost this epoch's state while failing to set up epoch {epoch}: {_message(exc)}",
+                )
+            )
 
     def _read_one(self, pos: int) -> Item:
         return seq_to_item(self._call(f"get_seq({pos})", self.dataset.get_seq, pos), pos)
@@ -240,8 +264,9 @@ class Reader(threading.Thread):
                 item = self._read_one(self.next_pos)
             except Exception as exc:
                 log.error("reading the dataset failed in run %d: %s", run, exc)
-                self._emit(ev.ReadFailed(time.monotonic(), run, f"dataset failed: {_message(exc)}",
-                                         traceback.format_exc()))
+                self._emit(
+                    ev.ReadFailed(time.monotonic(), run, f"dataset failed: {_message(exc)}", traceback.format_exc())
+                )
                 self._drop_run()
                 return
             self.next_pos += 1
@@ -255,8 +280,14 @@ class Reader(threading.Thread):
             items = [self._read_one(pos) for pos in cmd.positions]
         except Exception as exc:
             log.error("re-reading inputs for stream partition %d failed: %s", cmd.partition, exc)
-            self._emit(ev.ReadFailed(time.monotonic(), cmd.run, f"dataset failed while replaying partition "
-                                     f"{cmd.partition}: {_message(exc)}", traceback.format_exc()))
+            self._emit(
+                ev.ReadFailed(
+                    time.monotonic(),
+                    cmd.run,
+                    f"dataset failed while replaying partition {cmd.partition}: {_message(exc)}",
+                    traceback.format_exc(),
+                )
+            )
             self._drop_run()
             return
         self._emit(ev.ReplayRead(time.monotonic(), cmd.run, cmd.partition, cmd.ticket, items))

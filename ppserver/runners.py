@@ -38,8 +38,10 @@ def check_size(item: Item, limit: int) -> None:
     """An output the server would refuse (it disconnects senders of oversized messages)."""
     if item.nbytes > limit:
         biggest = max(zip(item.frames, item.arrays), key=lambda fa: protocol.wire.nbytes(fa[0]))[1][0]
-        raise MappingError(f"output is {item.nbytes} bytes (array {biggest!r} the largest), more than "
-                           f"max_message_bytes ({limit})", item.seq_tag)
+        raise MappingError(
+            f"output is {item.nbytes} bytes (array {biggest!r} the largest), more than max_message_bytes ({limit})",
+            item.seq_tag,
+        )
 
 
 def _failure_text(exc: BaseException) -> str:
@@ -88,18 +90,27 @@ class MapSeqRunner:
         if self.results and self.results_run != run_id:
             self.flush()
         seq = writable(protocol.item_to_seq(item))
+        assert self.cfg.map_seq is not None
         try:
-            out = apply_map_seq(self.cfg.map_seq, seq, epoch=run.epoch, seed=self.cfg.seed,
-                                templates=self.templates(),
-                                expected_tag=seq.get("seq_tag") if run.check_tags else None)
+            out = apply_map_seq(
+                self.cfg.map_seq,
+                seq,
+                epoch=run.epoch,
+                seed=self.cfg.seed,
+                templates=self.templates(),
+                expected_tag=seq.get("seq_tag") if run.check_tags else None,
+            )
             result = protocol.seq_to_item(out, item.pos)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else seq.get("seq_tag")
             log.error("mapper failed on seq %r: %s", tag, _failure_text(exc))
             self.flush()
-            self.send(protocol.TaskFailed(run=run_id, pos=item.pos, seq_tag=tag, message=_failure_text(exc),
-                                          traceback=traceback.format_exc()))
+            self.send(
+                protocol.TaskFailed(
+                    run=run_id, pos=item.pos, seq_tag=tag, message=_failure_text(exc), traceback=traceback.format_exc()
+                )
+            )
             self.drop_run(run_id)
             return
         if self.results_bytes + result.nbytes > self.cfg.max_message_bytes:
@@ -139,8 +150,9 @@ class _Partition:
 class StreamRunner:
     """Partitions as generators whose input iterator pulls inputs from the server while it waits."""
 
-    def __init__(self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]],
-                 wait_for_input: Callable[[], None]):
+    def __init__(
+        self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]], wait_for_input: Callable[[], None]
+    ):
         self.cfg = cfg
         self.send = send
         self.templates = templates
@@ -203,8 +215,15 @@ class StreamRunner:
         """Advance one partition by one output."""
         try:
             if part.gen is None:
-                part.gen = run_stream(self.cfg.map_seq_stream, self._inputs(part), epoch=part.epoch,
-                                      seed=self.cfg.seed, partition=part.index, templates=self.templates())
+                assert self.cfg.map_seq_stream is not None
+                part.gen = run_stream(
+                    self.cfg.map_seq_stream,
+                    self._inputs(part),
+                    epoch=part.epoch,
+                    seed=self.cfg.seed,
+                    partition=part.index,
+                    templates=self.templates(),
+                )
             seq = next(part.gen)
             if part.closed:
                 return
@@ -223,8 +242,15 @@ class StreamRunner:
             self.parts.pop((part.run, part.index), None)
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else part.last_tag
             log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, _failure_text(exc))
-            self.send(protocol.StreamFailed(run=part.run, partition=part.index, seq_tag=tag,
-                                            message=_failure_text(exc), traceback=traceback.format_exc()))
+            self.send(
+                protocol.StreamFailed(
+                    run=part.run,
+                    partition=part.index,
+                    seq_tag=tag,
+                    message=_failure_text(exc),
+                    traceback=traceback.format_exc(),
+                )
+            )
             return
         part.emitted += 1
         if part.emitted <= part.skip:

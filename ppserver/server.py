@@ -47,8 +47,15 @@ READER_STOP_S = 1.0
 
 
 class Server:
-    def __init__(self, cfg: Config, *, bind: str = "tcp://127.0.0.1:5555", worker_bind: Optional[str] = None,
-                 keys: Optional[str] = None, insecure: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        bind: str = "tcp://127.0.0.1:5555",
+        worker_bind: Optional[str] = None,
+        keys: Optional[str] = None,
+        insecure: bool = False,
+    ):
         self.cfg = cfg
         for option, endpoint in (("--bind", bind), ("--worker-bind", worker_bind)):
             if endpoint and not endpoints.is_loopback(endpoint) and not keys and not insecure:
@@ -62,23 +69,35 @@ class Server:
         self.in_templates = self.dataset.data_keys()
         self.out_templates = cfg.map_outputs or self.in_templates
         self.total_num_seqs = self.dataset.total_num_seqs
-        self.sched = Scheduler(Settings(
-            buf_size=cfg.buf_size, max_seq_retries=cfg.max_seq_retries, heartbeat_interval=cfg.heartbeat_interval,
-            heartbeat_timeout=cfg.heartbeat_timeout, stream=cfg.is_stream, partitions=cfg.partitions,
-            preserves_num_seqs=not cfg.is_stream or cfg.preserves_num_seqs is True,
-        ))
+        self.sched = Scheduler(
+            Settings(
+                buf_size=cfg.buf_size,
+                max_seq_retries=cfg.max_seq_retries,
+                heartbeat_interval=cfg.heartbeat_interval,
+                heartbeat_timeout=cfg.heartbeat_timeout,
+                stream=cfg.is_stream,
+                partitions=cfg.partitions,
+                preserves_num_seqs=not cfg.is_stream or cfg.preserves_num_seqs is True,
+            )
+        )
         self.ctx = zmq.Context()
         self.auth = self._authenticator()
         self.control = self._router(bind, cfg.max_request_bytes)
         if worker_bind is None:
             worker_bind = bind + ".workers" if bind.startswith("ipc://") else f"tcp://{endpoints.host_port(bind)[0]}:0"
         self.workers_sock = self._router(worker_bind, cfg.max_message_bytes)
-        self.address = self.control.last_endpoint.decode()
-        self.worker_address = self.workers_sock.last_endpoint.decode()
+        self.address = _endpoint_of(self.control)
+        self.worker_address = _endpoint_of(self.workers_sock)
         self.monitors = self._monitors() if keys else []
         self.reader = rd.Reader(self.dataset)
-        self.ctl = Control(cfg, self.sched, self.reader, info=self._info(), status=self.status,
-                           worker_address=lambda: self.worker_address)
+        self.ctl = Control(
+            cfg,
+            self.sched,
+            self.reader,
+            info=self._info(),
+            status=self.status,
+            worker_address=lambda: self.worker_address,
+        )
         self.stopping = False
         self.started = time.monotonic()
         self.pool: Optional[ProcessPool] = None
@@ -126,8 +145,9 @@ class Server:
 
     def _monitors(self) -> List[zmq.Socket]:
         """Watch CURVE handshakes so that peers with wrong or missing keys show up in the log."""
-        events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        events = (
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
         return [self.control.get_monitor_socket(events), self.workers_sock.get_monitor_socket(events)]
 
     def _on_monitor(self, sock: zmq.Socket) -> None:
@@ -138,8 +158,10 @@ class Server:
                 event = recv_monitor_message(sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.refused.hit(f"on {event.get('endpoint', b'?').decode(errors='replace')}: CURVE handshake failed "
-                             f"({zmq.Event(event['event']).name}; wrong or missing keys)")
+            self.refused.hit(
+                f"on {event.get('endpoint', b'?').decode(errors='replace')}: CURVE handshake failed "
+                f"({zmq.Event(event['event']).name}; wrong or missing keys)"
+            )
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
@@ -152,8 +174,12 @@ class Server:
         local = f"ipc://{self.ipc_dir}/workers"
         self.workers_sock.bind(local)
         self.pool = ProcessPool(
-            lambda i: worker_argv(self.cfg.path, connect, index=i, keys=self.keys_dir, worker_endpoint=local,
-                                  local=True), n, name="local worker")
+            lambda i: worker_argv(
+                self.cfg.path, connect, index=i, keys=self.keys_dir, worker_endpoint=local, local=True
+            ),
+            n,
+            name="local worker",
+        )
         self.pool.start()
 
     def serve_forever(self) -> None:
@@ -195,8 +221,10 @@ class Server:
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if stuck:
-            log.warning("the reader thread is still inside the dataset (%s); exiting without it",
-                        self.reader.describe_busy(time.monotonic()) or "busy")
+            log.warning(
+                "the reader thread is still inside the dataset (%s); exiting without it",
+                self.reader.describe_busy(time.monotonic()) or "busy",
+            )
         self.ctx.term()  # the reader holds no socket, so nothing can keep this waiting
 
     # ---- performing instructions ----------------------------------------------------------------
@@ -206,8 +234,7 @@ class Server:
                 ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
                 self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, instr.items)])
             elif isinstance(instr, ToClient):
-                self._send(self.control, [instr.consumer, protocol.DELIMITER,
-                                          *protocol.encode(instr.msg, instr.items)])
+                self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
             elif isinstance(instr, ReadUpTo):
                 self.reader.send(rd.ReadUpTo(instr.run, instr.upto))
             elif isinstance(instr, Replay):
@@ -228,7 +255,7 @@ class Server:
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[List[Any]], None]) -> None:
         for _ in range(DRAIN_LIMIT):
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+            if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return
             frames = sock.recv_multipart(copy=False)
             try:
@@ -265,8 +292,9 @@ class Server:
             msg = protocol.decode(frames[2:], Peer.SERVER, (Channel.CONTROL, Channel.DATA)).msg
         except protocol.VersionMismatch as exc:
             log.warning("refused a request: %s", protocol.mismatch_text(exc.theirs, "the client"))
-            self._reply(ident, protocol.ErrorReply(error=protocol.mismatch_text(exc.theirs, "the client"),
-                                                   reason="protocol"))
+            self._reply(
+                ident, protocol.ErrorReply(error=protocol.mismatch_text(exc.theirs, "the client"), reason="protocol")
+            )
             return
         except protocol.ProtocolError as exc:
             self.malformed.hit(str(exc))
@@ -295,17 +323,19 @@ class Server:
     def status(self) -> Dict[str, Any]:
         now = time.monotonic()
         st = self.sched.status(now)
-        st.update({
-            "address": self.address,
-            "worker_address": self.worker_address,
-            "version": ppclient.__version__,
-            "uptime_s": round(now - self.started, 1),
-            "local_workers": self.pool.alive() if self.pool else 0,
-            "local_worker_respawns": self.pool.respawns if self.pool else 0,
-            "malformed_messages": self.malformed.count,
-            "refused_handshakes": self.refused.count,
-            "dataset": self.reader.describe_busy(now) or "idle",
-        })
+        st.update(
+            {
+                "address": self.address,
+                "worker_address": self.worker_address,
+                "version": ppclient.__version__,
+                "uptime_s": round(now - self.started, 1),
+                "local_workers": self.pool.alive() if self.pool else 0,
+                "local_worker_respawns": self.pool.respawns if self.pool else 0,
+                "malformed_messages": self.malformed.count,
+                "refused_handshakes": self.refused.count,
+                "dataset": self.reader.describe_busy(now) or "idle",
+            }
+        )
         return st
 
     # ---- reader -------------------------------------------------------------------------------
@@ -339,8 +369,9 @@ class Server:
         if event is not None:
             self.handle(event)
 
-    def _worker_event(self, now: float, wid: bytes, msg: protocol.Message,
-                      decoded: protocol.Decoded) -> Optional[ev.Event]:
+    def _worker_event(
+        self, now: float, wid: bytes, msg: protocol.Message, decoded: protocol.Decoded
+    ) -> Optional[ev.Event]:
         if isinstance(msg, protocol.Hello):
             return self._admit(now, wid, msg)
         if isinstance(msg, protocol.Results):
@@ -365,8 +396,10 @@ class Server:
     def _admit(self, now: float, wid: bytes, hello: protocol.Hello) -> Optional[ev.Event]:
         """Protocol and config must match the server's; then the worker is welcomed and joins."""
         if hello.fingerprint != self.cfg.fingerprint:
-            reason = (f"config fingerprint mismatch: worker has {hello.fingerprint[:32]!r}, server has "
-                      f"{self.cfg.fingerprint!r} ({FINGERPRINT_COVERS} differ)")
+            reason = (
+                f"config fingerprint mismatch: worker has {hello.fingerprint[:32]!r}, server has "
+                f"{self.cfg.fingerprint!r} ({FINGERPRINT_COVERS} differ)"
+            )
             log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
             self._send(self.workers_sock, [wid, *protocol.encode(protocol.Refuse(reason=reason))])
             return None
@@ -383,6 +416,11 @@ class Server:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))
         self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
+
+
+def _endpoint_of(sock: zmq.Socket) -> str:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
 class _Throttled:
@@ -402,8 +440,9 @@ class _Throttled:
             log.warning("%s: %s%s", self.what, detail, total)
 
 
-def serve(cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, keys: Optional[str],
-          insecure: bool) -> int:
+def serve(
+    cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, keys: Optional[str], insecure: bool
+) -> int:
     server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure)
 
     def _stop(signum: int, frame: Any) -> None:
@@ -413,8 +452,13 @@ def serve(cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, k
     signal.signal(signal.SIGINT, _stop)
     try:
         server.start_local_workers(workers)
-        log.info("serving %s on %s (workers connect to %s); %d local workers",
-                 cfg.path, server.address, server.worker_address, workers)
+        log.info(
+            "serving %s on %s (workers connect to %s); %d local workers",
+            cfg.path,
+            server.address,
+            server.worker_address,
+            workers,
+        )
         print(f"ready {server.address}", flush=True)
         server.serve_forever()
     finally:
@@ -423,5 +467,8 @@ def serve(cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, k
 
 
 def setup_logging(name: str = "ppserver") -> None:
-    logging.basicConfig(level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s",
+    )

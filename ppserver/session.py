@@ -43,8 +43,7 @@ class Stopped(Exception):
 class Heartbeat(threading.Thread):
     """Sends heartbeats on its own socket and watches the server's."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, interval: float,
-                 keys: Optional[ClientKeys]):
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, interval: float, keys: Optional[ClientKeys]):
         super().__init__(name="heartbeat", daemon=True)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
@@ -82,9 +81,18 @@ class Heartbeat(threading.Thread):
 
 
 class Session:
-    def __init__(self, ctx: zmq.Context, *, connect: str, fingerprint: str, heartbeat_interval: float,
-                 heartbeat_timeout: float, keys: Optional[ClientKeys], worker_endpoint: Optional[str] = None,
-                 local_index: Optional[int] = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        *,
+        connect: str,
+        fingerprint: str,
+        heartbeat_interval: float,
+        heartbeat_timeout: float,
+        keys: Optional[ClientKeys],
+        worker_endpoint: Optional[str] = None,
+        local_index: Optional[int] = None,
+    ):
         self.ctx = ctx
         self.connect = connect
         self.fingerprint = fingerprint
@@ -149,9 +157,17 @@ class Session:
         sock.rcvhwm = 0
         sock.sndhwm = 0
         sock.connect(endpoint)
-        sock.send_multipart(protocol.encode(protocol.Hello(
-            fingerprint=self.fingerprint, host=self.host, pid=os.getpid(), local_index=self.local_index,
-            replaces=replaces)))
+        sock.send_multipart(
+            protocol.encode(
+                protocol.Hello(
+                    fingerprint=self.fingerprint,
+                    host=self.host,
+                    pid=os.getpid(),
+                    local_index=self.local_index,
+                    replaces=replaces,
+                )
+            )
+        )
         deadline = time.monotonic() + self.heartbeat_timeout
         while time.monotonic() < deadline and not self.stopping:
             if not sock.poll(POLL_MS):
@@ -221,7 +237,7 @@ class Session:
         out: List[protocol.Decoded] = []
         if not sock.poll(timeout_ms):
             return out
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
             frames = sock.recv_multipart(copy=False)
             try:
                 decoded = protocol.decode(frames, Peer.WORKER, (Channel.WORKER,))

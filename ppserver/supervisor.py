@@ -129,8 +129,15 @@ def _describe(rc: int) -> str:
     return f"code {rc}"
 
 
-def worker_argv(config_path: str, connect: str, *, index: int, keys: Optional[str] = None,
-                worker_endpoint: Optional[str] = None, local: bool = False) -> List[str]:
+def worker_argv(
+    config_path: str,
+    connect: str,
+    *,
+    index: int,
+    keys: Optional[str] = None,
+    worker_endpoint: Optional[str] = None,
+    local: bool = False,
+) -> List[str]:
     """How a worker process is started; `local`: one of the server's own (its exit is reported by index)."""
     argv = [sys.executable, "-m", "ppserver.worker", config_path, "--connect", connect, "--index", str(index)]
     if keys:

@@ -32,15 +32,29 @@ log = logging.getLogger("ppserver.worker")
 
 
 class Worker:
-    def __init__(self, cfg: Config, connect: str, *, keys: Optional[keyfiles.ClientKeys] = None,
-                 worker_endpoint: Optional[str] = None, local_index: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        connect: str,
+        *,
+        keys: Optional[keyfiles.ClientKeys] = None,
+        worker_endpoint: Optional[str] = None,
+        local_index: Optional[int] = None,
+    ):
         self.cfg = cfg
         self.ctx = zmq.Context()
-        self.session = Session(self.ctx, connect=connect, fingerprint=cfg.fingerprint,
-                               heartbeat_interval=cfg.heartbeat_interval, heartbeat_timeout=cfg.heartbeat_timeout,
-                               keys=keys, worker_endpoint=worker_endpoint, local_index=local_index)
+        self.session = Session(
+            self.ctx,
+            connect=connect,
+            fingerprint=cfg.fingerprint,
+            heartbeat_interval=cfg.heartbeat_interval,
+            heartbeat_timeout=cfg.heartbeat_timeout,
+            keys=keys,
+            worker_endpoint=worker_endpoint,
+            local_index=local_index,
+        )
         self.runs: Dict[int, OpenRun] = {}
-        templates = lambda: self.session.templates  # noqa: E731
+        templates = lambda: self.session.templates
         self.seqs = MapSeqRunner(cfg, self.session.send, templates)
         self.streams = StreamRunner(cfg, self.session.send, templates, self._wait_for_input)
 
@@ -76,8 +90,12 @@ class Worker:
         finally:
             s.unregister(say_bye=s.stopping)
             self.ctx.term()
-        log.info("worker stopped after %d seqs (%d task and %d result messages)", self.seqs.done + self.streams.done,
-                 self.seqs.messages_in, self.seqs.messages_out)
+        log.info(
+            "worker stopped after %d seqs (%d task and %d result messages)",
+            self.seqs.done + self.streams.done,
+            self.seqs.messages_in,
+            self.seqs.messages_out,
+        )
         return 0
 
     def _drop_all(self) -> None:
@@ -139,8 +157,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--local", action="store_true", help="a local worker of the server (reported by --index)")
     parser.add_argument("--worker-endpoint", default=None, help="skip discovery: the server's worker socket")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s ppworker[{os.getpid()}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s ppworker[{os.getpid()}] %(levelname)s %(message)s",
+    )
     set_process_title(f"ppworker {args.index}")
     try:
         endpoints.check(args.connect, "--connect")
@@ -151,8 +171,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"ppserver worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    worker = Worker(cfg, args.connect, keys=keys, worker_endpoint=args.worker_endpoint,
-                    local_index=args.index if args.local else None)
+    worker = Worker(
+        cfg,
+        args.connect,
+        keys=keys,
+        worker_endpoint=args.worker_endpoint,
+        local_index=args.index if args.local else None,
+    )
 
     def _stop(signum: int, frame: Any) -> None:
         worker.stop()

@@ -13,8 +13,8 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 import pytest
-
 from netns import children_of, wait_for, wait_gone  # noqa: F401  (re-exported to the tests)
+
 from ppclient import Client
 from ppserver.cli import wait_ready
 from ppserver.supervisor import stop_process
@@ -63,9 +63,15 @@ class ServerProc:
 
 
 @contextmanager
-def run_server(config: str, *, workers: Optional[int] = None, extra: Optional[List[str]] = None,
-               wait_workers: bool = True, bind: str = "tcp://127.0.0.1:0",
-               log_path: Optional[str] = None) -> Iterator[ServerProc]:
+def run_server(
+    config: str,
+    *,
+    workers: Optional[int] = None,
+    extra: Optional[List[str]] = None,
+    wait_workers: bool = True,
+    bind: str = "tcp://127.0.0.1:0",
+    log_path: Optional[str] = None,
+) -> Iterator[ServerProc]:
     argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", bind]
     if workers is not None:
         argv += ["--workers", str(workers)]
@@ -156,10 +162,14 @@ dataset = {{"class": "NumpyDataset", "seqs": SEQS, "seq_ordering": "{ordering}"}
 """
 
 
-def numpy_config(tmp_path, mapper_body: str, *, n: int = 40, ordering: str = "default", extra: str = "",
-                 name: str = "config.py") -> str:
-    return write_config(tmp_path, NUMPY_DATA.format(n=n, ordering=ordering) + textwrap.dedent(mapper_body)
-                        + textwrap.dedent(extra), name=name)
+def numpy_config(
+    tmp_path, mapper_body: str, *, n: int = 40, ordering: str = "default", extra: str = "", name: str = "config.py"
+) -> str:
+    return write_config(
+        tmp_path,
+        NUMPY_DATA.format(n=n, ordering=ordering) + textwrap.dedent(mapper_body) + textwrap.dedent(extra),
+        name=name,
+    )
 
 
 def free_port() -> int:
@@ -171,11 +181,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def run_worker_host(config: str, connect: str, *, procs: int = 2, extra: Optional[List[str]] = None,
-                    log_path: Optional[str] = None, prefix: Optional[List[str]] = None) -> Iterator[subprocess.Popen]:
+def run_worker_host(
+    config: str,
+    connect: str,
+    *,
+    procs: int = 2,
+    extra: Optional[List[str]] = None,
+    log_path: Optional[str] = None,
+    prefix: Optional[List[str]] = None,
+) -> Iterator[subprocess.Popen]:
     """`ppserver worker` as a separate 'host' process; always stopped and reaped."""
-    argv = (prefix or []) + [sys.executable, "-m", "ppserver", "worker", config, "--connect", connect,
-                             "--procs", str(procs)] + (extra or [])
+    argv = (
+        (prefix or [])
+        + [sys.executable, "-m", "ppserver", "worker", config, "--connect", connect, "--procs", str(procs)]
+        + (extra or [])
+    )
     log_file = open(log_path, "a") if log_path else None
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, cwd=REPO)
     try:

@@ -42,8 +42,7 @@ class NetnsUnavailable(NetnsError):
 
 def ip(*args: str, check: bool = True, timeout: float = IP_TIMEOUT) -> subprocess.CompletedProcess:
     try:
-        res = subprocess.run(["ip", *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=timeout)
+        res = subprocess.run(["ip", *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         raise NetnsUnavailable("the `ip` command (iproute2) is not installed") from None
     if check and res.returncode != 0:
@@ -203,7 +202,7 @@ class Lab:
         return "to-srv"
 
     # lifecycle
-    def create(self) -> "Lab":
+    def create(self) -> Lab:
         if os.geteuid() != 0:
             raise NetnsUnavailable(f"network namespaces need root (running as uid {os.geteuid()})")
         try:
@@ -226,8 +225,20 @@ class Lab:
             ip("-n", self.server_ns, "addr", "add", f"{self.server_client_ip}/30", "dev", "to-client")
             ip("-n", self.server_ns, "link", "set", "to-client", "up")
             for i, ns in enumerate(self.host_ns, start=1):
-                ip("-n", self.server_ns, "link", "add", f"to-h{i}", "type", "veth", "peer", "name",
-                   self.host_if(i), "netns", ns)
+                ip(
+                    "-n",
+                    self.server_ns,
+                    "link",
+                    "add",
+                    f"to-h{i}",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self.host_if(i),
+                    "netns",
+                    ns,
+                )
                 ip("-n", self.server_ns, "addr", "add", f"{self.server_ip_for(i)}/24", "dev", f"to-h{i}")
                 ip("-n", self.server_ns, "link", "set", f"to-h{i}", "up")
                 ip("-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", self.host_if(i))
@@ -282,7 +293,7 @@ class Lab:
             ip("netns", "del", ns, check=False)
         self.created = []
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         return self.create()
 
     def __exit__(self, *exc) -> None:
@@ -293,8 +304,9 @@ class Lab:
         ip("-n", self.host_ns[host - 1], "link", "set", self.host_if(host), "up" if up else "down")
 
     # processes
-    def start(self, ns: str, argv: List[str], *, name: str, env: Optional[Dict[str, str]] = None,
-              stdout_pipe: bool = False) -> Proc:
+    def start(
+        self, ns: str, argv: List[str], *, name: str, env: Optional[Dict[str, str]] = None, stdout_pipe: bool = False
+    ) -> Proc:
         log_path = None
         if self.log_dir:
             log_path = os.path.join(self.log_dir, f"{name}.log")
@@ -336,13 +348,25 @@ class Lab:
                 self.procs.remove(proc)
         return proc.stop(timeout=timeout)
 
-    def start_server(self, config: str, *, port: int, name: str = "server", ready_timeout: float = 60.0,
-                     extra: Sequence[str] = ()) -> "ServerHandle":
+    def start_server(
+        self, config: str, *, port: int, name: str = "server", ready_timeout: float = 60.0, extra: Sequence[str] = ()
+    ) -> ServerHandle:
         """`ppserver serve --bind tcp://0.0.0.0:PORT --insecure --workers 0` in the server namespace."""
         from ppserver.cli import wait_ready
 
-        argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", f"tcp://0.0.0.0:{port}",
-                "--insecure", "--workers", "0", *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "ppserver",
+            "serve",
+            config,
+            "--bind",
+            f"tcp://0.0.0.0:{port}",
+            "--insecure",
+            "--workers",
+            "0",
+            *extra,
+        ]
         proc = self.start(self.server_ns, argv, name=name, stdout_pipe=True)
         proc.is_server = True
         try:
@@ -353,11 +377,28 @@ class Lab:
         bound_port = int(printed.rpartition(":")[2])
         return ServerHandle(self, proc, bound_port)
 
-    def start_workers(self, host: int, config: str, *, port: int, procs: int, name: Optional[str] = None,
-                      env: Optional[Dict[str, str]] = None) -> Proc:
+    def start_workers(
+        self,
+        host: int,
+        config: str,
+        *,
+        port: int,
+        procs: int,
+        name: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+    ) -> Proc:
         """`ppserver worker --procs N` in worker host `host` (1-based), connecting across its link."""
-        argv = [sys.executable, "-m", "ppserver", "worker", config,
-                "--connect", f"tcp://{self.server_ip_for(host)}:{port}", "--procs", str(procs)]
+        argv = [
+            sys.executable,
+            "-m",
+            "ppserver",
+            "worker",
+            config,
+            "--connect",
+            f"tcp://{self.server_ip_for(host)}:{port}",
+            "--procs",
+            str(procs),
+        ]
         return self.start(self.host_ns[host - 1], argv, name=name or f"host{host}", env=env)
 
 
@@ -394,8 +435,12 @@ class ServerHandle:
         return wait_for(check, timeout, what, interval=0.1)
 
     def wait_count(self, n: int, timeout: float) -> dict:
-        return wait_for(lambda: (lambda st: st if st["workers_alive"] >= n else None)(self.status()),
-                        timeout, f"{n} registered workers", interval=0.1)
+        return wait_for(
+            lambda: (lambda st: st if st["workers_alive"] >= n else None)(self.status()),
+            timeout,
+            f"{n} registered workers",
+            interval=0.1,
+        )
 
     def stop(self, timeout: float = 10.0) -> Optional[int]:
         return self.lab.stop(self.proc, timeout=timeout)

@@ -9,12 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-
-import ppclient
-from ppserver.apply import MappingError, StreamValidator, apply_map_seq, run_stream, validate
-from ppserver.config import from_settings, load_config
-from ppserver.errors import ConfigError
-
 from conftest import (
     REPO,
     collect,
@@ -27,12 +21,18 @@ from conftest import (
     write_config,
 )
 
+import ppclient
+from ppserver.apply import MappingError, StreamValidator, apply_map_seq, run_stream, validate
+from ppserver.config import from_settings, load_config
+from ppserver.errors import ConfigError
+
 IDENTITY = "dataset = {'class': 'DemoDataset', 'num_seqs': 3}\nmap_seq = lambda s, **k: s\n"
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
 
 
 def serve(cfg: str) -> subprocess.CompletedProcess:
@@ -72,6 +72,7 @@ def seq_of(**arrays):
 # ---- 11: output keys ------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_non_str_output_key_is_a_mapping_error_with_the_seq_tag():
     templates = {"data": {"shape": [None], "dtype": "float32"}}
     arr = np.zeros(3, np.float32)
@@ -79,8 +80,7 @@ def test_non_str_output_key_is_a_mapping_error_with_the_seq_tag():
         validate({**seq_of(data=arr), 3: arr}, templates)
     assert info.value.seq_tag == "t-1"
     with pytest.raises(MappingError, match=r"output key \(1, 2\)") as info:
-        apply_map_seq(lambda s, **k: {**s, (1, 2): s["data"]}, seq_of(data=arr), epoch=1, seed=0,
-                      templates=templates)
+        apply_map_seq(lambda s, **k: {**s, (1, 2): s["data"]}, seq_of(data=arr), epoch=1, seed=0, templates=templates)
     assert info.value.seq_tag == "t-1"
 
 
@@ -95,10 +95,20 @@ def test_non_str_output_key_reaches_the_client_as_mapper_error(tmp_path):
 # ---- 12: map_outputs dtypes -----------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "written, kept",
-    [("float32", "float32"), ("=f4", "float32"), (np.float32, "float32"), ("int64", "int64"),
-     ("U5", "<U5"), ("S3", "|S3"), (">f4", ">f4"), (">i2", ">i2"), ("M8[s]", "datetime64[s]")],
+    [
+        ("float32", "float32"),
+        ("=f4", "float32"),
+        (np.float32, "float32"),
+        ("int64", "int64"),
+        ("U5", "<U5"),
+        ("S3", "|S3"),
+        (">f4", ">f4"),
+        (">i2", ">i2"),
+        ("M8[s]", "datetime64[s]"),
+    ],
 )
 def test_map_outputs_keeps_a_dtype_numpy_reads_back(written, kept):
     cfg = from_settings(settings(map_outputs={"x": {"shape": (None,), "dtype": written}}))
@@ -106,11 +116,13 @@ def test_map_outputs_keeps_a_dtype_numpy_reads_back(written, kept):
     assert np.dtype(kept) == np.dtype(written)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", ["nonsense", "O", "f4,i4", "2f4", "V4", "U", "S"])
 def test_map_outputs_refuses_dtypes_no_seq_can_match(dtype):
     expect_config_error("map_outputs", from_settings, settings(map_outputs={"x": {"shape": (), "dtype": dtype}}))
 
 
+@pytest.mark.unit
 def test_validate_ignores_byte_order_and_names_dtypes_distinctly():
     def check(arr, dtype):
         validate(seq_of(x=arr), {"x": {"shape": [None], "dtype": dtype}})
@@ -126,6 +138,7 @@ def test_validate_ignores_byte_order_and_names_dtypes_distinctly():
         check(np.arange(3, dtype=">f8"), ">f4")
 
 
+@pytest.mark.unit
 def test_outputs_are_converted_to_native_byte_order():
     templates = {"x": {"shape": [None], "dtype": ">f4"}, "u": {"shape": [], "dtype": "U5"}}
     values = np.arange(4, dtype=">f4")
@@ -143,8 +156,9 @@ def test_outputs_are_converted_to_native_byte_order():
         for seq in seqs:
             yield {**seq, "x": values}
 
-    outs = list(run_stream(stream, iter([seq_of(), seq_of()]), epoch=1, seed=0, partition=0,
-                           templates={"x": templates["x"]}))
+    outs = list(
+        run_stream(stream, iter([seq_of(), seq_of()]), epoch=1, seed=0, partition=0, templates={"x": templates["x"]})
+    )
     assert len(outs) == 2 and all(o["x"].dtype.isnative and np.array_equal(o["x"], values) for o in outs)
     assert StreamValidator({"x": templates["x"]})(seq_of(x=values))["x"].dtype.str == "<f4"
 
@@ -157,8 +171,10 @@ def test_flexible_and_big_endian_map_outputs_are_served_in_native_order(tmp_path
     """
     cfg = numpy_config(tmp_path, body, n=6)
     with run_server(cfg, workers=1) as srv, srv.client() as c:
-        assert c.info()["data_keys"] == {"feat": {"shape": [None, 8], "dtype": ">f4"},
-                                         "name": {"shape": [1], "dtype": "<U5"}}
+        assert c.info()["data_keys"] == {
+            "feat": {"shape": [None, 8], "dtype": ">f4"},
+            "name": {"shape": [1], "dtype": "<U5"},
+        }
         got = collect(c.epoch(1))
     want = reference(cfg, 1)
     assert len(got) == 6
@@ -170,11 +186,16 @@ def test_flexible_and_big_endian_map_outputs_are_served_in_native_order(tmp_path
 # ---- 13a: unknown names ---------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "line, key, hint",
-    [("numWorkers = 3", "numWorkers", "num_workers"), ("bufSize = 2", "bufSize", "buf_size"),
-     ("buf_sise = 2", "buf_sise", "buf_size"), ("Dataset = {}", "Dataset", "dataset"),
-     ("frobnicate = 1", "frobnicate", None)],
+    [
+        ("numWorkers = 3", "numWorkers", "num_workers"),
+        ("bufSize = 2", "bufSize", "buf_size"),
+        ("buf_sise = 2", "buf_sise", "buf_size"),
+        ("Dataset = {}", "Dataset", "dataset"),
+        ("frobnicate = 1", "frobnicate", None),
+    ],
 )
 def test_unknown_name_is_an_error_with_a_suggestion(tmp_path, line, key, hint):
     cfg = write_config(tmp_path, IDENTITY + line + "\n")
@@ -186,8 +207,11 @@ def test_unknown_name_is_an_error_with_a_suggestion(tmp_path, line, key, hint):
         assert "did you mean" not in str(err)
 
 
+@pytest.mark.unit
 def test_helpers_are_ignored(tmp_path):
-    cfg = write_config(tmp_path, """
+    cfg = write_config(
+        tmp_path,
+        """
         from __future__ import annotations
         import numpy as np
         from functools import partial
@@ -204,7 +228,8 @@ def test_helpers_are_ignored(tmp_path):
         dataset = {"class": "DemoDataset", "num_seqs": N_SEQS}
         map_seq = pipeline
         num_workers = 2
-    """)
+    """,
+    )
     c = load_config(cfg)
     assert c.num_workers == 2 and c.map_seq is not None
 
@@ -237,20 +262,25 @@ class Raises(Dataset):
 
 def dataset_config(tmp_path, kind: str) -> str:
     (tmp_path / "bad_ds_mod.py").write_text(BAD_DATASETS)
-    return write_config(tmp_path, f"""
+    return write_config(
+        tmp_path,
+        f"""
         import os, sys
         sys.path.insert(0, os.path.dirname(__file__))
         dataset = {{"class": "bad_ds_mod:Raises", "kind": {kind!r}}}
         map_seq = lambda s, **k: s
-    """)
+    """,
+    )
 
 
 @pytest.mark.parametrize(
     "kind, key, text",
-    [("value", "dataset", "Raises: ValueError: bad corpus second line"),
-     ("missing", "dataset", "Raises: FileNotFoundError: [Errno 2] No such file or directory:"),
-     ("exit", "dataset", "Raises: SystemExit: 3"),
-     ("config", "num_frames", "must be even, not odd")],
+    [
+        ("value", "dataset", "Raises: ValueError: bad corpus second line"),
+        ("missing", "dataset", "Raises: FileNotFoundError: [Errno 2] No such file or directory:"),
+        ("exit", "dataset", "Raises: SystemExit: 3"),
+        ("config", "num_frames", "must be even, not odd"),
+    ],
 )
 def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, key, text):
     line = config_error_line(serve(dataset_config(tmp_path, kind)))
@@ -264,8 +294,12 @@ def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, k
 
 @pytest.mark.parametrize(
     "stop, what",
-    [("import sys\nsys.exit(0)", "called sys.exit(0)"), ("import sys\nsys.exit('bye')", "called sys.exit('bye')"),
-     ("raise SystemExit", "called sys.exit()"), ("raise KeyboardInterrupt", "raised KeyboardInterrupt")],
+    [
+        ("import sys\nsys.exit(0)", "called sys.exit(0)"),
+        ("import sys\nsys.exit('bye')", "called sys.exit('bye')"),
+        ("raise SystemExit", "called sys.exit()"),
+        ("raise KeyboardInterrupt", "raised KeyboardInterrupt"),
+    ],
 )
 def test_config_that_exits_while_loading_is_a_config_error(tmp_path, stop, what):
     cfg = write_config(tmp_path, IDENTITY + stop + "\n", name="stopping_cfg.py")
@@ -306,12 +340,17 @@ HELPER_FILES = {
 
 # How the config reaches a local module, and which file a host may have edited.
 REACH = {
-    "module": ("import numpy as np\nimport fp_helper\ndef map_seq(seq, **kwargs):\n    return fp_helper.scale(seq)",
-               "fp_helper.py"),
+    "module": (
+        "import numpy as np\nimport fp_helper\ndef map_seq(seq, **kwargs):\n    return fp_helper.scale(seq)",
+        "fp_helper.py",
+    ),
     "function": ("import numpy as np\nfrom fp_helper import map_seq", "fp_helper.py"),
     "transitive": ("import numpy as np\nfrom fp_helper import map_seq", "fp_deep.py"),
-    "sequential": ("import numpy as np, importlib\nfrom ppserver.mapping import Sequential\n"
-                   "map_seq = Sequential(importlib.import_module('fp_helper').scale)", "fp_helper.py"),
+    "sequential": (
+        "import numpy as np, importlib\nfrom ppserver.mapping import Sequential\n"
+        "map_seq = Sequential(importlib.import_module('fp_helper').scale)",
+        "fp_helper.py",
+    ),
     "package": ("import numpy as np\nfrom fp_pkg.sub import map_seq", "fp_pkg/__init__.py"),
 }
 
@@ -329,7 +368,10 @@ def helper_dir(root, reach: str) -> str:
 
 def fresh_fingerprint(cfg: str, pre_import: str = "") -> str:
     """The fingerprint as a new process computes it (as server and worker do), after `pre_import`."""
-    code = f"{pre_import}\nimport sys\nfrom ppserver.config import load_config\nprint(load_config(sys.argv[1]).fingerprint)"
+    code = (
+        f"{pre_import}\nimport sys\nfrom ppserver.config import load_config\n"
+        "print(load_config(sys.argv[1]).fingerprint)"
+    )
     res = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode == 0, res.stderr
     return res.stdout.strip()
@@ -350,8 +392,12 @@ def test_fingerprint_does_not_depend_on_earlier_imports(tmp_path):
     cfg = helper_dir(str(tmp_path / "a"), "module")
     fp = fresh_fingerprint(cfg)
     folder = os.path.dirname(cfg)
-    for pre in ("import fp_unrelated", "import fp_helper", "import fp_deep, fp_unrelated, fp_pkg.sub",
-                "import json, ppserver.server, ppserver.worker"):
+    for pre in (
+        "import fp_unrelated",
+        "import fp_helper",
+        "import fp_deep, fp_unrelated, fp_pkg.sub",
+        "import json, ppserver.server, ppserver.worker",
+    ):
         assert fresh_fingerprint(cfg, f"import sys\nsys.path.insert(0, {folder!r})\n{pre}") == fp, pre
 
 

@@ -21,6 +21,8 @@ from ppserver.errors import ConfigError
 from ppserver.mappers import double, spec_augment
 from ppserver.mapping import LaplaceOrdering, Sequential
 
+pytestmark = pytest.mark.unit
+
 LENS = [5, 3, 9, 1, 7, 7, 2, 8, 4, 6, 3, 10, 2]
 
 
@@ -149,7 +151,7 @@ def test_state_before_init_and_meta():
     ds = make_ds()
     assert ds.total_num_seqs == len(LENS)
     with pytest.raises(RuntimeError):
-        ds.num_seqs
+        _ = ds.num_seqs
     with pytest.raises(RuntimeError):
         ds.get_seq(0)
     ds.init_seq_order(1, seq_order=[2, 4, 6, 8])
@@ -210,9 +212,7 @@ def test_npz_round_trip(tmp_path):
     save_npz(path, seqs, tags=["a", "b", "c"])
     assert path.exists()
     with np.load(path) as npz:
-        assert sorted(npz.files) == sorted(
-            ["tags"] + [f"seq{i}/{k}" for i in range(3) for k in ("data", "classes")]
-        )
+        assert sorted(npz.files) == sorted(["tags"] + [f"seq{i}/{k}" for i in range(3) for k in ("data", "classes")])
     ds = NumpyDataset(path=str(path))
     ds.init_seq_order(1, seq_list=["c", "a"])
     got = ds.get_seq(0)
@@ -273,8 +273,9 @@ def test_demo_dataset_shapes_and_determinism():
         assert s["data"].min() >= -10 and s["data"].max() <= 5
         assert 0 <= s["classes"].min() and s["classes"].max() < 5
     assert len(set(ds.seq_lens().tolist())) > 1
-    other = DemoDataset(num_seqs=6, num_features=16, num_classes=5, min_frames=8, max_frames=60, seed=1,
-                        seq_ordering="reverse")
+    other = DemoDataset(
+        num_seqs=6, num_features=16, num_classes=5, min_frames=8, max_frames=60, seed=1, seq_ordering="reverse"
+    )
     other.init_seq_order(3)
     twin = other.get_seq(5)  # corpus seq 0
     np.testing.assert_array_equal(twin["data"], seqs[0]["data"])

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,11 +139,7 @@ def unit_value(unit: dict, section: str, key: str) -> str:
 
 
 def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    lines = [
-        ln
-        for ln in path.read_text().splitlines()
-        if not ln.lstrip().startswith("#")
-    ]
+    lines = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
     out = []
     for line in join_continuations("\n".join(lines)):
         s = line.strip()
@@ -197,7 +195,7 @@ def markdown_invocations(path: Path) -> list[Invocation]:
                 for cmd in join_continuations("\n".join(block)):
                     cmd = cmd.strip().removeprefix("$ ")
                     if cmd.startswith("ExecStart="):
-                        cmd = cmd[len("ExecStart="):]
+                        cmd = cmd[len("ExecStart=") :]
                         if not cmd:
                             continue
                     try:
@@ -240,11 +238,7 @@ def run_sbatch(tmp: Path, *args: str, **env_extra: str) -> SbatchRun:
     log = tmp / "srun.args"
     if log.exists():
         log.unlink()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PPSERVER_", "SLURM_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PPSERVER_", "SLURM_"))}
     env.update(
         PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}",
         FAKE_SRUN_LOG=str(log),
@@ -289,7 +283,7 @@ def sbatch_invocation(tmp: Path) -> Invocation:
 # Checking invocations against the real CLI
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli_help(sub: str | None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ppserver", *([sub] if sub else []), "--help"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -339,15 +333,21 @@ def invocations_in(path: Path, tmp: Path) -> list[Invocation]:
 INVOCATION_SOURCES = sorted(
     p
     for p in DEPLOY.rglob("*")
-    if p.is_file()
-    and (p.suffix in (".service", ".yaml", ".yml", ".md") or p == SBATCH or p.name == "Dockerfile")
+    if p.is_file() and (p.suffix in (".service", ".yaml", ".yml", ".md") or p == SBATCH or p.name == "Dockerfile")
 )
 
 
 def test_deploy_files_exist():
-    for p in (SERVER_UNIT, WORKER_UNIT, SYSTEMD / "README.md", SBATCH,
-              K8S / "server.yaml", K8S / "workers.yaml", DOCKERFILE,
-              DEPLOY / "README.md"):
+    for p in (
+        SERVER_UNIT,
+        WORKER_UNIT,
+        SYSTEMD / "README.md",
+        SBATCH,
+        K8S / "server.yaml",
+        K8S / "workers.yaml",
+        DOCKERFILE,
+        DEPLOY / "README.md",
+    ):
         assert p.is_file(), f"missing {rel(p)}"
 
 
@@ -577,8 +577,7 @@ def test_systemd_analyze_verify(tmp_path: Path):
     res = _verify(analyze, probe)
     if res.returncode != 0:
         pytest.skip(
-            "systemd-analyze verify cannot run here (a trivial unit fails): "
-            + (res.stderr or res.stdout).strip()[:300]
+            "systemd-analyze verify cannot run here (a trivial unit fails): " + (res.stderr or res.stdout).strip()[:300]
         )
 
     targets = []
@@ -589,9 +588,7 @@ def test_systemd_analyze_verify(tmp_path: Path):
         targets.append(tmp_path / name)
     res = _verify(analyze, *targets)
     output = (res.stdout + res.stderr).strip()
-    complaints = [
-        ln for ln in output.splitlines() if str(tmp_path) in ln or "ppserver" in ln
-    ]
+    complaints = [ln for ln in output.splitlines() if str(tmp_path) in ln or "ppserver" in ln]
     assert res.returncode == 0 and not complaints, output
 
 
@@ -631,8 +628,7 @@ def test_sbatch_requires_address(tmp_path: Path):
 
 
 def test_sbatch_requires_config(tmp_path: Path):
-    run = run_sbatch(tmp_path, PPSERVER_ADDRESS="tcp://server:5555",
-                     PPSERVER_CONFIG=str(tmp_path / "missing.py"))
+    run = run_sbatch(tmp_path, PPSERVER_ADDRESS="tcp://server:5555", PPSERVER_CONFIG=str(tmp_path / "missing.py"))
     assert run.proc.returncode != 0
     assert "missing.py" in run.proc.stderr
     assert run.srun_args is None
@@ -666,8 +662,7 @@ def test_sbatch_address_from_argument(tmp_path: Path):
     config.write_text("")
     keys = tmp_path / "keys"
     keys.mkdir()
-    run = run_sbatch(tmp_path, "tcp://10.0.0.7:5555",
-                     PPSERVER_CONFIG=str(config), PPSERVER_KEYS=str(keys))
+    run = run_sbatch(tmp_path, "tcp://10.0.0.7:5555", PPSERVER_CONFIG=str(config), PPSERVER_KEYS=str(keys))
     assert run.proc.returncode == 0, run.proc.stderr
     assert run.srun_args is not None, "srun was not called"
     argv = check_srun_args(run.srun_args, "tcp://10.0.0.7:5555", str(config))

@@ -21,7 +21,6 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import pytest
-
 from conftest import assert_same_epoch, numpy_config, reference
 from netns import Lab, NetnsUnavailable, Proc, ServerHandle, wait_for
 
@@ -95,8 +94,11 @@ def start_host(lab: Lab, host: int, cfg: str, procs: int = 2, port: int = PORT) 
 
 def host_pids(host: Proc, procs: int, timeout: float = REGISTER_TIMEOUT) -> List[int]:
     """The worker processes of a `ppserver worker` supervisor, once all of them are running."""
-    return wait_for(lambda: (lambda k: k if len(k) == procs else None)(host.children()), timeout,
-                    f"{procs} worker processes of {host.name}")
+    return wait_for(
+        lambda: (lambda k: k if len(k) == procs else None)(host.children()),
+        timeout,
+        f"{procs} worker processes of {host.name}",
+    )
 
 
 def workers_by_pid(srv: ServerHandle) -> Dict[int, dict]:
@@ -121,8 +123,9 @@ class Progress:
             time.sleep(0.01)
 
 
-def run_epoch(srv: ServerHandle, epoch: int, fault: Optional[Callable[[Progress], None]] = None,
-              hold_frac: float = 0.9) -> List[dict]:
+def run_epoch(
+    srv: ServerHandle, epoch: int, fault: Optional[Callable[[Progress], None]] = None, hold_frac: float = 0.9
+) -> List[dict]:
     """Consume an epoch while `fault(progress)` runs in a thread.
 
     The consumer stops at hold_frac of the epoch until the fault thread has finished, so every
@@ -243,8 +246,11 @@ def test_sigstop_worker_declared_dead_then_rejoins(net, tmp_path):
     def fault(progress: Progress) -> None:
         progress.wait(n // 3)
         for _ in range(10):  # stop a worker of host A that holds seqs (the server's view, after the stop)
-            busy = wait_for(lambda: [p for p in a_pids if workers_by_pid(srv).get(p, {}).get("in_flight")],
-                            10.0, "a busy worker on host A")
+            busy = wait_for(
+                lambda: [p for p in a_pids if workers_by_pid(srv).get(p, {}).get("in_flight")],
+                10.0,
+                "a busy worker on host A",
+            )
             pid = busy[0]
             os.kill(pid, signal.SIGSTOP)
             stopped.update(pid=pid, t=time.monotonic())
@@ -297,12 +303,16 @@ def test_twenty_kills_during_one_epoch(net, tmp_path):
             choices = [hosts[i]] if i < 2 else hosts
             since = time.monotonic()
 
-            def targets():
+            def targets(choices=choices, since=since):
                 workers = srv.status()["workers"]
                 busy_ok = time.monotonic() - since < 2.0
                 pids = {w["pid"] for w in workers if w["in_flight"] > 0 or not busy_ok}
-                found = [(pid, h) for h in choices for pid in h.children()
-                         if pid in pids and pid not in {k[0] for k in killed}]
+                found = [
+                    (pid, h)
+                    for h in choices
+                    for pid in h.children()
+                    if pid in pids and pid not in {k[0] for k in killed}
+                ]
                 return found or None
 
             found = wait_for(targets, 20.0, "a registered worker to kill", interval=0.02)
@@ -318,7 +328,7 @@ def test_twenty_kills_during_one_epoch(net, tmp_path):
     assert max(at for _, _, at in killed) < n, killed
     # every kill hit a registered worker: the server declared each one lost, and its host respawned it
     wait_for(lambda: all(lost_lines(srv, pid) for pid, _, _ in killed), 5.0, "every killed worker declared lost")
-    respawned = lambda: sum(h.log().count("exited with signal SIGKILL; respawning") for h in hosts)  # noqa: E731
+    respawned = lambda: sum(h.log().count("exited with signal SIGKILL; respawning") for h in hosts)
     wait_for(lambda: respawned() == kills, 5.0, f"{kills} respawns")
     print("kills (pid, host, seqs consumed):", killed)
 
@@ -329,14 +339,16 @@ def test_server_restart_while_workers_wait(net, tmp_path):
     host_a, host_b = start_host(net, 1, cfg), start_host(net, 2, cfg)
     pids = host_pids(host_a, 2) + host_pids(host_b, 2)
     for host in (host_a, host_b):
-        wait_for(lambda: host.log().count("waiting for server at") >= 2, 30.0, f"{host.name} to wait for the server")
+        wait_for(
+            lambda h=host: h.log().count("waiting for server at") >= 2, 30.0, f"{host.name} to wait for the server"
+        )
 
     srv = net.start_server(cfg, port=PORT, name="server1")
     srv.wait_pids(pids, REGISTER_TIMEOUT)
     assert_same_epoch(run_epoch(srv, 1), reference(cfg, 1))
 
     assert srv.stop(timeout=10.0) == 0
-    lost = lambda: sum(h.log().count("lost the server; registering again") for h in (host_a, host_b))  # noqa: E731
+    lost = lambda: sum(h.log().count("lost the server; registering again") for h in (host_a, host_b))
     wait_for(lambda: lost() >= 4, 10.0, "every worker to notice the server is gone")
 
     srv2 = net.start_server(cfg, port=PORT, name="server2")

@@ -14,10 +14,6 @@ import time
 import msgpack
 import pytest
 import zmq
-
-import ppclient
-from ppclient import protocol, wire
-
 from conftest import (
     REPO,
     assert_same_epoch,
@@ -31,6 +27,9 @@ from conftest import (
     run_worker_host,
     wait_for,
 )
+
+import ppclient
+from ppclient import protocol, wire
 
 SLOW = """
 import time
@@ -143,8 +142,9 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
 def test_curve_keys_admit_authorised_peers_only(tmp_path):
     good, bad = str(tmp_path / "keys"), str(tmp_path / "other")
     for d in (good, bad):
-        res = subprocess.run([sys.executable, "-m", "ppserver", "keygen", d], capture_output=True, text=True,
-                             timeout=30)
+        res = subprocess.run(
+            [sys.executable, "-m", "ppserver", "keygen", d], capture_output=True, text=True, timeout=30
+        )
         assert res.returncode == 0, res.stderr
     # the stranger knows the server's public key, but its own key is not authorised
     shutil.copy(os.path.join(good, "server.key"), os.path.join(bad, "server.key"))
@@ -164,13 +164,19 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path):
 
 def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=6)
-    res = subprocess.run([sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://0.0.0.0:0"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert res.returncode == 2
     assert "'--bind'" in res.stderr and "--insecure" in res.stderr
     slog = str(tmp_path / "server.log")
-    with run_server(cfg, workers=1, bind="tcp://0.0.0.0:0", extra=["--insecure"], log_path=slog,
-                    wait_workers=False) as srv:
+    with run_server(
+        cfg, workers=1, bind="tcp://0.0.0.0:0", extra=["--insecure"], log_path=slog, wait_workers=False
+    ) as srv:
         port = srv.address.rsplit(":", 1)[1]
         with ppclient.Client(f"tcp://127.0.0.1:{port}") as c:
             wait_for(lambda: c.status()["workers_alive"] == 1, 20, "the local worker")
@@ -180,16 +186,21 @@ def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
 
 # ---- fuzzing ------------------------------------------------------------------------------
 
+
 def _valid_messages(rng: random.Random):
     """Headers of real protocol messages (and batch messages with one item and its frame)."""
     msgs = [
-        protocol.InfoRequest(), protocol.StatusRequest(), protocol.DiscoverRequest(),
+        protocol.InfoRequest(),
+        protocol.StatusRequest(),
+        protocol.DiscoverRequest(),
         protocol.EpochRequest(epoch=rng.randrange(5), consumer=os.urandom(4)),
         protocol.Credit(run=rng.randrange(5), total=rng.randrange(50)),
         protocol.Hello(fingerprint="0" * 16, host="fuzz", pid=1),
         protocol.TaskFailed(run=1, pos=0, message="x"),
         protocol.StreamAck(run=1, partition=rng.randrange(4), n=1),
-        protocol.StreamDone(run=1, partition=0), protocol.Bye(), protocol.Heartbeat(),
+        protocol.StreamDone(run=1, partition=0),
+        protocol.Bye(),
+        protocol.Heartbeat(),
     ]
     out = [[wire.unpack(protocol.encode(m)[0])] for m in msgs]
     item = {"i": rng.randrange(50), "meta": {"seq_tag": "x"}, "arrays": [["data", "<f4", [2, 8]]]}
@@ -198,8 +209,26 @@ def _valid_messages(rng: random.Random):
     return out
 
 
-_WEIRD = [None, -1, 0, 2 ** 63 - 1, -(2 ** 63), 1.5, float("nan"), "", "x" * 300, b"\x00" * 40, [], {}, [1, [2]],
-          {"a": {"b": None}}, True, [["data", "|O", [1]]], [["k", "<f4", [-1]]], [["k", "<f4", [10 ** 9, 10 ** 9]]]]
+_WEIRD = [
+    None,
+    -1,
+    0,
+    2**63 - 1,
+    -(2**63),
+    1.5,
+    float("nan"),
+    "",
+    "x" * 300,
+    b"\x00" * 40,
+    [],
+    {},
+    [1, [2]],
+    {"a": {"b": None}},
+    True,
+    [["data", "|O", [1]]],
+    [["k", "<f4", [-1]]],
+    [["k", "<f4", [10**9, 10**9]]],
+]
 
 
 def _mutate(rng: random.Random, msg):
@@ -209,8 +238,9 @@ def _mutate(rng: random.Random, msg):
     if choice == 0 and header:
         header[rng.choice(list(header))] = rng.choice(_WEIRD)
     elif choice == 1:
-        header[rng.choice(["t", "run", "items", "partition", "pos", "proto", "n", "total", "epoch"])] = \
-            rng.choice(_WEIRD)
+        header[rng.choice(["t", "run", "items", "partition", "pos", "proto", "n", "total", "epoch"])] = rng.choice(
+            _WEIRD
+        )
     elif choice == 2:
         packed = bytearray(msgpack.packb(header, use_bin_type=True))
         for _ in range(rng.randrange(1, 4)):
@@ -369,8 +399,16 @@ def test_reset_worker_connection_loses_nothing(tmp_path):
     with run_server(cfg, workers=0, log_path=slog, wait_workers=False) as srv:
         port = int(_worker_endpoint(srv).rsplit(":", 1)[1])
         fwd = _Forwarder(port)
-        argv = [sys.executable, "-m", "ppserver.worker", cfg, "--connect", srv.address,
-                "--worker-endpoint", f"tcp://127.0.0.1:{fwd.port}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "ppserver.worker",
+            cfg,
+            "--connect",
+            srv.address,
+            "--worker-endpoint",
+            f"tcp://127.0.0.1:{fwd.port}",
+        ]
         worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(str(tmp_path / "w.log"), "w"))
         try:
             srv.wait_workers(1)

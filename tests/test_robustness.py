@@ -16,11 +16,6 @@ import time
 
 import pytest
 import zmq
-
-import ppclient
-from ppclient import protocol
-from ppclient.protocol import Channel, Peer
-
 from conftest import (
     REPO,
     assert_same_epoch,
@@ -33,6 +28,10 @@ from conftest import (
     wait_gone,
     write_config,
 )
+
+import ppclient
+from ppclient import protocol
+from ppclient.protocol import Channel, Peer
 
 SLOW = """
 import time
@@ -70,13 +69,17 @@ class Corpus(Dataset):
 
 def corpus_config(tmp_path, dataset_kwargs: str, extra: str = "") -> str:
     write_config(tmp_path, DATA_MODULE, name="corpus.py")
-    return write_config(tmp_path, textwrap.dedent(f"""
+    return write_config(
+        tmp_path,
+        textwrap.dedent(f"""
     import os, sys
     sys.path.insert(0, os.path.dirname(__file__))
     dataset = {{"class": "corpus:Corpus", {dataset_kwargs}}}
     def map_seq(seq, **kwargs):
         return seq
-    """) + extra)
+    """)
+        + extra,
+    )
 
 
 def rss_kib(pid: int) -> int:
@@ -122,8 +125,9 @@ def test_stuck_dataset_is_an_error_and_the_server_stays_responsive(tmp_path):
 # ---- 2. slow epoch set-up ----------------------------------------------------------------------
 def test_slow_epoch_setup_keeps_workers_alive(tmp_path):
     # 30 lengths x 0.1 s: 3 s inside init_seq_order, 15 heartbeat timeouts
-    cfg = corpus_config(tmp_path, '"len_delay": 0.1, "seq_ordering": "sorted"',
-                        "heartbeat_interval = 0.1\nheartbeat_timeout = 0.2\n")
+    cfg = corpus_config(
+        tmp_path, '"len_delay": 0.1, "seq_ordering": "sorted"', "heartbeat_interval = 0.1\nheartbeat_timeout = 0.2\n"
+    )
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=2, log_path=slog) as srv, srv.client(timeout=20) as c:
         got = collect(c.epoch(1))
@@ -172,19 +176,23 @@ def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
 
 
 # ---- 5. bad addresses and key directories: one line, exit 2, never a hang --------------------------
-@pytest.mark.parametrize("argv", [
-    ["status", "127.0.0.1:5555"],
-    ["status", "garbage"],
-    ["status", "tcp://127.0.0.1:5555", "--keys", "/nonexistent-keys"],
-    ["worker", "CONFIG", "--connect", "127.0.0.1:5555"],
-    ["worker", "CONFIG", "--connect", "tcp://127.0.0.1:5555", "--keys", "/nonexistent-keys"],
-    ["serve", "CONFIG", "--keys", "/nonexistent-keys"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "127.0.0.1:5555"],
+        ["status", "garbage"],
+        ["status", "tcp://127.0.0.1:5555", "--keys", "/nonexistent-keys"],
+        ["worker", "CONFIG", "--connect", "127.0.0.1:5555"],
+        ["worker", "CONFIG", "--connect", "tcp://127.0.0.1:5555", "--keys", "/nonexistent-keys"],
+        ["serve", "CONFIG", "--keys", "/nonexistent-keys"],
+    ],
+)
 def test_bad_address_or_keys_is_one_line_and_exit_2(tmp_path, argv):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=3)
     argv = [cfg if a == "CONFIG" else a for a in argv]
-    res = subprocess.run([sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=30,
-                         cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=30, cwd=REPO
+    )
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip() and " INFO " not in ln]
     assert len(lines) == 1, res.stderr
@@ -194,8 +202,13 @@ def test_bad_address_or_keys_is_one_line_and_exit_2(tmp_path, argv):
 
 def test_worker_process_with_a_bad_address_exits_2(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=3)
-    res = subprocess.run([sys.executable, "-m", "ppserver.worker", cfg, "--connect", "garbage"],
-                         capture_output=True, text=True, timeout=30, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver.worker", cfg, "--connect", "garbage"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+    )
     assert res.returncode == 2 and "'--connect'" in res.stderr
 
 

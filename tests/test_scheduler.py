@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 from ppclient import protocol
 from ppclient.protocol import BadItem, Item
 from ppserver.scheduler import (
-    Departure, Instruction, ReadUpTo, Replay, Scheduler, Settings, StopReading, ToClient, ToWorker,
+    Departure,
+    Instruction,
+    ReadUpTo,
+    Replay,
+    Scheduler,
+    Settings,
+    StopReading,
+    ToClient,
+    ToWorker,
 )
 from ppserver.scheduler import events as ev
 
@@ -30,8 +38,12 @@ CONSUMER = b"client-1"
 
 # ---- helpers ----------------------------------------------------------------------------------
 def item(pos: int, value: Optional[float] = None, tag: Optional[str] = None) -> Item:
-    seq = {"data": np.full((2,), pos if value is None else value, dtype="float32"),
-           "seq_tag": tag or f"s{pos}", "seq_idx": pos, "complete_frac": 0.0}
+    seq = {
+        "data": np.full((2,), pos if value is None else value, dtype="float32"),
+        "seq_tag": tag or f"s{pos}",
+        "seq_idx": pos,
+        "complete_frac": 0.0,
+    }
     return protocol.seq_to_item(seq, pos)
 
 
@@ -60,8 +72,9 @@ class Sim:
     """A scheduler with a clock and shorthands for the events tests send."""
 
     def __init__(self, **settings_kw):
-        self.s = Scheduler(Settings(**{"buf_size": 2, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
-                                       **settings_kw}))
+        self.s = Scheduler(
+            Settings(**{"buf_size": 2, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0, **settings_kw})
+        )
         self.now = 0.0
         self.run = 0
         self.out: List[Instruction] = []
@@ -74,8 +87,9 @@ class Sim:
     def join(self, wid: bytes, pid: int = 1, **kw) -> List[Instruction]:
         return self(ev.WorkerJoined, wid, "host", pid, **kw)
 
-    def start(self, num_seqs: int, epoch: int = 1, consumer: bytes = CONSUMER, credit: int = 100,
-              check_tags: bool = False) -> List[Instruction]:
+    def start(
+        self, num_seqs: int, epoch: int = 1, consumer: bytes = CONSUMER, credit: int = 100, check_tags: bool = False
+    ) -> List[Instruction]:
         self.run += 1
         out = self(ev.RunRequested, self.run, epoch, consumer)
         out += self(ev.CreditGranted, consumer, self.run, credit)
@@ -85,7 +99,9 @@ class Sim:
     def feed(self, positions, run: Optional[int] = None) -> List[Instruction]:
         return self(ev.InputsRead, run or self.run, [item(p) for p in positions])
 
-    def results(self, wid: bytes, positions, run: Optional[int] = None, bad: Sequence[BadItem] = ()) -> List[Instruction]:
+    def results(
+        self, wid: bytes, positions, run: Optional[int] = None, bad: Sequence[BadItem] = ()
+    ) -> List[Instruction]:
         return self(ev.ResultsReceived, wid, run or self.run, [result(p) for p in positions], list(bad))
 
 
@@ -358,8 +374,7 @@ def test_stream_merge_is_round_robin_and_credit_goes_to_the_owner_only():
     assert delivered(out) == []  # partition 0 goes first
     out = outputs(sim, b"w1", 0, [0, 1, 2])
     assert delivered(out) == [0, 1, 2]  # p0#0, p1#0, p0#1; p0#2 waits for p1's next output
-    assert [(i.wid, i.msg.partition) for i in sent(out, protocol.StreamCredit)] == [(b"w1", 0), (b"w2", 1),
-                                                                                  (b"w1", 0)]
+    assert [(i.wid, i.msg.partition) for i in sent(out, protocol.StreamCredit)] == [(b"w1", 0), (b"w2", 1), (b"w1", 0)]
     sim.join(b"w3")
     out = sim(ev.WorkerLeft, b"w1")  # p0 moves on while its output #2 (made by w1) waits in the merge
     (moved,) = sent(out, protocol.StreamOpen)
@@ -386,7 +401,8 @@ def test_stream_partition_replays_on_another_worker_and_skips_what_arrived():
     sim.join(b"w2", pid=2)
     out = sim(ev.LocalWorkerExited, 0, 1, -9)
     assert [i.msg for i in sent(out, protocol.StreamOpen, b"w2")] == [
-        protocol.StreamOpen(run=1, partition=0, skip=1, credit=2)]
+        protocol.StreamOpen(run=1, partition=0, skip=1, credit=2)
+    ]
     replays = [i for i in out if isinstance(i, Replay)]
     assert [(r.partition, r.positions) for r in replays] == [(0, [0, 1])]  # 4 were sent; replayed in chunks
     out = sim(ev.ReplayRead, 1, 0, replays[0].ticket, [item(0), item(1)])
@@ -514,9 +530,13 @@ class Cluster:
         self.handle(ev.RunStarted, sim.run, sim.run, num_seqs)
 
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["join", "kill", "leave", "work", "work", "work", "read", "read",
-                                              "credit", "credit", "epoch"]),
-                             st.integers(0, 100)), max_size=120)
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "kill", "leave", "work", "work", "work", "read", "read", "credit", "credit", "epoch"]),
+        st.integers(0, 100),
+    ),
+    max_size=120,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -540,8 +560,9 @@ def test_any_interleaving_delivers_each_seq_once_in_order(first, actions, buf_si
     for run, num_seqs in cluster.num_seqs.items():
         got = cluster.got.get(run, [])
         assert [it.pos for it in got] == list(range(len(got))), "delivered out of order or twice"
-        assert all(np.array_equal(protocol.item_to_seq(it)["data"], np.full((2,), it.pos * 10.0, "float32"))
-                   for it in got)
+        assert all(
+            np.array_equal(protocol.item_to_seq(it)["data"], np.full((2,), it.pos * 10.0, "float32")) for it in got
+        )
         if run in cluster.ended:
             assert cluster.ended[run] == len(got) == num_seqs
         else:
@@ -574,8 +595,13 @@ class StreamCluster:
             elif isinstance(instr, ToWorker) and instr.wid in self.parts:
                 msg, parts = instr.msg, self.parts[instr.wid]
                 if isinstance(msg, protocol.StreamOpen):
-                    parts[msg.partition] = {"inputs": [], "eof": False, "credit": msg.credit, "skip": msg.skip,
-                                            "emitted": 0}
+                    parts[msg.partition] = {
+                        "inputs": [],
+                        "eof": False,
+                        "credit": msg.credit,
+                        "skip": msg.skip,
+                        "emitted": 0,
+                    }
                 elif isinstance(msg, (protocol.StreamClose, protocol.RunClose)):
                     for p in [p for p in parts if isinstance(msg, protocol.RunClose) or p == msg.partition]:
                         del parts[p]
@@ -613,8 +639,14 @@ class StreamCluster:
             state["emitted"] += 1
             if index >= state["skip"]:
                 state["credit"] -= 1
-                self.handle(ev.StreamOutputsReceived, wid, 1, p, [protocol.seq_to_item(
-                    {"data": np.full((2,), pos * 10.0, "float32"), "seq_tag": f"s{pos}"}, index)], [])
+                self.handle(
+                    ev.StreamOutputsReceived,
+                    wid,
+                    1,
+                    p,
+                    [protocol.seq_to_item({"data": np.full((2,), pos * 10.0, "float32"), "seq_tag": f"s{pos}"}, index)],
+                    [],
+                )
         elif state["eof"]:
             del parts[p]
             self.handle(ev.StreamFinished, wid, 1, p)
@@ -661,14 +693,17 @@ def expected_stream(num_seqs: int, partitions: int) -> List[float]:
     return merged
 
 
-STREAM_ACTIONS = st.lists(st.tuples(st.sampled_from(["join", "kill", "leave", "work", "work", "work", "work",
-                                                     "read", "read", "credit", "credit"]),
-                                    st.integers(0, 100)), max_size=150)
+STREAM_ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "kill", "leave", "work", "work", "work", "work", "read", "read", "credit", "credit"]),
+        st.integers(0, 100),
+    ),
+    max_size=150,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(num_seqs=st.integers(0, 30), partitions=st.integers(1, 3), buf_size=st.integers(1, 3),
-       actions=STREAM_ACTIONS)
+@given(num_seqs=st.integers(0, 30), partitions=st.integers(1, 3), buf_size=st.integers(1, 3), actions=STREAM_ACTIONS)
 def test_any_interleaving_in_stream_mode_delivers_the_merge_exactly_once(num_seqs, partitions, buf_size, actions):
     sim = Sim(stream=True, partitions=partitions, buf_size=buf_size, max_seq_retries=1000)
     cluster = StreamCluster(sim, num_seqs)
@@ -684,7 +719,7 @@ def test_any_interleaving_in_stream_mode_delivers_the_merge_exactly_once(num_seq
             break
         cluster.step(("read", 4))
         cluster.step(("credit", 3))
-        for k, wid in enumerate(sorted(cluster.parts)):
+        for wid in sorted(cluster.parts):
             for p in range(partitions):
                 cluster.work(wid, p)
     assert cluster.failed is None

@@ -10,12 +10,6 @@ import time
 
 import pytest
 import zmq
-
-import ppclient
-from ppclient import protocol, wire
-from ppserver.reader import MAX_BATCH
-from ppserver.scheduler import Settings
-
 from conftest import (
     REPO,
     assert_same_epoch,
@@ -29,6 +23,11 @@ from conftest import (
     wait_gone,
     write_config,
 )
+
+import ppclient
+from ppclient import protocol, wire
+from ppserver.reader import MAX_BATCH
+from ppserver.scheduler import Settings
 
 NOISY_MAP_SEQ = """
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
@@ -274,8 +273,9 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
 
 
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
-    slow_stream = STREAM_MAPPER.replace("for n, seq in enumerate(seqs):",
-                                        "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)")
+    slow_stream = STREAM_MAPPER.replace(
+        "for n, seq in enumerate(seqs):", "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)"
+    )
     cfg = numpy_config(tmp_path, slow_stream, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
@@ -324,20 +324,29 @@ def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
     [
         ("map_seq = lambda s, **k: s\n", "dataset"),
         ("dataset = {'class': 'DemoDataset'}\n", "map_seq"),
-        ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nmap_seq_stream = lambda s, **k: s\n",
-         "map_seq_stream"),
+        (
+            "dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nmap_seq_stream = lambda s, **k: s\n",
+            "map_seq_stream",
+        ),
         ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nbuf_size = 0\n", "buf_size"),
         ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nbuf_sise = 2\n", "buf_sise"),
         ("dataset = {'class': 'no_such_pkg.mod:Thing'}\nmap_seq = lambda s, **k: s\n", "dataset"),
-        ("dataset = {'class': 'DemoDataset', 'seq_ordering': 'shuffled'}\nmap_seq = lambda s, **k: s\n",
-         "seq_ordering"),
+        (
+            "dataset = {'class': 'DemoDataset', 'seq_ordering': 'shuffled'}\nmap_seq = lambda s, **k: s\n",
+            "seq_ordering",
+        ),
         ("dataset = {'class': 'DemoDataset'}\nmap_seq = lambda s, **k: s\nnum_workers = 0\n", "num_workers"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, body, key):
     cfg = write_config(tmp_path, body)
-    res = subprocess.run([sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
@@ -371,24 +380,34 @@ def test_status_cli_and_json(tmp_path):
         with srv.client() as c:
             collect(c.epoch(3))
             st = c.status()
-        res = subprocess.run([sys.executable, "-m", "ppserver", "status", srv.address, "--json"],
-                             capture_output=True, text=True, timeout=30)
+        res = subprocess.run(
+            [sys.executable, "-m", "ppserver", "status", srv.address, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert res.returncode == 0, res.stderr
         js = json.loads(res.stdout)
         assert js["epoch"] == 3 and js["seqs_delivered"] == 12 and js["workers_alive"] == 2
         assert set(js) == set(st)
-        res = subprocess.run([sys.executable, "-m", "ppserver", "status", srv.address],
-                             capture_output=True, text=True, timeout=30)
+        res = subprocess.run(
+            [sys.executable, "-m", "ppserver", "status", srv.address], capture_output=True, text=True, timeout=30
+        )
         assert res.returncode == 0
         assert "epoch       3" in res.stdout and "2 alive" in res.stdout
-    res = subprocess.run([sys.executable, "-m", "ppserver", "status", srv.address, "--timeout", "1"],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "status", srv.address, "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 1 and "no answer" in res.stderr
 
 
 def test_demo_runs_two_epochs_and_exits_0():
-    res = subprocess.run([sys.executable, "-m", "ppserver", "demo"], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "demo"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
     assert "seqs/s" in res.stdout and "MB/s" in res.stdout
@@ -464,28 +483,35 @@ def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
             return {"data": {"shape": [None, 2], "dtype": "float32"}}
     """
     data_mod = write_config(tmp_path, body, name="flaky_data.py")
-    cfg = write_config(tmp_path, f"""
+    cfg = write_config(
+        tmp_path,
+        f"""
     import sys
     sys.path.insert(0, {os.path.dirname(data_mod)!r})
     dataset = {{"class": "flaky_data:Flaky"}}
     def map_seq(seq, **kwargs):
         return seq
-    """)
+    """,
+    )
     with run_server(cfg, workers=1) as srv, srv.client(timeout=10) as c:
         with pytest.raises(ppclient.Error, match="disk gone"):
             collect(c.epoch(1))
         assert c.status()["state"] == "failed"
 
 
-@pytest.mark.parametrize("argv, key", [
-    (["--bind", "tcp://127.0.0.1:99999"], "--bind"),
-    (["--bind", "127.0.0.1:5555"], "--bind"),
-    (["--workers", "-1"], "--workers"),
-])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--bind", "tcp://127.0.0.1:99999"], "--bind"),
+        (["--bind", "127.0.0.1:5555"], "--bind"),
+        (["--workers", "-1"], "--workers"),
+    ],
+)
 def test_bad_command_line_exits_2_with_one_line(tmp_path, argv, key):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=3)
-    res = subprocess.run([sys.executable, "-m", "ppserver", "serve", cfg, *argv], capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "serve", cfg, *argv], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"'{key}'" in lines[0], res.stderr
@@ -519,10 +545,12 @@ def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
 
 
 def test_stream_partition_survives_repeated_kills(tmp_path):
-    slow_stream = STREAM_MAPPER.replace("for n, seq in enumerate(seqs):",
-                                        "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)")
+    slow_stream = STREAM_MAPPER.replace(
+        "for n, seq in enumerate(seqs):", "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)"
+    )
     cfg = numpy_config(tmp_path, slow_stream, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n")
     with run_server(cfg, workers=1) as srv, srv.client() as c:
+
         def crash():
             victim = srv.worker_pids()[0]
             os.kill(victim, signal.SIGKILL)

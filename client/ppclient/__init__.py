@@ -6,6 +6,13 @@ from .errors import Error, MapperError, ServerUnavailable, Superseded, UsageErro
 from .protocol import PROTOCOL
 
 __all__ = [
-    "Client", "EpochIterator", "Error", "MapperError", "ServerUnavailable", "Superseded", "UsageError", "PROTOCOL",
+    "Client",
+    "EpochIterator",
+    "Error",
+    "MapperError",
+    "ServerUnavailable",
+    "Superseded",
+    "UsageError",
+    "PROTOCOL",
     "__version__",
 ]

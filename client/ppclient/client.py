@@ -111,8 +111,9 @@ class Client:
         assert isinstance(reply, protocol.StatusReply)
         return reply.status
 
-    def epoch(self, epoch: int, *, seq_list: Optional[List[str]] = None,
-              seq_order: Optional[List[int]] = None) -> "EpochIterator":
+    def epoch(
+        self, epoch: int, *, seq_list: Optional[List[str]] = None, seq_order: Optional[List[int]] = None
+    ) -> EpochIterator:
         """Start an epoch (superseding any other) and return an iterator of its seqs, in order.
 
         Returns once the server's dataset has set the epoch up, so `len()` works at once.
@@ -120,11 +121,14 @@ class Client:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
         data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
-        reply = self._request(protocol.EpochRequest(
-            epoch=epoch, consumer=self._consumer,
-            seq_list=[str(t) for t in seq_list] if seq_list is not None else None,
-            seq_order=[int(i) for i in seq_order] if seq_order is not None else None,
-        ))
+        reply = self._request(
+            protocol.EpochRequest(
+                epoch=epoch,
+                consumer=self._consumer,
+                seq_list=[str(t) for t in seq_list] if seq_list is not None else None,
+                seq_order=[int(i) for i in seq_order] if seq_order is not None else None,
+            )
+        )
         assert isinstance(reply, protocol.EpochAccepted)
         it = EpochIterator(self, data, reply.run, epoch)
         self._inbox[it.run] = deque()
@@ -172,7 +176,7 @@ class Client:
         if not self._ctx.closed:
             self._ctx.term()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -206,14 +210,15 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             raise TypeError("the number of seqs of this epoch is not known in advance")
         return self.num_seqs
 
-    def __iter__(self) -> "EpochIterator":
+    def __iter__(self) -> EpochIterator:
         return self
 
     def _grant(self, n: int) -> None:
         """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
         self._granted += n
-        self._sock.send_multipart([protocol.DELIMITER,
-                                   *protocol.encode(protocol.Credit(run=self.run, total=self._granted))])
+        self._sock.send_multipart(
+            [protocol.DELIMITER, *protocol.encode(protocol.Credit(run=self.run, total=self._granted))]
+        )
 
     def _supersede(self, message: str) -> None:
         if self._error is None and (not self._done or self._ready):
@@ -240,8 +245,12 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._receive("progress")
         item = self._ready.popleft()
         if item.pos != self._consumed:
-            self._raise(Error(f"epoch {self.epoch}: expected seq #{self._consumed} but got #{item.pos} "
-                              "(messages were lost, e.g. on a reset connection)"))
+            self._raise(
+                Error(
+                    f"epoch {self.epoch}: expected seq #{self._consumed} but got #{item.pos} "
+                    "(messages were lost, e.g. on a reset connection)"
+                )
+            )
         seq = protocol.item_to_seq(item)
         self._consumed += 1
         self._ungranted += 1
@@ -283,8 +292,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._done = True
             arrived = self._consumed + len(self._ready)
             if msg.count != arrived:
-                self._raise(Error(f"epoch {self.epoch} ended after {msg.count} seqs but {arrived} arrived "
-                                  "(messages were lost)"))
+                self._raise(
+                    Error(f"epoch {self.epoch} ended after {msg.count} seqs but {arrived} arrived (messages were lost)")
+                )
             if self.num_seqs is not None and msg.count != self.num_seqs:
                 self._raise(Error(f"epoch {self.epoch} ended after {msg.count} of {self.num_seqs} seqs"))
         elif isinstance(msg, protocol.RunFailed):
@@ -296,8 +306,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._raise(Error(f"epoch {self.epoch} failed on the server: {msg.message}"))
         elif isinstance(msg, protocol.Superseded):
             self._done = True
-            self._raise(Superseded(f"epoch {self.epoch} was superseded by epoch {msg.epoch}, "
-                                   "requested by another client"))
+            self._raise(
+                Superseded(f"epoch {self.epoch} was superseded by epoch {msg.epoch}, requested by another client")
+            )
 
     def _timed_out(self, what: str, timeout: float, began: float) -> None:
         """Alive means keepalives kept coming while we waited; else the server is gone."""
@@ -307,8 +318,15 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._raise(ServerUnavailable(f"no data from {address} for {silent:.1f} s (epoch {self.epoch})"))
         waiting = f"; waiting for {self._waiting_for}" if self._waiting_for else ""
         if what == "started":
-            self._raise(Error(f"epoch {self.epoch} did not start within {timeout:g} s although the server at "
-                              f"{address} is alive{waiting}"))
-        self._raise(Error(f"epoch {self.epoch} made no progress for {timeout:g} s although the server at {address} "
-                          f"is alive ({self._workers} workers{waiting})"))
-
+            self._raise(
+                Error(
+                    f"epoch {self.epoch} did not start within {timeout:g} s although the server at "
+                    f"{address} is alive{waiting}"
+                )
+            )
+        self._raise(
+            Error(
+                f"epoch {self.epoch} made no progress for {timeout:g} s although the server at {address} "
+                f"is alive ({self._workers} workers{waiting})"
+            )
+        )

@@ -508,14 +508,44 @@ class StreamFailed(Message):
 MESSAGES: Dict[str, Type[Message]] = {
     cls.kind: cls
     for cls in (
-        InfoRequest, StatusRequest, EpochRequest, DiscoverRequest, InfoReply, StatusReply, EpochAccepted,
-        DiscoverReply, ErrorReply, Credit, Started, Seqs, Keepalive, End, RunFailed, Superseded, Hello, Welcome,
-        Refuse, Unknown, Heartbeat, Bye, RunOpen, RunClose, Tasks, Results, TaskFailed, StreamOpen, StreamInputs,
-        StreamEnd, StreamClose, StreamCredit, StreamAck, StreamOutputs, StreamDone, StreamFailed,
+        InfoRequest,
+        StatusRequest,
+        EpochRequest,
+        DiscoverRequest,
+        InfoReply,
+        StatusReply,
+        EpochAccepted,
+        DiscoverReply,
+        ErrorReply,
+        Credit,
+        Started,
+        Seqs,
+        Keepalive,
+        End,
+        RunFailed,
+        Superseded,
+        Hello,
+        Welcome,
+        Refuse,
+        Unknown,
+        Heartbeat,
+        Bye,
+        RunOpen,
+        RunClose,
+        Tasks,
+        Results,
+        TaskFailed,
+        StreamOpen,
+        StreamInputs,
+        StreamEnd,
+        StreamClose,
+        StreamCredit,
+        StreamAck,
+        StreamOutputs,
+        StreamDone,
+        StreamFailed,
     )
 }
-
-
 
 
 # ---- items: seqs inside batch messages ----------------------------------------------------
@@ -536,7 +566,7 @@ class Item:
     def header(self, pos: Optional[int] = None) -> Dict[str, Any]:
         return {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
 
-    def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> "Item":
+    def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> Item:
         return Item(pos, self.meta if meta is None else meta, self.arrays, self.frames, self.nbytes)
 
     @property
@@ -568,7 +598,7 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
     if not isinstance(spec, dict):
         raise ProtocolError("item is not a map")
     pos, meta, arrays = spec.get("i"), spec.get("meta"), spec.get("arrays")
-    if not _is_int(pos) or pos < 0:
+    if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
         raise ProtocolError(f"item position {pos!r} is not an int >= 0")
     if not isinstance(meta, dict):
         raise ProtocolError(f"item {pos}: meta is not a map")
@@ -637,8 +667,13 @@ class Decoded:
     bad: List[BadItem] = field(default_factory=list)  # items of a batch that did not check
 
 
-def decode(frames: Sequence[Any], receiver: Peer, channels: Tuple[Channel, ...],
-           *, max_header_bytes: int = wire.MAX_HEADER_BYTES) -> Decoded:
+def decode(
+    frames: Sequence[Any],
+    receiver: Peer,
+    channels: Tuple[Channel, ...],
+    *,
+    max_header_bytes: int = wire.MAX_HEADER_BYTES,
+) -> Decoded:
     """Check and decode a message (header frame first) that `receiver` got on one of `channels`.
 
     Raises ProtocolError for an unknown kind, one that does not go to `receiver` on those
@@ -657,7 +692,7 @@ def decode(frames: Sequence[Any], receiver: Peer, channels: Tuple[Channel, ...],
     if receiver not in cls.receiver or cls.channel not in channels:
         raise ProtocolError(f"a {receiver.value} does not accept {kind!r} messages on this socket")
     if cls.versioned and header.get(PROTO_FIELD) != PROTOCOL:
-        raise VersionMismatch(header.get(PROTO_FIELD), kind)
+        raise VersionMismatch(header.get(PROTO_FIELD), cls.kind)
     values = {}
     for f in _FIELDS[cls]:
         if f.name not in header:  # encode writes every field: a missing one is not our peer's doing
@@ -680,16 +715,16 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
         # frames cannot be matched to items: every item is bad
         for spec in specs:
             pos = spec.get("i") if isinstance(spec, dict) else None
-            out.bad.append(BadItem(pos if _is_int(pos) else None, "items and frames do not match"))
+            out.bad.append(BadItem(pos if _is_int(pos) and pos >= 0 else None, "items and frames do not match"))
         return out
     at = 0
     for spec, n in zip(specs, counts):
         assert n is not None
         try:
-            out.items.append(check_item(spec, bufs[at:at + n]))
+            out.items.append(check_item(spec, bufs[at : at + n]))
         except ProtocolError as exc:
             pos = spec.get("i")
-            out.bad.append(BadItem(pos if _is_int(pos) else None, str(exc)))
+            out.bad.append(BadItem(pos if _is_int(pos) and pos >= 0 else None, str(exc)))
         at += n
     return out
 
@@ -737,8 +772,11 @@ def _checker(tp: Any):
     if tp is int:
         return lambda v: v if _is_int(v) else _bad(v, "an int")
     if tp is float:
-        return lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+        return lambda v: (
+            float(v)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             else _bad(v, "a finite number")
+        )
     if tp is bool:
         return lambda v: v if isinstance(v, bool) else _bad(v, "a bool")
     if tp is str:
@@ -788,15 +826,17 @@ def describe() -> List[Dict[str, Any]]:
     out = []
     hints_cache = {cls: typing.get_type_hints(cls) for cls in MESSAGES.values()}
     for kind, cls in MESSAGES.items():
-        out.append({
-            "kind": kind,
-            "class": cls.__name__,
-            "sender": [p.value for p in cls.sender],
-            "receiver": [p.value for p in cls.receiver],
-            "channel": cls.channel.value,
-            "batch": cls.batch,
-            "fields": {f.name: _type_name(hints_cache[cls][f.name]) for f in _FIELDS[cls]},
-        })
+        out.append(
+            {
+                "kind": kind,
+                "class": cls.__name__,
+                "sender": [p.value for p in cls.sender],
+                "receiver": [p.value for p in cls.receiver],
+                "channel": cls.channel.value,
+                "batch": cls.batch,
+                "fields": {f.name: _type_name(hints_cache[cls][f.name]) for f in _FIELDS[cls]},
+            }
+        )
     return out
 
 
@@ -810,5 +850,3 @@ def _type_name(tp: Any) -> str:
     if origin in (dict, Dict):
         return "Dict[str, Any]"
     return getattr(tp, "__name__", str(tp))
-
-

@@ -11,6 +11,17 @@ from .settings import Failure, Settings
 from .workers import Departure, WorkerState
 
 __all__ = [
-    "events", "Run", "Scheduler", "Instruction", "ReadUpTo", "Replay", "StopReading", "ToClient", "ToWorker",
-    "Failure", "Settings", "Departure", "WorkerState",
+    "events",
+    "Run",
+    "Scheduler",
+    "Instruction",
+    "ReadUpTo",
+    "Replay",
+    "StopReading",
+    "ToClient",
+    "ToWorker",
+    "Failure",
+    "Settings",
+    "Departure",
+    "WorkerState",
 ]

@@ -17,8 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 from ppclient.protocol import (
-    End, FailureKind, Heartbeat, Item, Keepalive, Message, RunClose, RunFailed, RunOpen, Seqs, Started,
-    Superseded, Unknown,
+    End,
+    FailureKind,
+    Heartbeat,
+    Item,
+    Keepalive,
+    Message,
+    RunClose,
+    RunFailed,
+    RunOpen,
+    Seqs,
+    Started,
+    Superseded,
+    Unknown,
 )
 
 from . import events as ev
@@ -102,8 +113,9 @@ class Scheduler:
             ev.InputsRead: self._on_inputs,
             ev.InputsEnded: self._on_inputs_ended,
             ev.ReplayRead: self._on_replay,
-            ev.ReadFailed: lambda e, out: self._fail_id(e.run, Failure(FailureKind.DATASET, e.message,
-                                                                        traceback=e.traceback), out),
+            ev.ReadFailed: lambda e, out: self._fail_id(
+                e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
+            ),
             ev.RunFailedElsewhere: lambda e, out: self._fail_id(e.run, Failure(FailureKind.SERVER, e.message), out),
             ev.CreditGranted: self._on_credit,
         }
@@ -134,8 +146,15 @@ class Scheduler:
         old = self.workers.get(e.replaces) if e.replaces is not None else None
         if old is not None and old.pid == e.pid and old.host == e.host:
             self._remove(old.wid, Departure.RECONNECTED, out)  # its connection was reset: redo its work now
-        w = WorkerState(wid=e.wid, host=e.host, pid=e.pid, local_index=e.local_index,
-                        capacity=self.settings.buf_size, joined=e.now, last_seen=e.now)
+        w = WorkerState(
+            wid=e.wid,
+            host=e.host,
+            pid=e.pid,
+            local_index=e.local_index,
+            capacity=self.settings.buf_size,
+            joined=e.now,
+            last_seen=e.now,
+        )
         self.workers[e.wid] = w
         log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(self.workers))
         for run in self._running():
@@ -151,8 +170,16 @@ class Scheduler:
         self.departures[why] += 1
         self.handed_back += len(w.tasks) + len(w.partitions)
         log_at = logging.INFO if why in (Departure.DEPARTED, Departure.REREGISTERED) else logging.WARNING
-        log.log(log_at, "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back",
-                w.name, w.host, w.pid, why.value, len(w.tasks), len(w.partitions))
+        log.log(
+            log_at,
+            "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back",
+            w.name,
+            w.host,
+            w.pid,
+            why.value,
+            len(w.tasks),
+            len(w.partitions),
+        )
         for run in self._running():
             assert run.dispatch is not None
             failure = run.dispatch.worker_lost(w, why.crashed, self.workers, out)
@@ -162,8 +189,9 @@ class Scheduler:
     def _on_local_exit(self, e: ev.LocalWorkerExited, out: List[Instruction]) -> None:
         for w in list(self.workers.values()):
             if w.local_index == e.local_index and w.pid == e.pid:
-                log.warning("local worker %d (pid %d) exited with %s", e.local_index, e.pid,
-                            _describe_exit(e.returncode))
+                log.warning(
+                    "local worker %d (pid %d) exited with %s", e.local_index, e.pid, _describe_exit(e.returncode)
+                )
                 self._remove(w.wid, Departure.EXITED, out)
 
     def _on_tick(self, e: ev.Tick, out: List[Instruction]) -> None:
@@ -182,9 +210,17 @@ class Scheduler:
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
         for run in self.runs.values():
-            self._to_client(run, Keepalive(run=run.run, interval=self.settings.heartbeat_interval,
-                                           workers=len(self.workers), waiting_for=self._holdup(run)), out,
-                            drop_if_unconnected=True)
+            self._to_client(
+                run,
+                Keepalive(
+                    run=run.run,
+                    interval=self.settings.heartbeat_interval,
+                    workers=len(self.workers),
+                    waiting_for=self._holdup(run),
+                ),
+                out,
+                drop_if_unconnected=True,
+            )
 
     # ---- worker messages ----------------------------------------------------------------------
     def _dispatch_of(self, run_id: int, kind: type) -> Optional[Any]:
@@ -196,8 +232,12 @@ class Scheduler:
     def _on_results(self, e: ev.ResultsReceived, out: List[Instruction]) -> None:
         if e.bad:
             self.malformed_results += len(e.bad)
-            log.warning("dropped %d malformed results from worker %s (first: %s)", len(e.bad),
-                        self.workers[e.wid].name, e.bad[0].reason)
+            log.warning(
+                "dropped %d malformed results from worker %s (first: %s)",
+                len(e.bad),
+                self.workers[e.wid].name,
+                e.bad[0].reason,
+            )
         d = self._dispatch_of(e.run, SeqDispatch)
         if d is not None:
             self._maybe_fail(e.run, d.results_received(self.workers[e.wid], e.items, e.bad), out)
@@ -215,8 +255,12 @@ class Scheduler:
     def _on_stream_outputs(self, e: ev.StreamOutputsReceived, out: List[Instruction]) -> None:
         if e.bad:
             self.malformed_results += len(e.bad)
-            log.warning("dropped %d malformed stream outputs from worker %s (first: %s)", len(e.bad),
-                        self.workers[e.wid].name, e.bad[0].reason)
+            log.warning(
+                "dropped %d malformed stream outputs from worker %s (first: %s)",
+                len(e.bad),
+                self.workers[e.wid].name,
+                e.bad[0].reason,
+            )
         d = self._dispatch_of(e.run, StreamDispatch)
         if d is not None:
             failure = d.outputs_received(self.workers[e.wid], e.partition, e.items, e.bad, self.workers, out)
@@ -257,11 +301,13 @@ class Scheduler:
         run.check_tags = e.check_tags
         run.started = e.now
         run.state = "running"
-        run.dispatch = (StreamDispatch(run.run, run.epoch, e.num_seqs, s) if s.stream
-                        else SeqDispatch(run.run, e.num_seqs, s))
+        run.dispatch = (
+            StreamDispatch(run.run, run.epoch, e.num_seqs, s) if s.stream else SeqDispatch(run.run, e.num_seqs, s)
+        )
         log.info("epoch %d started (run %d, %d input seqs)", run.epoch, run.run, e.num_seqs)
-        self._to_client(run, Started(run=run.run, num_seqs=None if s.stream and not s.preserves_num_seqs
-                                     else e.num_seqs), out)
+        self._to_client(
+            run, Started(run=run.run, num_seqs=None if s.stream and not s.preserves_num_seqs else e.num_seqs), out
+        )
         for w in self.workers.values():
             out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.check_tags)))
         run.dispatch.assign(self.workers, out)
@@ -313,15 +359,30 @@ class Scheduler:
         log.error("epoch %d (run %d) failed: %s", run.epoch, run.run, failure.message)
         run.error = failure.message
         self._flush(run, out)
-        self._to_client(run, RunFailed(run=run.run, failure=failure.kind.value, message=failure.message,
-                                       seq_tag=failure.seq_tag, traceback=failure.traceback), out)
+        self._to_client(
+            run,
+            RunFailed(
+                run=run.run,
+                failure=failure.kind.value,
+                message=failure.message,
+                seq_tag=failure.seq_tag,
+                traceback=failure.traceback,
+            ),
+            out,
+        )
         self._close(run, "failed", out)
 
     def _finish(self, run: Run, now: float, out: List[Instruction]) -> None:
         self._to_client(run, End(run=run.run, count=run.delivered), out)
         elapsed = max(now - (run.started or run.requested), 1e-9)
-        log.info("epoch %d (run %d) done: %d seqs in %.2f s (%.1f seqs/s)", run.epoch, run.run, run.delivered,
-                 elapsed, run.delivered / elapsed)
+        log.info(
+            "epoch %d (run %d) done: %d seqs in %.2f s (%.1f seqs/s)",
+            run.epoch,
+            run.run,
+            run.delivered,
+            elapsed,
+            run.delivered / elapsed,
+        )
         self._close(run, "done", out)
 
     def _close(self, run: Run, state: str, out: List[Instruction]) -> None:
@@ -392,8 +453,11 @@ class Scheduler:
     def _holdup(self, run: Run) -> str:
         """What the run waits for, in words (keepalives and status)."""
         if run.dispatch is None:
-            return f"the dataset to set up the epoch ({self.reader_busy})" if self.reader_busy else \
-                "the dataset to set up the epoch"
+            return (
+                f"the dataset to set up the epoch ({self.reader_busy})"
+                if self.reader_busy
+                else "the dataset to set up the epoch"
+            )
         if not self.workers:
             return "a worker (none is connected)"
         if run.credit <= 0:
@@ -416,25 +480,41 @@ class Scheduler:
         }
         run = self.last_run
         if run is None:
-            st.update({"epoch": None, "run": None, "state": "idle", "seqs_delivered": 0, "num_seqs": None,
-                       "seqs_per_sec": 0.0, "mb_delivered": 0.0, "error": None, "waiting_for": None, "queues": {}})
+            st.update(
+                {
+                    "epoch": None,
+                    "run": None,
+                    "state": "idle",
+                    "seqs_delivered": 0,
+                    "num_seqs": None,
+                    "seqs_per_sec": 0.0,
+                    "mb_delivered": 0.0,
+                    "error": None,
+                    "waiting_for": None,
+                    "queues": {},
+                }
+            )
             return st
         began = run.started if run.started is not None else run.requested
         end = now if run.ended is None else run.ended
         known = run.num_seqs if not self.settings.stream or self.settings.preserves_num_seqs else None
-        st.update({
-            "epoch": run.epoch,
-            "run": run.run,
-            "state": run.state,
-            "num_seqs": known,
-            "seqs_delivered": run.delivered,
-            "seqs_per_sec": round(run.delivered / max(end - began, 1e-9), 2),
-            "mb_delivered": round(run.delivered_bytes / 1e6, 3),
-            "error": run.error,
-            "waiting_for": self._holdup(run) if run.live else None,
-            "queues": {**(run.dispatch.queues() if run.dispatch is not None and run.live else {}),
-                       "client_credit": max(run.credit, 0)},
-        })
+        st.update(
+            {
+                "epoch": run.epoch,
+                "run": run.run,
+                "state": run.state,
+                "num_seqs": known,
+                "seqs_delivered": run.delivered,
+                "seqs_per_sec": round(run.delivered / max(end - began, 1e-9), 2),
+                "mb_delivered": round(run.delivered_bytes / 1e6, 3),
+                "error": run.error,
+                "waiting_for": self._holdup(run) if run.live else None,
+                "queues": {
+                    **(run.dispatch.queues() if run.dispatch is not None and run.live else {}),
+                    "client_credit": max(run.credit, 0),
+                },
+            }
+        )
         return st
 
 

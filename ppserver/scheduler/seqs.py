@@ -53,8 +53,9 @@ class SeqDispatch:
     def assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
         """Tasks go to whichever worker has credit (see dispatch): nothing is owned in advance."""
 
-    def worker_lost(self, w: WorkerState, crashed: bool, workers: Dict[bytes, WorkerState],
-                    out: List[Instruction]) -> Optional[Failure]:
+    def worker_lost(
+        self, w: WorkerState, crashed: bool, workers: Dict[bytes, WorkerState], out: List[Instruction]
+    ) -> Optional[Failure]:
         for run, pos in sorted(w.tasks):
             if run != self.run or self.inflight.get(pos) != w.wid:
                 continue
@@ -63,9 +64,11 @@ class SeqDispatch:
                 self.deaths[pos] = self.deaths.get(pos, 0) + 1
                 if self.deaths[pos] >= self.settings.max_seq_retries:
                     tag = self._tag(pos)
-                    return Failure(FailureKind.MAPPER,
-                                   f"seq {tag!r} was in flight on {self.deaths[pos]} workers that died processing it",
-                                   seq_tag=tag)
+                    return Failure(
+                        FailureKind.MAPPER,
+                        f"seq {tag!r} was in flight on {self.deaths[pos]} workers that died processing it",
+                        seq_tag=tag,
+                    )
             heapq.heappush(self.todo, pos)
         return None
 
@@ -88,8 +91,11 @@ class SeqDispatch:
             self.malformed[b.pos] = self.malformed.get(b.pos, 0) + 1
             if self.malformed[b.pos] >= self.settings.max_seq_retries:
                 tag = self._tag(b.pos)
-                return Failure(FailureKind.MAPPER,
-                               f"seq {tag!r}: {self.malformed[b.pos]} malformed results ({b.reason})", seq_tag=tag)
+                return Failure(
+                    FailureKind.MAPPER,
+                    f"seq {tag!r}: {self.malformed[b.pos]} malformed results ({b.reason})",
+                    seq_tag=tag,
+                )
             self.avoid[b.pos] = w.wid
             heapq.heappush(self.todo, b.pos)
         if not any(run == self.run for run, _ in w.tasks):

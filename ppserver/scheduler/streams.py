@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
-    BadItem, FailureKind, Item, StreamClose, StreamCredit, StreamEnd, StreamInputs, StreamOpen,
+    BadItem,
+    FailureKind,
+    Item,
+    StreamClose,
+    StreamCredit,
+    StreamEnd,
+    StreamInputs,
+    StreamOpen,
 )
 
 from .instructions import Instruction, Replay, ToWorker
@@ -104,8 +111,9 @@ class StreamDispatch:
         """Partitions without an owner go to the workers running the fewest streams."""
         self._assign(workers, out)
 
-    def worker_lost(self, w: WorkerState, crashed: bool, workers: Dict[bytes, WorkerState],
-                    out: List[Instruction]) -> Optional[Failure]:
+    def worker_lost(
+        self, w: WorkerState, crashed: bool, workers: Dict[bytes, WorkerState], out: List[Instruction]
+    ) -> Optional[Failure]:
         """`workers` no longer holds `w`; its partitions restart elsewhere."""
         for run, p in sorted(w.partitions):
             if run != self.run or self.parts[p].wid != w.wid:
@@ -126,9 +134,11 @@ class StreamDispatch:
             part.received_at_death = part.received
             if part.deaths >= self.settings.max_seq_retries:
                 tag = part.last_tag or f"partition {part.index}"
-                return Failure(FailureKind.MAPPER,
-                               f"stream partition {part.index} (last input {tag!r}) {what} {part.deaths} workers",
-                               seq_tag=tag)
+                return Failure(
+                    FailureKind.MAPPER,
+                    f"stream partition {part.index} (last input {tag!r}) {what} {part.deaths} workers",
+                    seq_tag=tag,
+                )
         part.wid = None
         part.replay_until = part.fed - len(part.queue)
         part.replay.clear()
@@ -138,8 +148,7 @@ class StreamDispatch:
         part.eof_sent = False
         return None
 
-    def _assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction],
-                avoid: Optional[bytes] = None) -> None:
+    def _assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction], avoid: Optional[bytes] = None) -> None:
         if not workers:
             return
         for part in self.parts:
@@ -150,8 +159,12 @@ class StreamDispatch:
             part.wid = w.wid
             w.partitions.add((self.run, part.index))
             part.in_credit = self.settings.buf_size
-            out.append(ToWorker(w.wid, StreamOpen(run=self.run, partition=part.index, skip=part.received,
-                                                  credit=self.settings.buf_size)))
+            out.append(
+                ToWorker(
+                    w.wid,
+                    StreamOpen(run=self.run, partition=part.index, skip=part.received, credit=self.settings.buf_size),
+                )
+            )
 
     def owned(self, w: WorkerState, partition: int) -> Optional[Partition]:
         if not 0 <= partition < len(self.parts):
@@ -164,8 +177,15 @@ class StreamDispatch:
         if part is not None:
             part.in_credit += n
 
-    def outputs_received(self, w: WorkerState, partition: int, items: List[Item], bad: List[BadItem],
-                         workers: Dict[bytes, WorkerState], out: List[Instruction]) -> Optional[Failure]:
+    def outputs_received(
+        self,
+        w: WorkerState,
+        partition: int,
+        items: List[Item],
+        bad: List[BadItem],
+        workers: Dict[bytes, WorkerState],
+        out: List[Instruction],
+    ) -> Optional[Failure]:
         """Outputs arrive in stream order; a malformed one (or a gap) restarts the partition elsewhere."""
         part = self.owned(w, partition)
         if part is None:
@@ -212,8 +232,14 @@ class StreamDispatch:
                 count = min(part.replay_until - first, max(part.in_credit, buf))
                 self.tickets += 1
                 part.replay_ticket = self.tickets
-                out.append(Replay(self.run, part.index, [part.index + j * n for j in range(first, first + count)],
-                                  ticket=self.tickets))
+                out.append(
+                    Replay(
+                        self.run,
+                        part.index,
+                        [part.index + j * n for j in range(first, first + count)],
+                        ticket=self.tickets,
+                    )
+                )
             batch: List[Item] = []
             while part.in_credit > 0:
                 if part.replaying():
