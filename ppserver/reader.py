@@ -5,7 +5,11 @@ positions again, stop a run) and never waits for it; the reader hands back sched
 events through a deque and wakes the I/O loop through a pipe (no ZeroMQ socket, so a
 reader stuck inside the dataset cannot keep the server from shutting down). Every seq is
 handed over as soon as it is read (the loop batches what it finds waiting), so a read that
-hangs never holds back the seqs read before it.
+hangs never holds back the seqs read before it. The pipe is written once per WAKE_EVERY
+seqs and whenever the reader stops (its window is read, or it waits for a command): a
+wake-up hands the GIL to the loop, and once per seq the two threads would spend more time
+passing it back and forth than reading. While the reader is reading, the loop polls at
+least every READING_POLL_MS, so a seq never waits longer than that for it.
 
 Preparing an epoch checks the request against the dataset first (unknown seq tags, bad
 seq_order), so a rejected request never disturbs the run being read; only a request that
@@ -32,6 +36,8 @@ from .scheduler import events as ev
 log = logging.getLogger("ppserver.reader")
 
 MAX_BATCH = 16  # seqs the loop takes from the reader as one event
+WAKE_EVERY = 8  # seqs handed over per wake-up of the loop, at most
+READING_POLL_MS = 10  # the loop's poll timeout while the reader reads
 IDLE_WAIT_S = 0.1
 BUSY_REPORT_S = 1.0  # how long a dataset call must take before status and keepalives mention it
 
@@ -68,13 +74,15 @@ class Reader(threading.Thread):
         super().__init__(name="reader", daemon=True)
         self.dataset = dataset
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.out: Deque[ev.Event] = deque()  # appended here, popped by the loop (deque ops are atomic)
+        # appended here, popped by the loop (deque ops are atomic): events, and (run, item) for each input
+        self.out: Deque[Any] = deque()
         self.woken = False  # a wake-up byte is in the pipe and the loop has not taken events since
+        self.unannounced = 0  # seqs handed over since the last wake-up
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.quit = threading.Event()
-        self.busy: Optional[Tuple[str, float]] = None  # the dataset call under way and since when
+        self.busy: Optional[Tuple[str, Any, float]] = None  # the dataset call under way, its argument, since when
         self.run_id: Optional[int] = None  # the run being read
         self.num_seqs = 0
         self.next_pos = 0
@@ -86,25 +94,20 @@ class Reader(threading.Thread):
     def send(self, command: Any) -> None:
         self.commands.put(command)
 
-    def take(self) -> Optional[ev.Event]:
-        """The next event; consecutive InputsRead of one run come as one (up to MAX_BATCH seqs)."""
+    def take(self, now: float) -> Optional[ev.Event]:
+        """The next event; inputs of one run read one after the other come as one (up to MAX_BATCH)."""
+        out = self.out
         try:
-            event = self.out.popleft()
+            first = out.popleft()
         except IndexError:
             return None
-        if not isinstance(event, ev.InputsRead):
-            return event
-        items = list(event.items)
-        while (
-            len(items) < MAX_BATCH
-            and self.out
-            and isinstance(self.out[0], ev.InputsRead)
-            and self.out[0].run == event.run
-        ):
-            more = self.out.popleft()
-            assert isinstance(more, ev.InputsRead)
-            items.extend(more.items)
-        return ev.InputsRead(event.now, event.run, items)
+        if isinstance(first, ev.Event):
+            return first
+        run, item = first
+        items = [item]
+        while len(items) < MAX_BATCH and out and type(out[0]) is tuple and out[0][0] == run:
+            items.append(out.popleft()[1])
+        return ev.InputsRead(now, run, items)
 
     def drain_wakeups(self) -> None:
         """Call before take(): a hand-over after this writes a new wake-up."""
@@ -115,11 +118,17 @@ class Reader(threading.Thread):
         except BlockingIOError:
             pass
 
+    @property
+    def reading(self) -> bool:
+        """Reading inputs the loop may not have been woken for: it should look in every few ms."""
+        return self.unannounced > 0 or (self.run_id is not None and self.next_pos < min(self.upto, self.num_seqs))
+
     def describe_busy(self, now: float) -> str:
         busy = self.busy
-        if busy is None or now - busy[1] < BUSY_REPORT_S:
+        if busy is None or now - busy[2] < BUSY_REPORT_S:
             return ""
-        return f"in {busy[0]} for {now - busy[1]:.1f} s"
+        what, arg, since = busy
+        return f"in {what}({arg}) for {now - since:.1f} s"
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to end; True if it did within `timeout` (it may be stuck in the dataset)."""
@@ -135,6 +144,10 @@ class Reader(threading.Thread):
     # ---- the reader's side ----------------------------------------------------------------
     def _emit(self, event: ev.Event) -> None:
         self.out.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        self.unannounced = 0
         if self.woken:
             return  # the loop will see this event with the ones it was woken for
         self.woken = True
@@ -143,8 +156,8 @@ class Reader(threading.Thread):
         except BlockingIOError:
             pass  # wake-ups are pending already
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
-        self.busy = (what, time.monotonic())
+    def _call(self, what: str, arg: Any, fn: Any, *args: Any) -> Any:
+        self.busy = (what, arg, time.monotonic())
         try:
             return fn(*args)
         finally:
@@ -205,7 +218,7 @@ class Reader(threading.Thread):
         check = getattr(self.dataset, "check_epoch_args", None)
         if check is not None:
             try:
-                self._call(f"checking the request for epoch {cmd.epoch}", check, cmd.epoch, cmd.seq_list, cmd.seq_order)
+                self._call("check_epoch_args", f"epoch={cmd.epoch}", check, cmd.epoch, cmd.seq_list, cmd.seq_order)
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 self._emit(ev.RunRejected(now(), cmd.run, _message(exc)))
                 return
@@ -213,7 +226,8 @@ class Reader(threading.Thread):
         self._drop_run()
         try:
             self._call(
-                f"init_seq_order(epoch={cmd.epoch})",
+                "init_seq_order",
+                f"epoch={cmd.epoch}",
                 self.dataset.init_seq_order,
                 cmd.epoch,
                 cmd.seq_list,
@@ -254,23 +268,36 @@ class Reader(threading.Thread):
             )
 
     def _read_one(self, pos: int) -> Item:
-        return seq_to_item(self._call(f"get_seq({pos})", self.dataset.get_seq, pos), pos)
+        return seq_to_item(self._call("get_seq", pos, self.dataset.get_seq, pos), pos)
 
     def _read_next(self) -> None:
+        """Read on until the window is read or a command waits (the hot loop: kept lean)."""
         run = self.run_id
         assert run is not None
-        if self.next_pos < min(self.upto, self.num_seqs):
-            try:
-                item = self._read_one(self.next_pos)
-            except Exception as exc:
-                log.error("reading the dataset failed in run %d: %s", run, exc)
-                self._emit(
-                    ev.ReadFailed(time.monotonic(), run, f"dataset failed: {_message(exc)}", traceback.format_exc())
-                )
-                self._drop_run()
-                return
-            self.next_pos += 1
-            self._emit(ev.InputsRead(time.monotonic(), run, [item]))
+        limit = min(self.upto, self.num_seqs)
+        get_seq, commands, out, monotonic = self.dataset.get_seq, self.commands, self.out, time.monotonic
+        pos = self.next_pos
+        try:
+            while pos < limit:
+                self.busy = ("get_seq", pos, monotonic())
+                item = seq_to_item(get_seq(pos), pos)
+                self.busy = None
+                pos += 1
+                self.next_pos = pos
+                out.append((run, item))
+                self.unannounced += 1
+                if self.unannounced >= WAKE_EVERY:
+                    self._wake()
+                if not commands.empty():
+                    break
+        except Exception as exc:
+            self.busy = None
+            log.error("reading the dataset failed in run %d: %s", run, exc)
+            self._emit(ev.ReadFailed(monotonic(), run, f"dataset failed: {_message(exc)}", traceback.format_exc()))
+            self._drop_run()
+            return
+        if self.unannounced:
+            self._wake()
         if self.next_pos >= self.num_seqs and not self.ended:
             self.ended = True
             self._emit(ev.InputsEnded(time.monotonic(), run, self.num_seqs))

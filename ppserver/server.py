@@ -34,6 +34,7 @@ from .config import FINGERPRINT_COVERS, Config
 from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
+from .memory import keep_freed_memory
 from .scheduler import Instruction, ReadUpTo, Replay, Scheduler, Settings, StopReading, ToClient, ToWorker
 from .scheduler import events as ev
 from .supervisor import ProcessPool, worker_argv
@@ -103,6 +104,13 @@ class Server:
         self.pool: Optional[ProcessPool] = None
         self.ipc_dir: Optional[str] = None
         self.last_tick = 0.0
+        self._performers: Dict[type, Callable[[Any], None]] = {
+            ToWorker: self._to_worker,
+            ToClient: self._to_client,
+            ReadUpTo: lambda i: self.reader.send(rd.ReadUpTo(i.run, i.upto)),
+            Replay: lambda i: self.reader.send(rd.Replay(i.run, i.partition, i.ticket, i.positions)),
+            StopReading: lambda i: self.reader.send(rd.Stop(i.run)),
+        }
         self.malformed = _Throttled("dropped a malformed message")
         self.refused = _Throttled("refused a connection")
 
@@ -193,8 +201,10 @@ class Server:
         poller.register(self.reader.wake_r, zmq.POLLIN)
         for mon in self.monitors:
             poller.register(mon, zmq.POLLIN)
+        reader = self.reader
         while not self.stopping:
-            events = dict(poller.poll(LOOP_MS if not self.reader.out else 0))
+            timeout = 0 if reader.out else rd.READING_POLL_MS if reader.reading else LOOP_MS
+            events = dict(poller.poll(timeout))
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self._on_worker)
             if self.control in events:
@@ -230,17 +240,14 @@ class Server:
     # ---- performing instructions ----------------------------------------------------------------
     def perform(self, instructions: List[Instruction]) -> None:
         for instr in instructions:
-            if isinstance(instr, ToWorker):
-                ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
-                self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, instr.items)])
-            elif isinstance(instr, ToClient):
-                self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
-            elif isinstance(instr, ReadUpTo):
-                self.reader.send(rd.ReadUpTo(instr.run, instr.upto))
-            elif isinstance(instr, Replay):
-                self.reader.send(rd.Replay(instr.run, instr.partition, instr.ticket, instr.positions))
-            elif isinstance(instr, StopReading):
-                self.reader.send(rd.Stop(instr.run))
+            self._performers[type(instr)](instr)
+
+    def _to_worker(self, instr: ToWorker) -> None:
+        ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
+        self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, instr.items)])
+
+    def _to_client(self, instr: ToClient) -> None:
+        self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
 
     def handle(self, event: ev.Event) -> None:
         self.perform(self.sched.handle(event))
@@ -341,7 +348,7 @@ class Server:
     # ---- reader -------------------------------------------------------------------------------
     def _take_reader_events(self) -> None:
         while True:
-            event = self.reader.take()
+            event = self.reader.take(time.monotonic())
             if event is None:
                 return
             self.handle(event)
@@ -369,29 +376,26 @@ class Server:
         if event is not None:
             self.handle(event)
 
-    def _worker_event(
-        self, now: float, wid: bytes, msg: protocol.Message, decoded: protocol.Decoded
-    ) -> Optional[ev.Event]:
-        if isinstance(msg, protocol.Hello):
-            return self._admit(now, wid, msg)
-        if isinstance(msg, protocol.Results):
+    def _worker_event(self, now: float, wid: bytes, msg: Any, decoded: protocol.Decoded) -> Optional[ev.Event]:
+        """The scheduler event for a checked message from a worker (None: nothing for the scheduler)."""
+        kind = type(msg)
+        if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
-        if isinstance(msg, protocol.StreamOutputs):
+        if kind is protocol.StreamOutputs:
             return ev.StreamOutputsReceived(now, wid, msg.run, msg.partition, decoded.items, decoded.bad)
-        if isinstance(msg, protocol.TaskFailed):
-            return ev.TaskFailed(now, wid, msg.run, msg.pos, msg.seq_tag, msg.message, msg.traceback)
-        if isinstance(msg, protocol.StreamAck):
+        if kind is protocol.StreamAck:
             return ev.StreamAcked(now, wid, msg.run, msg.partition, msg.n)
-        if isinstance(msg, protocol.StreamDone):
+        if kind is protocol.Hello:
+            return self._admit(now, wid, msg)
+        if kind is protocol.TaskFailed:
+            return ev.TaskFailed(now, wid, msg.run, msg.pos, msg.seq_tag, msg.message, msg.traceback)
+        if kind is protocol.StreamDone:
             return ev.StreamFinished(now, wid, msg.run, msg.partition)
-        if isinstance(msg, protocol.StreamFailed):
+        if kind is protocol.StreamFailed:
             return ev.StreamFailed(now, wid, msg.run, msg.partition, msg.seq_tag, msg.message, msg.traceback)
-        if isinstance(msg, protocol.Bye):
+        if kind is protocol.Bye:
             return ev.WorkerLeft(now, wid)
-        if isinstance(msg, protocol.Heartbeat):
-            return ev.HeartbeatReceived(now, wid)
-        self.malformed.hit(f"a {msg.kind!r} message on the worker socket")
-        return None
+        return ev.HeartbeatReceived(now, wid)  # the channel admits nothing else from a worker
 
     def _admit(self, now: float, wid: bytes, hello: protocol.Hello) -> Optional[ev.Event]:
         """Protocol and config must match the server's; then the worker is welcomed and joins."""
@@ -443,6 +447,7 @@ class _Throttled:
 def serve(
     cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, keys: Optional[str], insecure: bool
 ) -> int:
+    keep_freed_memory()
     server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure)
 
     def _stop(signum: int, frame: Any) -> None:

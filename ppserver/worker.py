@@ -24,6 +24,7 @@ from ppclient import UsageError, endpoints, keyfiles, protocol
 
 from .config import Config, load_config
 from .errors import ConfigError
+from .memory import keep_freed_memory
 from .runners import MapSeqRunner, OpenRun, StreamRunner
 from .session import POLL_MS, Refused, Session, Stopped
 from .supervisor import EXIT_REFUSED, set_process_title
@@ -171,6 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"ppserver worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    keep_freed_memory()
     worker = Worker(
         cfg,
         args.connect,

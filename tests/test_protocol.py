@@ -69,12 +69,15 @@ def test_unknown_kind_wrong_socket_and_wrong_receiver_are_refused():
         protocol.decode(credit, Peer.WORKER, (Channel.DATA,))
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("run", -1, "must be >= 0"),
-    ("run", True, "must be an int"),
-    ("run", "1", "must be an int"),
-    ("total", None, "must be an int"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("run", -1, "must be >= 0"),
+        ("run", True, "must be an int"),
+        ("run", "1", "must be an int"),
+        ("total", None, "must be an int"),
+    ],
+)
 def test_fields_are_checked(field, value, match):
     header = wire.unpack(protocol.encode(protocol.Credit(run=1, total=2))[0])
     header[field] = value
@@ -117,17 +120,20 @@ def batch(items_headers, frames):
 GOOD = {"i": 0, "meta": {"seq_tag": "a", "seq_idx": 0, "complete_frac": 0.5}, "arrays": [["x", "<f4", [2]]]}
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"meta": ["seq_tag", "a"]}, "meta is not a map"),
-    ({"meta": {"seq_tag": 3}}, "bad meta entry"),
-    ({"meta": {"other": 1}}, "bad meta entry"),
-    ({"arrays": [[1, "<f4", [2]]]}, "bad or repeated array key"),
-    ({"arrays": [["seq_tag", "<f4", [2]]]}, "bad or repeated array key"),
-    ({"arrays": [["x", "|O", [2]]]}, "refused dtype"),
-    ({"arrays": [["x", "<f4", [-2]]]}, "bad shape"),
-    ({"arrays": [["x", "<f4", [3]]]}, "has 8 bytes"),
-    ({"i": -1}, "not an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"meta": ["seq_tag", "a"]}, "meta is not a map"),
+        ({"meta": {"seq_tag": 3}}, "bad meta entry"),
+        ({"meta": {"other": 1}}, "bad meta entry"),
+        ({"arrays": [[1, "<f4", [2]]]}, "bad or repeated array key"),
+        ({"arrays": [["seq_tag", "<f4", [2]]]}, "bad or repeated array key"),
+        ({"arrays": [["x", "|O", [2]]]}, "refused dtype"),
+        ({"arrays": [["x", "<f4", [-2]]]}, "bad shape"),
+        ({"arrays": [["x", "<f4", [3]]]}, "has 8 bytes"),
+        ({"i": -1}, "not an int >= 0"),
+    ],
+)
 def test_a_bad_item_is_reported_alone(change, reason):
     bad = {**GOOD, "i": 1, **change}
     decoded = protocol.decode(batch([GOOD, bad], [bytes(8), bytes(8)]), Peer.SERVER, (Channel.WORKER,))

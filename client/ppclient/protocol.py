@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -575,9 +576,9 @@ class Item:
 
 
 def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
-    """A seq dict (data keys -> numpy arrays, plus meta entries) as an Item; see wire.seq_to_item."""
-    header, frames = wire.seq_to_item(seq, i=pos)
-    return Item(pos, header["meta"], header["arrays"], frames, sum(map(wire.nbytes, frames)))
+    """A seq dict (data keys -> numpy arrays, plus meta entries) as an Item; see wire.split_seq."""
+    meta, arrays, frames, nbytes = wire.split_seq(seq)
+    return Item(pos, meta, arrays, frames, nbytes)
 
 
 def item_to_seq(item: Item) -> Dict[str, Any]:
@@ -598,40 +599,56 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
     if not isinstance(spec, dict):
         raise ProtocolError("item is not a map")
     pos, meta, arrays = spec.get("i"), spec.get("meta"), spec.get("arrays")
-    if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
-        raise ProtocolError(f"item position {pos!r} is not an int >= 0")
-    if not isinstance(meta, dict):
+    if type(pos) is not int or pos < 0:
+        raise ProtocolError(f"item position {pos!r:.40} is not an int >= 0")
+    if type(meta) is not dict:
         raise ProtocolError(f"item {pos}: meta is not a map")
-    if not isinstance(arrays, list) or len(arrays) != len(frames):
+    if type(arrays) is not list or len(arrays) != len(frames):
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
     for key, value in meta.items():
-        if key == "seq_tag" and isinstance(value, str):
-            continue
-        if key == "seq_idx" and _is_int(value):
-            continue
-        if key == "complete_frac" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            continue
-        raise ProtocolError(f"item {pos}: bad meta entry {key!r}: {value!r:.40}")
+        check = _META_TYPES.get(key)
+        if check is None or not check(value):
+            raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
     nbytes = 0
     keys = set()
     for spec_, frame in zip(arrays, frames):
-        if not (isinstance(spec_, list) and len(spec_) == 3):
+        if type(spec_) is not list or len(spec_) != 3:
             raise ProtocolError(f"item {pos}: bad array spec {spec_!r:.60}")
         key, dtype_str, shape = spec_
-        if not isinstance(key, str) or key in META_KEYS or key in keys:
+        if type(key) is not str or key in META_KEYS or key in keys:
             raise ProtocolError(f"item {pos}: bad or repeated array key {key!r:.40}")
         keys.add(key)
-        try:
-            dtype = wire.check_dtype(dtype_str)
-        except wire.WireError as exc:
-            raise ProtocolError(f"item {pos}: {exc}") from None
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        itemsize = _itemsize(dtype_str)
+        if itemsize is None:
+            raise ProtocolError(f"item {pos}: refused dtype {dtype_str!r:.40}")
+        if type(shape) is not list:
             raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
+            count *= d
         size = wire.nbytes(frame)
-        if size != math.prod(shape) * dtype.itemsize:
-            raise ProtocolError(f"item {pos}: array {key!r} has {size} bytes, not those of {shape} {dtype}")
+        if size != count * itemsize:
+            raise ProtocolError(f"item {pos}: array {key!r} has {size} bytes, not those of {shape} {dtype_str}")
         nbytes += size
     return Item(pos, meta, arrays, list(frames), nbytes)
+
+
+_META_TYPES: Dict[str, Any] = {
+    "seq_tag": lambda v: type(v) is str,
+    "seq_idx": lambda v: type(v) is int,
+    "complete_frac": lambda v: type(v) in (int, float),
+}
+
+
+@functools.lru_cache(maxsize=1024)
+def _itemsize(dtype_str: Any) -> Optional[int]:
+    """The item size of a plain dtype from the network, or None if it is refused."""
+    try:
+        return wire.check_dtype(dtype_str).itemsize
+    except (wire.WireError, TypeError):  # TypeError: unhashable values never reach here (lru_cache)
+        return None
 
 
 # ---- encode / decode ------------------------------------------------------------------------
@@ -694,10 +711,18 @@ def decode(
     if cls.versioned and header.get(PROTO_FIELD) != PROTOCOL:
         raise VersionMismatch(header.get(PROTO_FIELD), cls.kind)
     values = {}
-    for f in _FIELDS[cls]:
-        if f.name not in header:  # encode writes every field: a missing one is not our peer's doing
-            raise ProtocolError(f"{kind!r} without its {f.name!r} field")
-        values[f.name] = _check_field(cls, f, header[f.name])
+    for name, check, low in _SPECS[cls]:
+        try:
+            value = header[name]
+        except KeyError:  # encode writes every field: a missing one is not our peer's doing
+            raise ProtocolError(f"{kind!r} without its {name!r} field") from None
+        try:
+            value = check(value)
+        except ValueError as exc:
+            raise ProtocolError(f"{kind}.{name} must be {exc}") from None
+        if low is not None and value is not None and value < low:
+            raise ProtocolError(f"{kind}.{name} must be >= {low}, got {value}")
+        values[name] = value
     msg = cls(**values)
     if not cls.batch:
         if bufs:
@@ -707,26 +732,34 @@ def decode(
 
 
 def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
-    if not isinstance(specs, list):
+    if type(specs) is not list:
         raise ProtocolError(f"{msg.kind!r} without an items list")
-    counts = [len(s["arrays"]) if isinstance(s, dict) and isinstance(s.get("arrays"), list) else None for s in specs]
     out = Decoded(msg)
-    if None in counts or sum(c for c in counts if c is not None) != len(bufs):
-        # frames cannot be matched to items: every item is bad
-        for spec in specs:
-            pos = spec.get("i") if isinstance(spec, dict) else None
-            out.bad.append(BadItem(pos if _is_int(pos) and pos >= 0 else None, "items and frames do not match"))
-        return out
     at = 0
-    for spec, n in zip(specs, counts):
-        assert n is not None
+    for spec in specs:
+        arrays = spec.get("arrays") if type(spec) is dict else None
+        if type(arrays) is not list or at + len(arrays) > len(bufs):
+            break
+        n = len(arrays)
         try:
             out.items.append(check_item(spec, bufs[at : at + n]))
         except ProtocolError as exc:
-            pos = spec.get("i")
-            out.bad.append(BadItem(pos if _is_int(pos) and pos >= 0 else None, str(exc)))
+            out.bad.append(BadItem(_position(spec), str(exc)))
         at += n
+    else:
+        if at == len(bufs):
+            return out
+    # frames cannot be matched to items: every item is bad
+    out.items.clear()
+    out.bad = [
+        BadItem(_position(spec) if type(spec) is dict else None, "items and frames do not match") for spec in specs
+    ]
     return out
+
+
+def _position(spec: Dict[str, Any]) -> Optional[int]:
+    pos = spec.get("i")
+    return pos if type(pos) is int and pos >= 0 else None
 
 
 class VersionMismatch(ProtocolError):
@@ -802,23 +835,12 @@ def _bad(value: Any, what: str) -> Any:
     raise ValueError(f"{what}, got {type(value).__name__}")
 
 
-def _check_field(cls: Type[Message], f: dataclasses.Field, value: Any) -> Any:
-    try:
-        value = _CHECKS[cls][f.name](value)
-    except ValueError as exc:
-        raise ProtocolError(f"{cls.kind}.{f.name} must be {exc}") from None
-    low = f.metadata.get("min")
-    if low is not None and value is not None and value < low:
-        raise ProtocolError(f"{cls.kind}.{f.name} must be >= {low}, got {value}")
-    return value
-
-
 _FIELDS: Dict[Type[Message], Tuple[dataclasses.Field, ...]] = {}
-_CHECKS: Dict[Type[Message], Dict[str, Any]] = {}
+_SPECS: Dict[Type[Message], Tuple[Tuple[str, Any, Optional[int]], ...]] = {}  # (name, check, minimum)
 for _cls in MESSAGES.values():
     _hints = typing.get_type_hints(_cls)
     _FIELDS[_cls] = tuple(f for f in dataclasses.fields(_cls))
-    _CHECKS[_cls] = {f.name: _checker(_hints[f.name]) for f in _FIELDS[_cls]}
+    _SPECS[_cls] = tuple((f.name, _checker(_hints[f.name]), f.metadata.get("min")) for f in _FIELDS[_cls])
 
 
 def describe() -> List[Dict[str, Any]]:

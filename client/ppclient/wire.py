@@ -80,14 +80,21 @@ def plain_dtype(dtype: numpy.dtype) -> bool:
 
 
 def seq_to_item(seq: Dict[str, Any], *, i: int) -> Tuple[Dict[str, Any], List[Any]]:
-    """Split a seq dict into an item header and its buffers, one per array.
+    """Split a seq dict into an item header and its buffers, one per array (see split_seq)."""
+    meta, arrays, bufs, _ = split_seq(seq)
+    return {"i": i, "meta": meta, "arrays": arrays}, bufs
 
-    Meta entries go into ``item["meta"]``; every other entry must be a numpy array with a
-    str key. Large contiguous arrays are handed over without a copy.
+
+def split_seq(seq: Dict[str, Any]) -> Tuple[Dict[str, Any], List[List[Any]], List[Any], int]:
+    """(meta, array specs, buffers, total bytes) of a seq dict.
+
+    Meta entries go into `meta`; every other entry must be a numpy array with a str key.
+    Large contiguous arrays are handed over without a copy.
     """
     arrays = []
     bufs: List[Any] = []
     meta = {}
+    nbytes = 0
     for key, value in seq.items():
         if key in META_KEYS:
             if value is not None:
@@ -102,8 +109,10 @@ def seq_to_item(seq: Dict[str, Any], *, i: int) -> Tuple[Dict[str, Any], List[An
         if not value.flags.c_contiguous:
             value = numpy.ascontiguousarray(value)
         arrays.append([key, value.dtype.str, list(value.shape)])
-        bufs.append(value if value.nbytes >= ZERO_COPY_MIN_BYTES else value.tobytes())
-    return {"i": i, "meta": meta, "arrays": arrays}, bufs
+        size = value.nbytes
+        bufs.append(value if size >= ZERO_COPY_MIN_BYTES else value.tobytes())
+        nbytes += size
+    return meta, arrays, bufs, nbytes
 
 
 def _meta_value(key: str, value: Any) -> Any:

@@ -418,20 +418,22 @@ class Scheduler:
                 self._finish(run, now, out)
                 continue
             limit = d.read_limit(capacity)
-            if limit > run.read_upto:
+            # Grants in steps, so the reader wakes once per few seqs rather than once per seq,
+            # unless the workers would otherwise wait for it.
+            if limit > run.read_upto and (limit - run.read_upto >= self.settings.read_step or d.starving()):
                 run.read_upto = limit
                 out.append(ReadUpTo(run.run, limit))
 
     def _released(self, run: Run, item: Item) -> Item:
         """The output at the next epoch position: numbered, with a complete_frac that never decreases."""
-        pos = run.delivered + len(run.ready)
-        meta = item.meta
-        cf = meta.get("complete_frac")
-        if isinstance(cf, (int, float)):
-            run.complete_frac = max(run.complete_frac, float(cf))
-            if run.complete_frac != cf:
-                meta = {**meta, "complete_frac": run.complete_frac}
-        return item.with_pos(pos, meta)
+        item.pos = run.delivered + len(run.ready)  # the item is the scheduler's alone from here on
+        cf = item.meta.get("complete_frac")
+        if cf is not None:
+            if cf > run.complete_frac:
+                run.complete_frac = cf
+            elif cf < run.complete_frac:
+                item.meta = {**item.meta, "complete_frac": run.complete_frac}
+        return item
 
     def _flush(self, run: Run, out: List[Instruction]) -> None:
         batch = self.settings.max_delivery_batch

@@ -1,5 +1,8 @@
 """What happens to the scheduler: each event carries the time it happened (`now`, monotonic s).
 
+Events are built on the hot path, so they are plain slotted dataclasses; nothing changes one
+after it is made.
+
 The server turns checked protocol messages, reader hand-overs, process exits and the clock
 into these; nothing else reaches the scheduler.
 """
@@ -12,13 +15,13 @@ from typing import List, Optional
 from ppclient.protocol import BadItem, Item
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Event:
     now: float
 
 
 # ---- workers ----------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkerJoined(Event):
     """A worker passed the protocol and fingerprint checks (the server has welcomed it)."""
 
@@ -29,31 +32,31 @@ class WorkerJoined(Event):
     replaces: Optional[bytes] = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkerEvent(Event):
     """Anything from a registered worker; an unknown `wid` is told so and otherwise ignored."""
 
     wid: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class HeartbeatReceived(WorkerEvent):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkerLeft(WorkerEvent):
     """The worker said goodbye: its work goes back to the queue, nothing is blamed."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ResultsReceived(WorkerEvent):
     run: int
     items: List[Item] = field(default_factory=list)
     bad: List[BadItem] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TaskFailed(WorkerEvent):
     run: int
     pos: int
@@ -62,14 +65,14 @@ class TaskFailed(WorkerEvent):
     traceback: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamAcked(WorkerEvent):
     run: int
     partition: int
     n: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamOutputsReceived(WorkerEvent):
     run: int
     partition: int
@@ -77,13 +80,13 @@ class StreamOutputsReceived(WorkerEvent):
     bad: List[BadItem] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamFinished(WorkerEvent):
     run: int
     partition: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamFailed(WorkerEvent):
     run: int
     partition: int
@@ -92,7 +95,7 @@ class StreamFailed(WorkerEvent):
     traceback: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LocalWorkerExited(Event):
     """A worker process the server started exited (its supervisor reaped it)."""
 
@@ -101,7 +104,7 @@ class LocalWorkerExited(Event):
     returncode: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Tick(Event):
     """Time passed: heartbeats are due, silent workers expire. `reader_busy` says what the
     reader is doing when it has been at it for a while (e.g. "in get_seq for 12.0 s")."""
@@ -110,7 +113,7 @@ class Tick(Event):
 
 
 # ---- runs and the reader ------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunRequested(Event):
     """A client's epoch request passed the server's checks; the reader is preparing it."""
 
@@ -119,7 +122,7 @@ class RunRequested(Event):
     consumer: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunRejected(Event):
     """The reader refused the request (e.g. an unknown seq tag); the running epoch is untouched."""
 
@@ -127,7 +130,7 @@ class RunRejected(Event):
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunStarted(Event):
     """The reader set up the dataset for this run's epoch; `num_seqs` inputs will follow."""
 
@@ -137,19 +140,19 @@ class RunStarted(Event):
     check_tags: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InputsRead(Event):
     run: int
     items: List[Item]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InputsEnded(Event):
     run: int
     count: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReplayRead(Event):
     """Inputs read again for a stream partition that restarts on another worker."""
 
@@ -159,14 +162,14 @@ class ReplayRead(Event):
     items: List[Item]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReadFailed(Event):
     run: int
     message: str
     traceback: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunFailedElsewhere(Event):
     """Fail a run for a reason outside the scheduler (an internal error of the server)."""
 
@@ -175,7 +178,7 @@ class RunFailedElsewhere(Event):
 
 
 # ---- clients ------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CreditGranted(Event):
     consumer: bytes
     run: int

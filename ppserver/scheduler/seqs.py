@@ -45,6 +45,10 @@ class SeqDispatch:
     def inputs_ended(self, count: int) -> None:
         self.num_seqs = count
 
+    def starving(self) -> bool:
+        """No input is waiting to be sent: a worker may be about to run dry."""
+        return not self.todo
+
     def read_limit(self, capacity: int) -> int:
         """Read only as far as the workers' credit plus a little slack ahead of delivery."""
         return min(self.num_seqs, self.next_out + capacity + self.settings.read_slack)

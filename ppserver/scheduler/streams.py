@@ -99,6 +99,10 @@ class StreamDispatch:
             limit = max(limit, first + (room - 1) * n + 1)
         return min(limit, self.num_seqs)
 
+    def starving(self) -> bool:
+        """The stream read limit already counts only partitions that can take inputs now."""
+        return True
+
     def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
         part = self.parts[partition]
         if ticket != part.replay_ticket or part.wid is None:
