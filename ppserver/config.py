@@ -109,14 +109,14 @@ def load_config(path: str) -> Config:
         with open(path, "rb") as f:
             source = f.read()
     except OSError as exc:
-        raise ConfigError("config", f"cannot read {path!r}: {exc.strerror}") from None
+        raise ConfigError("config", f"{path!r} cannot be read: {exc.strerror}") from None
     namespace: Dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__ppserver_config__"}
     try:
         exec(compile(source, path, "exec"), namespace)
     except Exception as exc:
         message = " ".join(str(exc).split())
         raise ConfigError(
-            "config", f"{path} failed to load{_error_line(exc, path)}: {type(exc).__name__}: {message}"
+            "config", f"{path!r} failed to load{_error_line(exc, path)}: {type(exc).__name__}: {message}"
         ) from None
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: must not end the server silently
         if isinstance(exc, SystemExit):
@@ -383,7 +383,7 @@ def fingerprint(source: bytes, mappers: List[Optional[Callable]], roots: Iterabl
             with open(file, "rb") as f:
                 data = f.read()
         except OSError as exc:
-            raise ConfigError("config", f"cannot read module {name!r} for the fingerprint: {exc.strerror}") from None
+            raise ConfigError("config", f"module {name!r} ({file}) cannot be read: {exc.strerror}") from None
         h.update(f"\0module {name} {len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()[:16]

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 
 class ConfigError(Exception):
-    """A bad config value. `str()` is one line naming the offending key."""
+    """A bad config value. `str()` is one line naming the offending key, option or file.
+
+    The key "config" stands for the config file itself (its message names the file).
+    """
 
     def __init__(self, key: str, message: str):
-        what = "option" if key.startswith("-") else "config key"
-        super().__init__(f"{what} {key!r}: {message}")
+        if key == "config":
+            text = f"config file {message}"
+        else:
+            what = "option" if key.startswith("-") else "config key"
+            text = f"{what} {key!r}: {message}"
+        super().__init__(text)
         self.key = key

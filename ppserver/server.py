@@ -67,9 +67,17 @@ class Server:
         self.keys = keyfiles.server_keys(keys) if keys else None
         self.dataset = make_dataset(cfg.dataset, order_seed=cfg.seed)
         # Everything the I/O thread needs from the dataset is read now, before serving.
-        self.in_templates = self.dataset.data_keys()
+        try:
+            self.in_templates = self.dataset.data_keys()
+            self.total_num_seqs = self.dataset.total_num_seqs
+        except ConfigError:
+            raise
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            raise ConfigError(
+                "dataset", f"{type(self.dataset).__name__} failed to describe its data: {type(exc).__name__}: {text}"
+            ) from None
         self.out_templates = cfg.map_outputs or self.in_templates
-        self.total_num_seqs = self.dataset.total_num_seqs
         self.sched = Scheduler(
             Settings(
                 buf_size=cfg.buf_size,

@@ -391,3 +391,36 @@ def test_mapper_error_is_raised_on_every_later_next(tmp_path):
             with pytest.raises(ppclient.MapperError) as again:
                 next(it)
             assert again.value is first.value
+
+
+def test_dataset_that_fails_to_describe_its_data_is_one_line_and_exit_2(tmp_path):
+    write_config(
+        tmp_path,
+        DATA_MODULE
+        + """
+class Broken(Corpus):
+    def _compute_data_keys(self):
+        raise RuntimeError("index file is corrupt")
+""",
+        name="corpus.py",
+    )
+    cfg = write_config(
+        tmp_path,
+        """
+    import os, sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    dataset = {"class": "corpus:Broken"}
+    def map_seq(seq, **kwargs):
+        return seq
+    """,
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "'dataset'" in lines[0] and "index file is corrupt" in lines[0]
