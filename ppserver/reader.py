@@ -1,20 +1,22 @@
 """The reader thread: the only code that calls the dataset once the server serves.
 
-The I/O thread hands it commands (prepare an epoch, read up to a position, read some
-positions again, stop a run) and never waits for it; the reader hands back scheduler
-events through a deque and wakes the I/O loop through a pipe (no ZeroMQ socket, so a
-reader stuck inside the dataset cannot keep the server from shutting down). Every seq is
-handed over as soon as it is read (the loop batches what it finds waiting), so a read that
-hangs never holds back the seqs read before it. The pipe is written once per WAKE_EVERY
-seqs and whenever the reader stops (its window is read, or it waits for a command): a
-wake-up hands the GIL to the loop, and once per seq the two threads would spend more time
-passing it back and forth than reading. While the reader is reading, the loop polls at
-least every READING_POLL_MS, so a seq never waits longer than that for it.
+The I/O thread hands it commands (prepare a run's epoch, read these positions, read these
+again for a stream partition, stop a run) and never waits for it; the reader hands back
+scheduler events through a deque and wakes the I/O loop through a pipe (no ZeroMQ socket,
+so a reader stuck inside the dataset cannot keep the server from shutting down).
 
-Preparing an epoch checks the request against the dataset first (unknown seq tags, bad
-seq_order), so a rejected request never disturbs the run being read; only a request that
-checks replaces that run, and if setting it up then fails, the replaced run fails too
-(the dataset holds one epoch's state at a time).
+A dataset holds one epoch's state at a time. Runs of the epoch it is set to are read side
+by side (a job's run and a rank's solo run, say); a run of another epoch is set up once
+every run of the current one has stopped reading. Preparing checks the request against the
+dataset first (unknown seq tags, positions out of range) without touching the current
+epoch, so a refused request disturbs nothing; RunChecked tells the scheduler it may now
+let the requesting ranks leave their old runs.
+
+Every seq is handed over as soon as it is read (the loop batches what it finds waiting),
+so a read that hangs never holds back the seqs read before it. The pipe is written once per
+WAKE_EVERY seqs and whenever the reader stops: a wake-up hands the GIL to the loop, and once
+per seq the two threads would spend more time passing it back and forth than reading.
+While the reader reads, the loop polls at least every READING_POLL_MS.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ppclient.protocol import Item, seq_to_item
 
@@ -41,6 +43,8 @@ READING_POLL_MS = 10  # the loop's poll timeout while the reader reads
 IDLE_WAIT_S = 0.1
 BUSY_REPORT_S = 1.0  # how long a dataset call must take before status and keepalives mention it
 
+EpochArgs = Tuple[int, Optional[Tuple[str, ...]], Optional[Tuple[int, ...]]]
+
 
 @dataclass(frozen=True)
 class Prepare:
@@ -49,11 +53,19 @@ class Prepare:
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
 
+    @property
+    def args(self) -> EpochArgs:
+        return (
+            self.epoch,
+            None if self.seq_list is None else tuple(self.seq_list),
+            None if self.seq_order is None else tuple(self.seq_order),
+        )
+
 
 @dataclass(frozen=True)
-class ReadUpTo:
+class Read:
     run: int
-    upto: int
+    positions: List[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -83,12 +95,11 @@ class Reader(threading.Thread):
         os.set_blocking(self.wake_w, False)
         self.quit = threading.Event()
         self.busy: Optional[Tuple[str, Any, float]] = None  # the dataset call under way, its argument, since when
-        self.run_id: Optional[int] = None  # the run being read
-        self.num_seqs = 0
-        self.next_pos = 0
-        self.upto = 0
-        self.ended = False
+        self.epoch_args: Optional[EpochArgs] = None  # what the dataset is set up for
+        self.runs: Dict[int, Deque[int]] = {}  # runs of that epoch and the positions they asked for
+        self.waiting: Deque[Prepare] = deque()  # runs of another epoch, checked, waiting for these to stop
         self.replays: Deque[Replay] = deque()
+        self.rr = 0
 
     # ---- the I/O thread's side ------------------------------------------------------------
     def send(self, command: Any) -> None:
@@ -110,18 +121,19 @@ class Reader(threading.Thread):
         return ev.InputsRead(now, run, items)
 
     def drain_wakeups(self) -> None:
-        """Call before take(): a hand-over after this writes a new wake-up."""
-        self.woken = False
+        """Call before take(): a hand-over after this writes a new wake-up. The pipe is emptied
+        first: a hand-over in between finds `woken` still set, and take() sees it."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
+        self.woken = False
 
     @property
     def reading(self) -> bool:
         """Reading inputs the loop may not have been woken for: it should look in every few ms."""
-        return self.unannounced > 0 or (self.run_id is not None and self.next_pos < min(self.upto, self.num_seqs))
+        return self.unannounced > 0 or any(self.runs.values())
 
     def describe_busy(self, now: float) -> str:
         busy = self.busy
@@ -169,13 +181,11 @@ class Reader(threading.Thread):
                 self._step()
             except Exception:  # a bug here must not end the thread silently
                 log.exception("reader step failed")
-                if self.run_id is not None:
+                for run in list(self.runs):
                     self._emit(
-                        ev.ReadFailed(
-                            time.monotonic(), self.run_id, "internal error in the reader", traceback.format_exc()
-                        )
+                        ev.ReadFailed(time.monotonic(), run, "internal error in the reader", traceback.format_exc())
                     )
-                    self.run_id = None
+                self.runs.clear()
 
     def _step(self) -> None:
         if not self.commands.empty() or (not self.replays and not self._can_read()):
@@ -194,113 +204,115 @@ class Reader(threading.Thread):
     def _apply(self, command: Any) -> None:
         if isinstance(command, Prepare):
             self._prepare(command)
-        elif isinstance(command, ReadUpTo):
-            if command.run == self.run_id:
-                self.upto = max(self.upto, command.upto)
+        elif isinstance(command, Read):
+            if command.run in self.runs:
+                self.runs[command.run].extend(command.positions)
         elif isinstance(command, Replay):
-            if command.run == self.run_id:
+            if command.run in self.runs:
                 self.replays.append(command)
         elif isinstance(command, Stop):
-            if command.run == self.run_id:
-                self._drop_run()
+            self._stop_run(command.run)
 
-    def _drop_run(self) -> None:
-        self.run_id = None
-        self.replays.clear()
+    def _stop_run(self, run: int) -> None:
+        self.runs.pop(run, None)
+        self.waiting = deque(p for p in self.waiting if p.run != run)
+        self.replays = deque(r for r in self.replays if r.run != run)
+        while self.waiting and (not self.runs or self.waiting[0].args == self.epoch_args):
+            self._start(self.waiting.popleft())
 
     def _can_read(self) -> bool:
-        if self.run_id is None:
-            return False
-        return self.next_pos < min(self.upto, self.num_seqs) or (self.next_pos >= self.num_seqs and not self.ended)
+        return any(self.runs.values())
 
     def _prepare(self, cmd: Prepare) -> None:
-        now = time.monotonic
         check = getattr(self.dataset, "check_epoch_args", None)
         if check is not None:
             try:
                 self._call("check_epoch_args", f"epoch={cmd.epoch}", check, cmd.epoch, cmd.seq_list, cmd.seq_order)
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                self._emit(ev.RunRejected(now(), cmd.run, _message(exc)))
+                self._emit(ev.RunRejected(time.monotonic(), cmd.run, _message(exc)))
                 return
-        replaced = self.run_id
-        self._drop_run()
-        try:
-            self._call(
-                "init_seq_order",
-                f"epoch={cmd.epoch}",
-                self.dataset.init_seq_order,
-                cmd.epoch,
-                cmd.seq_list,
-                cmd.seq_order,
-            )
-            num_seqs = int(self.dataset.num_seqs)
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            self._emit(ev.RunRejected(now(), cmd.run, _message(exc)))
-            self._fail_replaced(replaced, cmd.epoch, exc)
-            return
-        except Exception as exc:
-            log.exception("the dataset failed to set up epoch %d", cmd.epoch)
-            self._emit(
-                ev.ReadFailed(
-                    now(),
-                    cmd.run,
-                    f"the dataset failed to set up epoch {cmd.epoch}: {_message(exc)}",
-                    traceback.format_exc(),
+            except Exception as exc:  # a bug in the dataset: this run fails, nothing else does
+                log.exception("the dataset failed to check the request for epoch %d", cmd.epoch)
+                self._emit(
+                    ev.ReadFailed(
+                        time.monotonic(),
+                        cmd.run,
+                        f"the dataset failed to check the request: {_message(exc)}",
+                        traceback.format_exc(),
+                    )
                 )
-            )
-            self._fail_replaced(replaced, cmd.epoch, exc)
-            return
-        self.run_id = cmd.run
-        self.num_seqs = num_seqs
-        self.next_pos = 0
-        self.upto = 0
-        self.ended = False
-        self._emit(ev.RunStarted(now(), cmd.run, cmd.epoch, num_seqs, check_tags=cmd.seq_list is not None))
+                return
+        self._emit(ev.RunChecked(time.monotonic(), cmd.run))
+        if cmd.args == self.epoch_args or not self.runs:
+            self._start(cmd)
+        else:
+            self.waiting.append(cmd)  # the dataset holds another epoch until its runs stop reading
 
-    def _fail_replaced(self, replaced: Optional[int], epoch: int, exc: BaseException) -> None:
-        if replaced is not None:
-            self._emit(
-                ev.ReadFailed(
-                    time.monotonic(),
-                    replaced,
-                    f"the dataset lost this epoch's state while failing to set up epoch {epoch}: {_message(exc)}",
+    def _start(self, cmd: Prepare) -> None:
+        if cmd.args != self.epoch_args:
+            self.epoch_args = None
+            try:
+                self._call(
+                    "init_seq_order",
+                    f"epoch={cmd.epoch}",
+                    self.dataset.init_seq_order,
+                    cmd.epoch,
+                    cmd.seq_list,
+                    cmd.seq_order,
                 )
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                self._emit(ev.RunRejected(time.monotonic(), cmd.run, _message(exc)))
+                return
+            except Exception as exc:
+                log.exception("the dataset failed to set up epoch %d", cmd.epoch)
+                self._emit(
+                    ev.ReadFailed(
+                        time.monotonic(),
+                        cmd.run,
+                        f"the dataset failed to set up epoch {cmd.epoch}: {_message(exc)}",
+                        traceback.format_exc(),
+                    )
+                )
+                return
+            self.epoch_args = cmd.args
+        self.runs[cmd.run] = deque()
+        self._emit(
+            ev.RunStarted(
+                time.monotonic(), cmd.run, cmd.epoch, int(self.dataset.num_seqs), check_tags=cmd.seq_list is not None
             )
+        )
 
     def _read_one(self, pos: int) -> Item:
         return seq_to_item(self._call("get_seq", pos, self.dataset.get_seq, pos), pos)
 
     def _read_next(self) -> None:
-        """Read on until the window is read or a command waits (the hot loop: kept lean)."""
-        run = self.run_id
-        assert run is not None
-        limit = min(self.upto, self.num_seqs)
+        """Read the runs' positions in turn until a command waits (the hot loop: kept lean)."""
+        runs = [r for r, q in self.runs.items() if q]
+        run = runs[self.rr % len(runs)]
+        self.rr += 1
+        positions = self.runs[run]
         get_seq, commands, out, monotonic = self.dataset.get_seq, self.commands, self.out, time.monotonic
-        pos = self.next_pos
         try:
-            while pos < limit:
+            while positions:
+                pos = positions[0]
                 self.busy = ("get_seq", pos, monotonic())
                 item = seq_to_item(get_seq(pos), pos)
                 self.busy = None
-                pos += 1
-                self.next_pos = pos
+                positions.popleft()
                 out.append((run, item))
                 self.unannounced += 1
                 if self.unannounced >= WAKE_EVERY:
                     self._wake()
-                if not commands.empty():
+                if not commands.empty() or len(runs) > 1:
                     break
         except Exception as exc:
             self.busy = None
             log.error("reading the dataset failed in run %d: %s", run, exc)
             self._emit(ev.ReadFailed(monotonic(), run, f"dataset failed: {_message(exc)}", traceback.format_exc()))
-            self._drop_run()
+            self.runs.pop(run, None)
             return
-        if self.unannounced:
+        if self.unannounced and not any(self.runs.values()):
             self._wake()
-        if self.next_pos >= self.num_seqs and not self.ended:
-            self.ended = True
-            self._emit(ev.InputsEnded(time.monotonic(), run, self.num_seqs))
 
     def _replay(self, cmd: Replay) -> None:
         try:
@@ -315,7 +327,7 @@ class Reader(threading.Thread):
                     traceback.format_exc(),
                 )
             )
-            self._drop_run()
+            self.runs.pop(cmd.run, None)
             return
         self._emit(ev.ReplayRead(time.monotonic(), cmd.run, cmd.partition, cmd.ticket, items))
 

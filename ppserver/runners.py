@@ -125,14 +125,16 @@ class MapSeqRunner:
             self.flush()
 
 
-class Interrupted(Exception):
-    """Raised inside a stream's input iterator when its partition is closed."""
+class Interrupted(BaseException):
+    """Raised inside a stream's input iterator when its partition is closed (a BaseException, so
+    that a mapper's `except Exception` does not take it for a failure of its own)."""
 
 
 class _Partition:
     def __init__(self, run: int, msg: protocol.StreamOpen, epoch: int):
         self.run = run
         self.index = msg.partition
+        self.incarnation = msg.incarnation
         self.epoch = epoch
         self.skip = msg.skip
         self.out_credit = msg.credit
@@ -204,7 +206,7 @@ class StreamRunner:
             if part.inputs:
                 seq = part.inputs.popleft()
                 part.last_tag = seq.get("seq_tag")
-                self.send(protocol.StreamAck(run=part.run, partition=part.index, n=1))
+                self.send(protocol.StreamAck(run=part.run, partition=part.index, incarnation=part.incarnation, n=1))
                 yield seq
             elif part.eof:
                 return
@@ -231,7 +233,7 @@ class StreamRunner:
             check_size(item, self.cfg.max_message_bytes)
         except StopIteration:
             if not part.closed:
-                self.send(protocol.StreamDone(run=part.run, partition=part.index))
+                self.send(protocol.StreamDone(run=part.run, partition=part.index, incarnation=part.incarnation))
                 self.parts.pop((part.run, part.index), None)
             return
         except Interrupted:
@@ -246,6 +248,7 @@ class StreamRunner:
                 protocol.StreamFailed(
                     run=part.run,
                     partition=part.index,
+                    incarnation=part.incarnation,
                     seq_tag=tag,
                     message=_failure_text(exc),
                     traceback=traceback.format_exc(),
@@ -255,6 +258,6 @@ class StreamRunner:
         part.emitted += 1
         if part.emitted <= part.skip:
             return  # delivered already, before this partition moved here
-        self.send(protocol.StreamOutputs(run=part.run, partition=part.index), [item])
+        self.send(protocol.StreamOutputs(run=part.run, partition=part.index, incarnation=part.incarnation), [item])
         part.out_credit -= 1
         self.done += 1

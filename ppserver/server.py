@@ -35,7 +35,7 @@ from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
 from .memory import keep_freed_memory
-from .scheduler import Instruction, ReadUpTo, Replay, Scheduler, Settings, StopReading, ToClient, ToWorker
+from .scheduler import Instruction, Prepare, Read, Replay, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from .scheduler import events as ev
 from .supervisor import ProcessPool, worker_argv
 
@@ -87,6 +87,7 @@ class Server:
                 stream=cfg.is_stream,
                 partitions=cfg.partitions,
                 preserves_num_seqs=not cfg.is_stream or cfg.preserves_num_seqs is True,
+                fingerprint=cfg.fingerprint,
             )
         )
         self.ctx = zmq.Context()
@@ -102,7 +103,6 @@ class Server:
         self.ctl = Control(
             cfg,
             self.sched,
-            self.reader,
             info=self._info(),
             status=self.status,
             worker_address=lambda: self.worker_address,
@@ -115,7 +115,9 @@ class Server:
         self._performers: Dict[type, Callable[[Any], None]] = {
             ToWorker: self._to_worker,
             ToClient: self._to_client,
-            ReadUpTo: lambda i: self.reader.send(rd.ReadUpTo(i.run, i.upto)),
+            Reply: lambda i: self._reply(i.requester, i.msg),
+            Prepare: lambda i: self.reader.send(rd.Prepare(i.run, i.epoch, i.seq_list, i.seq_order)),
+            Read: lambda i: self.reader.send(rd.Read(i.run, i.positions)),
             Replay: lambda i: self.reader.send(rd.Replay(i.run, i.partition, i.ticket, i.positions)),
             StopReading: lambda i: self.reader.send(rd.Stop(i.run)),
         }
@@ -219,7 +221,7 @@ class Server:
                 self._drain(self.control, self._on_control)
             if self.reader.wake_r in events or self.reader.out:
                 self.reader.drain_wakeups()
-                self._take_reader_events()
+                self._guarded(self._take_reader_events)
             for mon in self.monitors:
                 if mon in events:
                     self._on_monitor(mon)
@@ -333,6 +335,7 @@ class Server:
             "stream_partitions": self.cfg.partitions if self.cfg.is_stream else None,
             "buf_size": self.cfg.buf_size,
             "version": ppclient.__version__,
+            "fingerprint": self.cfg.fingerprint,
         }
 
     def status(self) -> Dict[str, Any]:
@@ -390,17 +393,21 @@ class Server:
         if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
         if kind is protocol.StreamOutputs:
-            return ev.StreamOutputsReceived(now, wid, msg.run, msg.partition, decoded.items, decoded.bad)
+            return ev.StreamOutputsReceived(
+                now, wid, msg.run, msg.partition, msg.incarnation, decoded.items, decoded.bad
+            )
         if kind is protocol.StreamAck:
-            return ev.StreamAcked(now, wid, msg.run, msg.partition, msg.n)
+            return ev.StreamAcked(now, wid, msg.run, msg.partition, msg.incarnation, msg.n)
         if kind is protocol.Hello:
             return self._admit(now, wid, msg)
         if kind is protocol.TaskFailed:
             return ev.TaskFailed(now, wid, msg.run, msg.pos, msg.seq_tag, msg.message, msg.traceback)
         if kind is protocol.StreamDone:
-            return ev.StreamFinished(now, wid, msg.run, msg.partition)
+            return ev.StreamFinished(now, wid, msg.run, msg.partition, msg.incarnation)
         if kind is protocol.StreamFailed:
-            return ev.StreamFailed(now, wid, msg.run, msg.partition, msg.seq_tag, msg.message, msg.traceback)
+            return ev.StreamFailed(
+                now, wid, msg.run, msg.partition, msg.incarnation, msg.seq_tag, msg.message, msg.traceback
+            )
         if kind is protocol.Bye:
             return ev.WorkerLeft(now, wid)
         return ev.HeartbeatReceived(now, wid)  # the channel admits nothing else from a worker

@@ -36,8 +36,9 @@ class Refused(Exception):
     """The server refused this worker (protocol or config mismatch): retrying cannot help."""
 
 
-class Stopped(Exception):
-    """The worker is stopping (SIGTERM) or its session is lost."""
+class Stopped(BaseException):
+    """The worker is stopping (SIGTERM) or its session is lost. A BaseException: it is raised
+    inside a stream's input iterator too, and must not look like the mapper failing."""
 
 
 class Heartbeat(threading.Thread):

@@ -21,8 +21,10 @@ from ppclient.protocol import BadItem, Item
 from ppserver.scheduler import (
     Departure,
     Instruction,
-    ReadUpTo,
+    Prepare,
+    Read,
     Replay,
+    Reply,
     Scheduler,
     Settings,
     StopReading,
@@ -64,8 +66,19 @@ def client_msgs(out: Sequence[Instruction], kind: Type[protocol.Message]) -> Lis
     return [i for i in out if isinstance(i, ToClient) and isinstance(i.msg, kind)]
 
 
-def delivered(out: Sequence[Instruction]) -> List[int]:
-    return [it.pos for i in client_msgs(out, protocol.Seqs) for it in i.items]
+def delivered(out: Sequence[Instruction], consumer: Optional[bytes] = None) -> List[int]:
+    return [it.pos for i in client_msgs(out, protocol.Seqs) if consumer in (None, i.consumer) for it in i.items]
+
+
+def refusal(out: Sequence[Instruction]) -> str:
+    """The error of the one Reply in `out` (it must be a refusal)."""
+    (reply,) = [i.msg for i in out if isinstance(i, Reply)]
+    assert isinstance(reply, protocol.ErrorReply), reply
+    return reply.error
+
+
+def reads(out: Sequence[Instruction]) -> List[int]:
+    return [p for i in out if isinstance(i, Read) for p in i.positions]
 
 
 class Sim:
@@ -87,13 +100,23 @@ class Sim:
     def join(self, wid: bytes, pid: int = 1, **kw) -> List[Instruction]:
         return self(ev.WorkerJoined, wid, "host", pid, **kw)
 
+    def request(self, epoch: int = 1, consumer: bytes = CONSUMER, **kw) -> Tuple[Optional[int], List[Instruction]]:
+        """An epoch request; (the run it was given or None if refused, the instructions)."""
+        out = self(ev.EpochRequested, b"req-" + consumer, consumer, epoch, **kw)
+        replies = [i.msg for i in out if isinstance(i, Reply)]
+        assert len(replies) == 1, out
+        return getattr(replies[0], "run", None), out
+
     def start(
-        self, num_seqs: int, epoch: int = 1, consumer: bytes = CONSUMER, credit: int = 100, check_tags: bool = False
+        self, num_seqs: int, epoch: int = 1, consumer: bytes = CONSUMER, credit: int = 100, **kw
     ) -> List[Instruction]:
-        self.run += 1
-        out = self(ev.RunRequested, self.run, epoch, consumer)
-        out += self(ev.CreditGranted, consumer, self.run, credit)
-        out += self(ev.RunStarted, self.run, epoch, num_seqs, check_tags=check_tags)
+        """Request, check, grant and start a new run (as the reader and a client would)."""
+        run, out = self.request(epoch, consumer, **kw)
+        assert run is not None, out
+        self.run = run
+        out += self(ev.RunChecked, run)
+        out += self(ev.CreditGranted, consumer, run, credit)
+        out += self(ev.RunStarted, run, epoch, num_seqs)
         return out
 
     def feed(self, positions, run: Optional[int] = None) -> List[Instruction]:
@@ -168,7 +191,7 @@ def test_credit_caps_in_flight_per_worker_and_delivery_per_client():
     sim = Sim(buf_size=3)
     sim.join(b"w1")
     out = sim.start(20, credit=4)
-    assert [i for i in out if isinstance(i, ReadUpTo)] == [ReadUpTo(1, 4 - 4 + 3 + 8)]  # credit 3 + slack 8
+    assert reads(out) == list(range(3 + 8))  # the workers' credit 3 + slack 8
     sim.feed(range(11))
     assert sorted(tasks(sim.out)) == [0, 1, 2]  # buf_size 3
     out = sim.results(b"w1", [0, 1, 2])
@@ -194,7 +217,7 @@ def test_results_leave_in_order_whatever_order_they_arrive_in():
     out = sim.results(second, by_worker[second])
     assert delivered(out) == list(range(8))
     assert client_msgs(out, protocol.End)[0].msg == protocol.End(run=1, count=8)
-    assert StopReading(1) in out and 1 not in sim.s.runs
+    assert StopReading(1) in sim.out and 1 not in sim.s.runs
 
 
 def test_late_and_duplicate_results_are_dropped():
@@ -212,7 +235,7 @@ def test_late_and_duplicate_results_are_dropped():
     assert delivered(out) == [0] and tasks(out, b"fast") == [1]
     out = sim.results(b"fast", [0, 1])  # a late duplicate of 0 with the result of 1
     assert delivered(out) == [1]
-    assert sim.s.last_run.delivered == 2
+    assert sim.s.last_run.lanes[0].delivered == 2
 
 
 def test_a_mapper_failure_fails_the_run_only_from_the_task_owner():
@@ -290,40 +313,52 @@ def test_malformed_result_is_redone_on_another_worker_then_fails_after_retries()
 # ---- runs: preparing, superseding, refusing -----------------------------------------------------
 def test_started_and_failures_wait_for_the_data_socket():
     sim = Sim()
-    sim(ev.RunRequested, 1, 3, CONSUMER)
-    out = sim(ev.RunRejected, 1, "unknown seq tag 'x'")
+    run, _ = sim.request(3)
+    out = sim(ev.RunRejected, run, "unknown seq tag 'x'")
     assert client_msgs(out, protocol.RunFailed) == []  # the client has not connected yet
-    out = sim(ev.CreditGranted, CONSUMER, 1, 32)
+    out = sim(ev.CreditGranted, CONSUMER, run, 32)
     failed = client_msgs(out, protocol.RunFailed)
     assert failed[0].msg.failure == "request" and "unknown seq tag" in failed[0].msg.message
 
 
-def test_new_run_supersedes_the_old_one_at_start_not_at_request():
+def test_new_run_supersedes_the_old_one_once_checked_not_at_request():
     sim = Sim(buf_size=2)
     sim.join(b"w1")
     sim.start(10, epoch=1)
     sim.feed(range(4))
-    sim(ev.RunRequested, 2, 2, b"client-2")
-    sim(ev.CreditGranted, b"client-2", 2, 32)
-    assert 1 in sim.s.runs  # still running while run 2 is prepared
-    out = sim(ev.RunStarted, 2, 2, 5)
+    run2, out = sim.request(2, consumer=b"client-2")
+    assert Prepare(run2, 2) in out and 1 in sim.s.runs  # still running while run 2 is checked
+    sim(ev.CreditGranted, b"client-2", run2, 32)
+    out = sim(ev.RunChecked, run2)
     sup = client_msgs(out, protocol.Superseded)
     assert [(s.consumer, s.msg) for s in sup] == [(CONSUMER, protocol.Superseded(run=1, epoch=2))]
     assert StopReading(1) in out and ToWorker(b"w1", protocol.RunClose(run=1)) in out
-    assert client_msgs(out, protocol.Started)[0].msg == protocol.Started(run=2, num_seqs=5)
     assert sim.s.workers[b"w1"].tasks == set()  # run 1's slots are free for run 2
+    out = sim(ev.RunStarted, run2, 2, 5)
+    assert client_msgs(out, protocol.Started)[0].msg == protocol.Started(run=run2, num_seqs=5)
     out = sim.results(b"w1", [0, 1], run=1)
     assert delivered(out) == []
 
 
+def test_a_refused_request_leaves_the_running_epoch_alone():
+    sim = Sim(buf_size=2)
+    sim.join(b"w1")
+    sim.start(10, epoch=1)
+    sim.feed(range(4))
+    run2, _ = sim.request(2, consumer=b"client-2")
+    out = sim(ev.RunRejected, run2, "unknown seq tag 'nope'")
+    assert client_msgs(out, protocol.Superseded) == [] and 1 in sim.s.runs
+    assert delivered(sim.results(b"w1", [0, 1], run=1)) == [0, 1]
+
+
 def test_keepalives_say_what_the_run_waits_for():
     sim = Sim()
-    sim(ev.RunRequested, 1, 1, CONSUMER)
-    sim(ev.CreditGranted, CONSUMER, 1, 32)
+    run, _ = sim.request(1)
+    sim(ev.CreditGranted, CONSUMER, run, 32)
     out = sim(ev.Tick, reader_busy="in init_seq_order(epoch=1) for 4.0 s")
     alive = client_msgs(out, protocol.Keepalive)[0].msg
     assert "init_seq_order" in alive.waiting_for and alive.workers == 0
-    sim(ev.RunStarted, 1, 1, 3)
+    sim(ev.RunStarted, run, 1, 3)
     sim.now = 1.0
     assert "none is connected" in client_msgs(sim(ev.Tick), protocol.Keepalive)[0].msg.waiting_for
 
@@ -341,13 +376,181 @@ def test_empty_epoch_ends_at_once():
     assert client_msgs(out, protocol.End)[0].msg == protocol.End(run=1, count=0)
 
 
+# ---- jobs and ranks -----------------------------------------------------------------------------------
+def ranks_sim(world: int, num_seqs: int, drop_last: bool = True, credit: int = 100, timeout: float = 30.0, **kw) -> Sim:
+    """W ranks of job "train" on one 2-worker scheduler, all of them started on epoch 1."""
+    sim = Sim(**{"buf_size": 4, **kw})
+    sim.join(b"w1")
+    sim.join(b"w2")
+    for rank in range(world):
+        run, _ = sim.request(
+            1, consumer=b"r%d" % rank, job="train", rank=rank, world_size=world, drop_last=drop_last, timeout=timeout
+        )
+        sim(ev.CreditGranted, b"r%d" % rank, run, credit)
+        if rank == 0:
+            sim.run = run
+            sim(ev.RunChecked, run)
+            sim(ev.RunStarted, run, 1, num_seqs)
+        assert run == sim.run  # every rank joins the one run of the epoch
+    return sim
+
+
+def finish(sim: Sim, run: int) -> None:
+    """Workers answer every task of `run` and the reader reads its positions, until nothing changes."""
+    fed = sim.__dict__.setdefault("_fed", set())
+    done = sim.__dict__.setdefault("_done", set())
+    for _ in range(1000):
+        before = len(sim.out)
+        todo = [p for i in sim.out if isinstance(i, Read) and i.run == run for p in i.positions if (run, p) not in fed]
+        if todo:
+            fed.update((run, p) for p in todo)
+            sim.feed(todo, run=run)
+        for wid in (b"w1", b"w2"):
+            mine = [it.pos for i in sent(sim.out, protocol.Tasks, wid) if i.msg.run == run for it in i.items]
+            pending = [p for p in mine if (run, wid, p) not in done]
+            done.update((run, wid, p) for p in pending)
+            if pending:
+                sim.results(wid, pending, run=run)
+        if len(sim.out) == before:
+            return
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_ranks_get_strided_shards_of_one_run(world, drop_last):
+    n = 22
+    sim = ranks_sim(world, n, drop_last=drop_last)
+    finish(sim, sim.run)
+    shards = {r: delivered(sim.out, b"r%d" % r) for r in range(world)}
+    end = n // world * world if drop_last else n
+    for r in range(world):
+        assert shards[r] == list(range(r, end, world))
+    started = {i.consumer: i.msg.num_seqs for i in client_msgs(sim.out, protocol.Started)}
+    assert started == {b"r%d" % r: len(shards[r]) for r in range(world)}
+    ends = {i.consumer: i.msg.count for i in client_msgs(sim.out, protocol.End)}
+    assert ends == {b"r%d" % r: len(shards[r]) for r in range(world)}
+    assert sorted(p for ps in shards.values() for p in ps) == list(range(end))
+    assert set(reads(sim.out)) == set(range(end))  # the dropped remainder is never read
+
+
+def test_a_slow_rank_holds_the_others_back_only_by_its_window():
+    sim = ranks_sim(2, 40, credit=0)
+    sim(ev.CreditGranted, b"r0", 1, 40)
+    sim(ev.CreditGranted, b"r1", 1, 3)  # rank 1 takes only 3
+    finish(sim, 1)
+    assert delivered(sim.out, b"r1") == [1, 3, 5]
+    # rank 0 got what was released before rank 1's fourth seq; the reader stopped a window later
+    assert delivered(sim.out, b"r0") == [0, 2, 4, 6]
+    assert max(reads(sim.out)) < 7 + 2 * 4 + 8
+    sim(ev.CreditGranted, b"r1", 1, 20)
+    finish(sim, 1)
+    assert delivered(sim.out, b"r0") == list(range(0, 40, 2))
+    assert delivered(sim.out, b"r1") == list(range(1, 40, 2))
+
+
+def test_another_job_is_refused_while_a_client_of_this_one_lives():
+    sim = ranks_sim(2, 10)
+    run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
+    assert run is None and "job 'train'" in refusal(out)
+    run, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=4)
+    assert run is None and "world_size 2" in refusal(out)
+    sim(ev.ConsumerClosed, b"r0")
+    sim.now = 100.0  # r1 went silent long ago (its timeout is 30 s)
+    sim(ev.Tick)
+    run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
+    assert run is not None and sim.s.job.name == "eval"
+
+
+def test_keepalives_keep_a_busy_client_alive():
+    sim = ranks_sim(1, 10, timeout=2.0)
+    for t in range(1, 10):
+        sim.now = float(t)
+        sim(ev.ConsumerAlive, b"r0")
+        sim(ev.Tick)
+    assert b"r0" in sim.s.job.clients
+    sim.now = 12.5
+    sim(ev.Tick)
+    assert b"r0" not in sim.s.job.clients and sim.s.runs == {}
+
+
+def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
+    sim = ranks_sim(2, 8, credit=0)
+    sim(ev.CreditGranted, b"r0", 1, 100)
+    sim(ev.CreditGranted, b"r1", 1, 3)
+    finish(sim, 1)
+    assert delivered(sim.out, b"r0") == [0, 2, 4, 6] and delivered(sim.out, b"r1") == [1, 3, 5]
+    assert [i.consumer for i in client_msgs(sim.out, protocol.End)] == [b"r0"]
+    run2, out = sim.request(2, consumer=b"r0", job="train", rank=0, world_size=2)
+    assert Prepare(run2, 2) in out and 1 in sim.s.runs  # epoch 1 lives on for rank 1
+    out = sim(ev.RunChecked, run2)
+    assert client_msgs(out, protocol.Superseded) == []  # rank 0 had finished epoch 1
+    assert StopReading(1) in sim.out  # epoch 1 is read: the reader may set up epoch 2
+    _, out = sim.request(4, consumer=b"r1", job="train", rank=1, world_size=2)
+    assert "at most one epoch apart" in refusal(out)
+    _, out = sim.request(0, consumer=b"r1", job="train", rank=1, world_size=2)
+    assert "epoch 0 is over" in refusal(out)
+    sim(ev.CreditGranted, b"r1", 1, 10)
+    finish(sim, 1)
+    assert delivered(sim.out, b"r1") == [1, 3, 5, 7] and 1 not in sim.s.runs
+
+
+def test_resume_at_or_ahead_of_what_was_released_takes_the_lane_over():
+    sim = ranks_sim(2, 20, credit=0)
+    sim(ev.CreditGranted, b"r0", 1, 100)
+    sim(ev.CreditGranted, b"r1", 1, 2)
+    finish(sim, 1)
+    assert delivered(sim.out, b"r1") == [1, 3]
+    # rank 1 restarts (a new process) and resumes after the 2 seqs it took: nothing is redone
+    run, out = sim.request(1, consumer=b"r1-new", job="train", rank=1, world_size=2, start=2)
+    assert run == 1 and Prepare(run, 1) not in out
+    assert [(i.consumer, i.msg.kind) for i in client_msgs(out, protocol.Superseded)] == [(b"r1", "superseded")]
+    sim(ev.CreditGranted, b"r1-new", 1, 100)
+    finish(sim, 1)
+    assert delivered(sim.out, b"r1-new") == list(range(5, 20, 2))
+
+
+def test_resume_behind_what_was_released_gets_a_solo_run_of_its_shard():
+    sim = ranks_sim(2, 20)
+    finish(sim, 1)
+    assert delivered(sim.out, b"r1") == list(range(1, 20, 2))
+    before = len(sim.out)
+    run, out = sim.request(1, consumer=b"r1-new", job="train", rank=1, world_size=2, start=6)
+    assert run != 1 and Prepare(run, 1) in out
+    sim(ev.RunChecked, run)
+    sim(ev.CreditGranted, b"r1-new", run, 100)
+    sim(ev.RunStarted, run, 1, 20)
+    finish(sim, run)
+    assert delivered(sim.out[before:], b"r1-new") == list(range(13, 20, 2))
+    assert reads(sim.out[before:]) == list(range(13, 20, 2))  # only its own seqs are read again
+
+
+def test_stream_outputs_are_sharded_by_output_position():
+    sim = Sim(stream=True, partitions=1, buf_size=8, preserves_num_seqs=False)
+    sim.join(b"w1")
+    for rank in range(2):
+        run, _ = sim.request(1, consumer=b"r%d" % rank, job="train", rank=rank, world_size=2)
+        sim(ev.CreditGranted, b"r%d" % rank, run, 100)
+    sim(ev.RunChecked, run)
+    out = sim(ev.RunStarted, run, 1, 6)
+    assert {i.msg.num_seqs for i in client_msgs(out, protocol.Started)} == {None}  # the count is not known
+    sim.feed(range(6), run=run)
+    out = sim(ev.StreamOutputsReceived, b"w1", run, 0, 1, [item(p) for p in range(5)], [])
+    # with drop_last a group of two goes out once it is complete; the fifth waits
+    assert delivered(out, b"r0") == [0, 2] and delivered(out, b"r1") == [1, 3]
+    out = sim(ev.StreamFinished, b"w1", run, 0, 1)
+    assert delivered(out) == []  # 5 outputs: the fifth is the dropped remainder
+    assert {i.msg.count for i in client_msgs(out, protocol.End)} == {2}
+
+
 # ---- map_seq_stream ------------------------------------------------------------------------------
 def stream_sim(**kw) -> Sim:
-    return Sim(**{"stream": True, "partitions": 2, **kw})
+    """Stream mode; the mappers here may change the number of seqs."""
+    return Sim(**{"stream": True, "partitions": 2, "preserves_num_seqs": False, **kw})
 
 
-def outputs(sim: Sim, wid: bytes, partition: int, positions, run: int = 1) -> List[Instruction]:
-    return sim(ev.StreamOutputsReceived, wid, run, partition, [item(p, value=100 + p) for p in positions], [])
+def outputs(sim: Sim, wid: bytes, partition: int, positions, run: int = 1, incarnation: int = 1) -> List[Instruction]:
+    items = [item(p, value=100 + p) for p in positions]
+    return sim(ev.StreamOutputsReceived, wid, run, partition, incarnation, items, [])
 
 
 def test_stream_partitions_are_spread_and_fed_within_credit():
@@ -357,11 +560,12 @@ def test_stream_partitions_are_spread_and_fed_within_credit():
     out = sim.start(10)
     opens = sent(out, protocol.StreamOpen)
     assert sorted((i.wid, i.msg.partition) for i in opens) == [(b"w1", 0), (b"w2", 1)]
-    assert [i for i in out if isinstance(i, ReadUpTo)] == [ReadUpTo(1, 4)]  # 2 inputs for each partition
+    assert reads(out) == [0, 1, 2, 3]  # 2 inputs for each partition
     out = sim.feed(range(6))
     fed = {i.msg.partition: [it.pos for it in i.items] for i in sent(out, protocol.StreamInputs)}
     assert fed == {0: [0, 2], 1: [1, 3]}
-    out = sim(ev.StreamAcked, b"w1", 1, 0, 1)
+    assert sim(ev.StreamAcked, b"w1", 1, 0, 7, 1) == []  # of another start of the partition: stale
+    out = sim(ev.StreamAcked, b"w1", 1, 0, 1, 1)
     assert [it.pos for i in sent(out, protocol.StreamInputs) for it in i.items] == [4]
 
 
@@ -382,11 +586,11 @@ def test_stream_merge_is_round_robin_and_credit_goes_to_the_owner_only():
     out = outputs(sim, b"w2", 1, [1])
     assert delivered(out) == [3, 4]  # p0#2, p1#1
     assert [(i.wid, i.msg.partition) for i in sent(out, protocol.StreamCredit)] == [(b"w2", 1)]  # none for w1's
-    out = sim(ev.StreamFinished, b"w2", 1, 1)
+    out = sim(ev.StreamFinished, b"w2", 1, 1, 1)
     assert delivered(out) == []
-    out = outputs(sim, moved.wid, 0, [3])
+    out = outputs(sim, moved.wid, 0, [3], incarnation=moved.msg.incarnation)
     assert delivered(out) == [5]  # p1 is exhausted: skipped from now on
-    out = sim(ev.StreamFinished, moved.wid, 1, 0)
+    out = sim(ev.StreamFinished, moved.wid, 1, 0, moved.msg.incarnation)
     assert client_msgs(out, protocol.End)[0].msg.count == 6
 
 
@@ -396,12 +600,12 @@ def test_stream_partition_replays_on_another_worker_and_skips_what_arrived():
     sim.start(6)
     sim.feed(range(2))
     outputs(sim, b"w1", 0, [0])
-    sim(ev.StreamAcked, b"w1", 1, 0, 2)
+    sim(ev.StreamAcked, b"w1", 1, 0, 1, 2)
     sim.feed(range(2, 4))
     sim.join(b"w2", pid=2)
     out = sim(ev.LocalWorkerExited, 0, 1, -9)
     assert [i.msg for i in sent(out, protocol.StreamOpen, b"w2")] == [
-        protocol.StreamOpen(run=1, partition=0, skip=1, credit=2)
+        protocol.StreamOpen(run=1, partition=0, skip=1, credit=2, incarnation=2)
     ]
     replays = [i for i in out if isinstance(i, Replay)]
     assert [(r.partition, r.positions) for r in replays] == [(0, [0, 1])]  # 4 were sent; replayed in chunks
@@ -409,7 +613,7 @@ def test_stream_partition_replays_on_another_worker_and_skips_what_arrived():
     assert [it.pos for i in sent(out, protocol.StreamInputs, b"w2") for it in i.items] == [0, 1]
     stale = sim(ev.ReplayRead, 1, 0, replays[0].ticket, [item(0)])  # answered already: ignored
     assert sent(stale, protocol.StreamInputs) == []
-    out = outputs(sim, b"w2", 0, [0, 1])  # output 0 is a duplicate of the one received
+    out = outputs(sim, b"w2", 0, [0, 1], incarnation=2)  # output 0 is a duplicate of the one received
     assert delivered(sim.out) == [0, 1]
 
 
@@ -429,21 +633,21 @@ def test_stream_malformed_output_restarts_the_partition_elsewhere():
     sim.join(b"good")
     sim.start(2)
     sim.feed(range(2))
-    out = sim(ev.StreamOutputsReceived, b"bad", 1, 0, [], [BadItem(0, "meta is not a map")])
+    out = sim(ev.StreamOutputsReceived, b"bad", 1, 0, 1, [], [BadItem(0, "meta is not a map")])
     assert ToWorker(b"bad", protocol.StreamClose(run=1, partition=0)) in out
     assert [i.wid for i in sent(out, protocol.StreamOpen)] == [b"good"]
 
 
 # ---- the property: exactly once, in order ------------------------------------------------------------
 class Cluster:
-    """Workers that run tasks in arrival order, a reader that reads on ReadUpTo, a client that pulls."""
+    """Workers that run tasks in arrival order, a reader that reads what it is asked, a client that pulls."""
 
     def __init__(self, sim: Sim):
         self.sim = sim
         self.queues: Dict[bytes, List[Tuple[int, int]]] = {}  # wid -> [(run, pos)]
         self.runs_open: Dict[bytes, set] = {}
         self.read: Dict[int, int] = {}  # run -> positions read
-        self.upto: Dict[int, int] = {}
+        self.to_read: Dict[int, List[int]] = {}
         self.num_seqs: Dict[int, int] = {}
         self.got: Dict[int, List[Item]] = {}
         self.ended: Dict[int, int] = {}
@@ -455,8 +659,8 @@ class Cluster:
         pending = list(out)
         while pending:
             instr = pending.pop(0)
-            if isinstance(instr, ReadUpTo):
-                self.upto[instr.run] = max(self.upto.get(instr.run, 0), instr.upto)
+            if isinstance(instr, Read):
+                self.to_read.setdefault(instr.run, []).extend(instr.positions)
             elif isinstance(instr, ToWorker) and instr.wid in self.queues:
                 msg = instr.msg
                 if isinstance(msg, protocol.RunOpen):
@@ -505,14 +709,10 @@ class Cluster:
             for run in sorted({r for r, _ in done}):
                 self.handle(ev.ResultsReceived, wid, run, [result(p) for r, p in done if r == run], [])
         elif what == "read":
-            for run, upto in list(self.upto.items()):
-                start = self.read.get(run, 0)
-                stop = min(upto, self.num_seqs[run], start + 1 + k % 5)
-                if stop > start:
-                    self.read[run] = stop
-                    self.handle(ev.InputsRead, run, [item(p) for p in range(start, stop)])
-                    if stop == self.num_seqs[run]:
-                        self.handle(ev.InputsEnded, run, stop)
+            for run, queue in list(self.to_read.items()):
+                take, self.to_read[run] = queue[: 1 + k % 5], queue[1 + k % 5 :]
+                if take:
+                    self.handle(ev.InputsRead, run, [item(p) for p in take])
         elif what == "credit" and sim.s.runs:
             run = max(sim.s.runs)
             self.granted[run] = self.granted.get(run, 0) + 1 + k % 4
@@ -525,7 +725,11 @@ class Cluster:
         sim.run += 1
         self.num_seqs[sim.run] = num_seqs
         self.granted[sim.run] = 3
-        self.handle(ev.RunRequested, sim.run, sim.run, CONSUMER)
+        out = sim(ev.EpochRequested, b"req", CONSUMER, sim.run)
+        self.apply(out)
+        (reply,) = [i.msg for i in out if isinstance(i, Reply)]
+        assert reply.run == sim.run
+        self.handle(ev.RunChecked, sim.run)
         self.handle(ev.CreditGranted, CONSUMER, sim.run, 3)
         self.handle(ev.RunStarted, sim.run, sim.run, num_seqs)
 
@@ -577,8 +781,7 @@ class StreamCluster:
         self.sim = sim
         self.num_seqs = num_seqs
         self.parts: Dict[bytes, Dict[int, dict]] = {}  # wid -> partition -> state
-        self.upto = 0
-        self.read = 0
+        self.to_read: List[int] = []
         self.replays: List[Replay] = []
         self.got: List[Item] = []
         self.ended: Optional[int] = None
@@ -588,8 +791,8 @@ class StreamCluster:
 
     def apply(self, out: List[Instruction]) -> None:
         for instr in out:
-            if isinstance(instr, ReadUpTo):
-                self.upto = max(self.upto, instr.upto)
+            if isinstance(instr, Read):
+                self.to_read.extend(instr.positions)
             elif isinstance(instr, Replay):
                 self.replays.append(instr)
             elif isinstance(instr, ToWorker) and instr.wid in self.parts:
@@ -601,6 +804,7 @@ class StreamCluster:
                         "credit": msg.credit,
                         "skip": msg.skip,
                         "emitted": 0,
+                        "incarnation": msg.incarnation,
                     }
                 elif isinstance(msg, (protocol.StreamClose, protocol.RunClose)):
                     for p in [p for p in parts if isinstance(msg, protocol.RunClose) or p == msg.partition]:
@@ -632,7 +836,7 @@ class StreamCluster:
             if state["credit"] <= 0 and state["emitted"] >= state["skip"]:
                 return
             pos = state["inputs"].pop(0)
-            self.handle(ev.StreamAcked, wid, 1, p, 1)
+            self.handle(ev.StreamAcked, wid, 1, p, state["incarnation"], 1)
             if p not in parts or pos % 3 == 2:
                 return
             index = state["emitted"]
@@ -644,12 +848,13 @@ class StreamCluster:
                     wid,
                     1,
                     p,
+                    state["incarnation"],
                     [protocol.seq_to_item({"data": np.full((2,), pos * 10.0, "float32"), "seq_tag": f"s{pos}"}, index)],
                     [],
                 )
         elif state["eof"]:
             del parts[p]
-            self.handle(ev.StreamFinished, wid, 1, p)
+            self.handle(ev.StreamFinished, wid, 1, p, state["incarnation"])
 
     def step(self, action: Tuple[str, int]) -> None:
         what, k = action
@@ -673,12 +878,9 @@ class StreamCluster:
             if self.replays:
                 r = self.replays.pop(0)
                 self.handle(ev.ReplayRead, r.run, r.partition, r.ticket, [item(pos) for pos in r.positions])
-            stop = min(self.upto, self.num_seqs, self.read + 1 + k % 5)
-            if stop > self.read:
-                start, self.read = self.read, stop
-                self.handle(ev.InputsRead, 1, [item(pos) for pos in range(start, stop)])
-                if stop == self.num_seqs:
-                    self.handle(ev.InputsEnded, 1, stop)
+            take, self.to_read = self.to_read[: 1 + k % 5], self.to_read[1 + k % 5 :]
+            if take:
+                self.handle(ev.InputsRead, 1, [item(pos) for pos in take])
         elif what == "credit":
             self.granted += 1 + k % 4
             self.handle(ev.CreditGranted, CONSUMER, 1, self.granted)
@@ -705,10 +907,11 @@ STREAM_ACTIONS = st.lists(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_seqs=st.integers(0, 30), partitions=st.integers(1, 3), buf_size=st.integers(1, 3), actions=STREAM_ACTIONS)
 def test_any_interleaving_in_stream_mode_delivers_the_merge_exactly_once(num_seqs, partitions, buf_size, actions):
-    sim = Sim(stream=True, partitions=partitions, buf_size=buf_size, max_seq_retries=1000)
+    sim = Sim(stream=True, partitions=partitions, buf_size=buf_size, max_seq_retries=1000, preserves_num_seqs=False)
     cluster = StreamCluster(sim, num_seqs)
     sim.run = 1
-    cluster.handle(ev.RunRequested, 1, 1, CONSUMER)
+    cluster.handle(ev.EpochRequested, b"req", CONSUMER, 1)
+    cluster.handle(ev.RunChecked, 1)
     cluster.handle(ev.CreditGranted, CONSUMER, 1, 3)
     cluster.handle(ev.RunStarted, 1, 1, num_seqs)
     for action in actions:
@@ -728,3 +931,104 @@ def test_any_interleaving_in_stream_mode_delivers_the_merge_exactly_once(num_seq
     assert [it.pos for it in cluster.got] == list(range(len(want)))
     assert [float(protocol.item_to_seq(it)["data"][0]) for it in cluster.got] == want
     assert cluster.ended == len(want)
+
+
+class RanksCluster(Cluster):
+    """World-size W clients over one epoch, which crash and resume (from where they were, or from
+    an earlier checkpoint); the workers are those of Cluster."""
+
+    def __init__(self, sim: Sim, world: int, num_seqs: int):
+        super().__init__(sim)
+        self.world = world
+        self.n = num_seqs
+        self.session: Dict[int, bytes] = {}  # rank -> its live client
+        self.sessions: Dict[bytes, Tuple[int, int, int]] = {}  # client -> (rank, run, start)
+        self.got_by: Dict[bytes, List[int]] = {}
+        self.credit: Dict[bytes, int] = {}
+        self.count = 0
+
+    def apply(self, out: List[Instruction]) -> None:
+        super().apply(out)
+        for instr in out:
+            if isinstance(instr, ToClient) and isinstance(instr.msg, protocol.Seqs):
+                self.got_by.setdefault(instr.consumer, []).extend(it.pos for it in instr.items)
+
+    def connect(self, rank: int, start: int) -> None:
+        self.count += 1
+        consumer = b"c%d-r%d" % (self.count, rank)
+        out = self.sim(ev.EpochRequested, b"req", consumer, 1, job="j", rank=rank, world_size=self.world, start=start)
+        self.apply(out)
+        (reply,) = [i.msg for i in out if isinstance(i, Reply)]
+        assert isinstance(reply, protocol.EpochAccepted), reply
+        run = reply.run
+        self.session[rank] = consumer
+        self.sessions[consumer] = (rank, run, start)
+        self.credit[consumer] = 2
+        if run not in self.num_seqs:
+            self.num_seqs[run] = self.n
+            self.handle(ev.RunChecked, run)
+            self.handle(ev.RunStarted, run, 1, self.n)
+        self.handle(ev.CreditGranted, consumer, run, 2)
+
+    def position(self, rank: int) -> int:
+        consumer = self.session[rank]
+        return self.sessions[consumer][2] + len(self.got_by.get(consumer, []))
+
+    def rank_step(self, what: str, k: int) -> None:
+        rank = k % self.world
+        if rank not in self.session:
+            return
+        consumer = self.session[rank]
+        _, run, _ = self.sessions[consumer]
+        if what == "pull":
+            self.credit[consumer] += 1 + k % 3
+            self.handle(ev.CreditGranted, consumer, run, self.credit[consumer])
+        elif what in ("crash", "rewind"):
+            where = self.position(rank)
+            self.handle(ev.ConsumerClosed, consumer)
+            del self.session[rank]
+            self.connect(rank, where if what == "crash" else max(0, where - 1 - k % 4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world=st.integers(1, 3),
+    n=st.integers(0, 30),
+    buf_size=st.integers(1, 3),
+    actions=st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["join", "kill", "work", "work", "work", "read", "read", "pull", "pull", "pull", "crash", "rewind"]
+            ),
+            st.integers(0, 100),
+        ),
+        max_size=120,
+    ),
+)
+def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size, actions):
+    sim = Sim(buf_size=buf_size, max_seq_retries=1000)
+    cluster = RanksCluster(sim, world, n)
+    for rank in range(world):
+        cluster.connect(rank, 0)
+    for what, k in actions:
+        if what in ("pull", "crash", "rewind"):
+            cluster.rank_step(what, k)
+        else:
+            cluster.step((what, k))
+    cluster.step(("join", 0))
+    for _ in range(3000):
+        if not sim.s.runs:
+            break
+        cluster.step(("read", 4))
+        for rank in range(world):
+            cluster.rank_step("pull", rank)
+        for k in range(len(cluster.queues)):
+            cluster.step(("work", k))
+    assert not sim.s.runs, "a run never ended"
+    end = n // world * world
+    for consumer, (rank, _, start) in cluster.sessions.items():
+        got = cluster.got_by.get(consumer, [])
+        shard = list(range(rank, end, world))
+        assert got == shard[start : start + len(got)], (consumer, got)  # its slice of the shard, in order
+        if cluster.session.get(rank) == consumer:
+            assert start + len(got) == len(shard), (consumer, "the last client of the rank got to the end")

@@ -1,4 +1,4 @@
-"""The training-side client: ask for an epoch, iterate its seqs in order.
+"""The training-side client: ask for an epoch (this rank's shard of it), iterate its seqs in order.
 
 Requests go over a REQ socket; a request that gets no answer within `timeout` closes the
 socket (a REQ whose reply is lost can never send again) and raises ServerUnavailable.
@@ -6,12 +6,15 @@ An epoch's seqs arrive on a DEALER socket: the client grants the server credit f
 `window` seqs and tops it up as it consumes them, so the server never sends more than
 the trainer takes. While a run is live the server sends a keepalive every heartbeat
 interval, which tells a slow epoch (an Error naming what it waits for) from a dead server
-(ServerUnavailable).
+(ServerUnavailable). A small thread with its own socket tells the server, about once a
+second, that this client lives, so a trainer busy with something else for a while (a
+validation pass, a checkpoint) keeps its shard and its job.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional
@@ -24,21 +27,53 @@ from .protocol import Channel, Item, Peer
 
 # The server is alive if something came within this many of its heartbeat intervals.
 KEEPALIVE_MISSES = 2
+ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at most a quarter of its timeout)
+STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last")
+
+
+def _int_arg(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
 
 
 class Client:
-    """Connection to one ppserver. Use as a context manager or call close().
+    """Connection to one ppserver, as rank `rank` of `world_size` ranks of job `job`.
+
+    Each rank gets the seqs at positions i with i % world_size == rank (strided, as PyTorch's
+    DistributedSampler), in order; with drop_last (the default) every rank gets the same
+    number, the remainder of the epoch being dropped, so DDP ranks take equally many steps.
+    Use as a context manager or call close().
 
     Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
-    directory or key file) raise UsageError here, before any socket exists.
+    directory or key file, a rank not below world_size) raise UsageError here, before any
+    socket exists.
     """
 
-    def __init__(self, address: str, *, timeout: float = 30.0, window: int = 32, keys: Optional[str] = None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 30.0,
+        window: int = 32,
+        keys: Optional[str] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        job: str = "default",
+        drop_last: bool = True,
+    ):
         self.address = endpoints.check(address, "address")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise UsageError(f"window must be an int >= 1, got {window!r}")
+        _int_arg("window", window, 1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UsageError(f"timeout must be a number > 0, got {timeout!r}")
+        self.world_size = _int_arg("world_size", world_size, 1)
+        self.rank = _int_arg("rank", rank, 0)
+        if rank >= world_size:
+            raise UsageError(f"rank {rank} must be below world_size {world_size}")
+        if not isinstance(job, str) or not job:
+            raise UsageError(f"job must be a non-empty str, got {job!r}")
+        self.job = job
+        self.drop_last = bool(drop_last)
         self.timeout = float(timeout)
         self.window = window
         self.keys = keys
@@ -50,6 +85,7 @@ class Client:
         self._current: Optional[EpochIterator] = None
         # Messages of each live run, so one run's seqs are not lost while another one is awaited.
         self._inbox: Dict[int, Deque[protocol.Decoded]] = {}
+        self._alive: Optional[_Alive] = None
 
     # ---- sockets ------------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.Socket:
@@ -59,7 +95,7 @@ class Client:
             self._keys.apply(sock)
         return sock
 
-    def _request(self, msg: protocol.Message) -> protocol.Message:
+    def _request(self, msg: protocol.Message, expect: Any) -> Any:
         if self._ctx.closed:
             raise Error("client is closed")
         if self._req is None:
@@ -78,6 +114,8 @@ class Client:
             raise Error(f"malformed reply from {self.address}: {exc}") from None
         if isinstance(reply, protocol.ErrorReply):
             raise Error(reply.error)
+        if not isinstance(reply, expect):
+            raise Error(f"the server answered {msg.kind!r} with {reply.kind!r}")
         return reply
 
     def _data_socket(self) -> zmq.Socket:
@@ -92,8 +130,7 @@ class Client:
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
         """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol."""
-        reply = self._request(protocol.InfoRequest())
-        assert isinstance(reply, protocol.InfoReply)
+        reply = self._request(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
             "input_keys": reply.input_keys,
@@ -107,30 +144,50 @@ class Client:
 
     def status(self) -> Dict[str, Any]:
         """The server's status: the same dict `ppserver status --json` prints."""
-        reply = self._request(protocol.StatusRequest())
-        assert isinstance(reply, protocol.StatusReply)
+        reply = self._request(protocol.StatusRequest(), protocol.StatusReply)
         return reply.status
 
     def epoch(
-        self, epoch: int, *, seq_list: Optional[List[str]] = None, seq_order: Optional[List[int]] = None
+        self,
+        epoch: Optional[int] = None,
+        *,
+        start: int = 0,
+        state: Optional[Dict[str, Any]] = None,
+        seq_list: Optional[List[str]] = None,
+        seq_order: Optional[List[int]] = None,
     ) -> EpochIterator:
-        """Start an epoch (superseding any other) and return an iterator of its seqs, in order.
+        """This rank's shard of an epoch, from its `start`-th seq on (a resume), as an iterator.
 
-        Returns once the server's dataset has set the epoch up, so `len()` works at once.
+        `state` (from `EpochIterator.state_dict()`) resumes exactly where that iterator was;
+        a state of another job, rank, world size or config is refused. Any other epoch this
+        client was reading is superseded. Returns once the server's dataset has set the epoch
+        up, so `len()` (the seqs still to come) works at once.
         """
+        fingerprint = ""
+        if state is not None:
+            epoch, start, fingerprint = self._resume(state, epoch)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
+        _int_arg("start", start, 0)
         data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
+        self._keep_alive()
         reply = self._request(
             protocol.EpochRequest(
                 epoch=epoch,
                 consumer=self._consumer,
                 seq_list=[str(t) for t in seq_list] if seq_list is not None else None,
                 seq_order=[int(i) for i in seq_order] if seq_order is not None else None,
-            )
+                job=self.job,
+                rank=self.rank,
+                world_size=self.world_size,
+                start=start,
+                drop_last=self.drop_last,
+                timeout=self.timeout,
+                fingerprint=fingerprint,
+            ),
+            protocol.EpochAccepted,
         )
-        assert isinstance(reply, protocol.EpochAccepted)
-        it = EpochIterator(self, data, reply.run, epoch)
+        it = EpochIterator(self, data, reply.run, epoch, start)
         self._inbox[it.run] = deque()
         try:
             it._wait_started()
@@ -142,6 +199,23 @@ class Client:
             old._supersede(f"epoch {old.epoch} was superseded by epoch {epoch} of this client")
             self._inbox.pop(old.run, None)
         return it
+
+    def _resume(self, state: Dict[str, Any], epoch: Optional[int]) -> Any:
+        if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
+            raise UsageError(f"state must be a dict from EpochIterator.state_dict() with {', '.join(STATE_KEYS)}")
+        mine = {"job": self.job, "rank": self.rank, "world_size": self.world_size, "drop_last": self.drop_last}
+        for key, value in mine.items():
+            if state[key] != value:
+                raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
+        if epoch is not None and epoch != state["epoch"]:
+            raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
+        return state["epoch"], state["position"], str(state["fingerprint"])
+
+    def _keep_alive(self) -> None:
+        if self._alive is None:
+            interval = min(ALIVE_INTERVAL_S, self.timeout / 4)
+            self._alive = _Alive(self._ctx, self.address, self._consumer, interval, self._keys)
+            self._alive.start()
 
     def _next_message(self, run: int, deadline: float) -> Optional[protocol.Decoded]:
         """The next message of `run` (None at the deadline); others' go to their inboxes."""
@@ -169,9 +243,21 @@ class Client:
                 self._inbox[owner].append(decoded)  # a live run's: keep it for that iterator
 
     def close(self) -> None:
+        """Tell the server (its shards may be taken over at once) and close every socket."""
+        if self._alive is not None:
+            self._alive.stop()
+            self._alive = None
+        if self._data is not None:
+            try:
+                self._data.send_multipart(
+                    [protocol.DELIMITER, *protocol.encode(protocol.ClientClosed(consumer=self._consumer))],
+                    flags=zmq.NOBLOCK,
+                )
+            except zmq.ZMQError:
+                pass
         for sock in (self._req, self._data):
             if sock is not None:
-                sock.close(linger=0)
+                sock.close(linger=100 if sock is self._data else 0)
         self._req = self._data = None
         if not self._ctx.closed:
             self._ctx.term()
@@ -183,16 +269,51 @@ class Client:
         self.close()
 
 
-class EpochIterator(Iterator[Dict[str, Any]]):
-    """The seqs of one epoch in order. Raises MapperError, Superseded or ServerUnavailable, never
-    hangs; once it has raised, every later next() raises the same error."""
+class _Alive(threading.Thread):
+    """Tells the server, from its own socket, that this client lives (the trainer may be busy)."""
 
-    def __init__(self, client: Client, sock: zmq.Socket, run: int, epoch: int):
+    def __init__(self, ctx: zmq.Context, address: str, consumer: bytes, interval: float, keys: Any):
+        super().__init__(name="ppclient-alive", daemon=True)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.sndhwm = 2
+        if keys is not None:
+            keys.apply(self.sock)
+        self.sock.connect(address)
+        self.frames = [protocol.DELIMITER, *protocol.encode(protocol.ClientAlive(consumer=consumer))]
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                try:
+                    self.sock.send_multipart(self.frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not connected yet, or the server is gone: the next beat tries again
+                self.stopped.wait(self.interval)
+        finally:
+            self.sock.close(linger=0)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=2.0)
+
+
+class EpochIterator(Iterator[Dict[str, Any]]):
+    """This rank's seqs of one epoch in order. Raises MapperError, Superseded or ServerUnavailable,
+    never hangs; once it has raised, every later next() raises the same error."""
+
+    def __init__(self, client: Client, sock: zmq.Socket, run: int, epoch: int, start: int = 0):
         self._client = client
         self._sock = sock
         self.run = run
         self.epoch = epoch
+        self.start = start  # index in the shard of the first seq this iterator yields
+        self.rank = client.rank
+        self.world_size = client.world_size
         self.num_seqs: Optional[int] = None
+        self.fingerprint = ""
         self._consumed = 0
         self._ungranted = 0
         self._granted = 0
@@ -206,9 +327,28 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._started = False
 
     def __len__(self) -> int:
+        """Seqs this iterator yields in all (from its start), if the server knows it in advance."""
         if self.num_seqs is None:
             raise TypeError("the number of seqs of this epoch is not known in advance")
         return self.num_seqs
+
+    @property
+    def position(self) -> int:
+        """Index in this rank's shard of the next seq (start + seqs yielded so far)."""
+        return self.start + self._consumed
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where this iterator is: small and msgpack-able. `client.epoch(state=...)` resumes from it,
+        delivering exactly what this iterator would have delivered next."""
+        return {
+            "job": self._client.job,
+            "epoch": self.epoch,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "position": self.position,
+            "fingerprint": self.fingerprint,
+            "drop_last": self._client.drop_last,
+        }
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -244,10 +384,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 raise StopIteration
             self._receive("progress")
         item = self._ready.popleft()
-        if item.pos != self._consumed:
+        expected = self.rank + self.position * self.world_size
+        if item.pos != expected:
             self._raise(
                 Error(
-                    f"epoch {self.epoch}: expected seq #{self._consumed} but got #{item.pos} "
+                    f"epoch {self.epoch}: expected the seq at position {expected} but got {item.pos} "
                     "(messages were lost, e.g. on a reset connection)"
                 )
             )
@@ -284,6 +425,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         if isinstance(msg, protocol.Started):
             self._started = True
             self.num_seqs = msg.num_seqs
+            self.fingerprint = msg.fingerprint
         elif isinstance(msg, protocol.Seqs):
             if decoded.bad:
                 self._raise(Error(f"epoch {self.epoch}: malformed seq from the server: {decoded.bad[0].reason}"))

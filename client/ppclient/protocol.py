@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 2
+PROTOCOL = 3
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -93,7 +93,13 @@ class StatusRequest(Message):
 
 @dataclass(frozen=True)
 class EpochRequest(Message):
-    """Start an epoch for the consumer whose data socket has identity `consumer`."""
+    """Start rank `rank`'s shard of an epoch of job `job` for the data socket `consumer`.
+
+    The shard holds the positions i with i % world_size == rank; `start` is the index in the
+    shard of the first seq wanted (a resume); `drop_last` gives every rank the same count.
+    `timeout`: the client's, after which the server may count it gone if it stops sending
+    keepalives. `fingerprint`: the config fingerprint a resumed state was made with ("" if none).
+    """
 
     kind = "epoch"
     channel = Channel.CONTROL
@@ -104,6 +110,13 @@ class EpochRequest(Message):
     consumer: bytes = b""
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
+    job: str = "default"
+    rank: int = _nonneg()
+    world_size: int = _positive()
+    start: int = _nonneg()
+    drop_last: bool = True
+    timeout: float = 30.0
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,7 @@ class InfoReply(Message):
     stream_partitions: Optional[int] = None
     buf_size: int = 1
     version: str = ""
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -193,7 +207,8 @@ class Credit(Message):
 
 @dataclass(frozen=True)
 class Started(Message):
-    """The dataset has set up the epoch; `num_seqs` is None when the mapper changes the count."""
+    """The epoch is set up; `num_seqs`: seqs this shard delivers from its start (None when a
+    stream mapper may change the count); `fingerprint`: the config's, for resume states."""
 
     kind = "started"
     channel = Channel.DATA
@@ -201,11 +216,12 @@ class Started(Message):
     receiver = (Peer.CLIENT,)
     run: int = _nonneg()
     num_seqs: Optional[int] = None
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
 class Seqs(Message):
-    """Delivered seqs; item `i` is the position in the epoch, consecutive across messages."""
+    """Delivered seqs; item `i` is the position in the epoch (rank, rank + world_size, ...)."""
 
     kind = "seqs"
     channel = Channel.DATA
@@ -269,6 +285,28 @@ class Superseded(Message):
     receiver = (Peer.CLIENT,)
     run: int = _nonneg()
     epoch: int = _nonneg()  # the epoch that replaced it
+
+
+@dataclass(frozen=True)
+class ClientAlive(Message):
+    """From a client's keepalive socket every second or so: the data socket `consumer` lives."""
+
+    kind = "client_alive"
+    channel = Channel.DATA
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    consumer: bytes = b""
+
+
+@dataclass(frozen=True)
+class ClientClosed(Message):
+    """The client closed: its shards may be taken over at once."""
+
+    kind = "client_closed"
+    channel = Channel.DATA
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    consumer: bytes = b""
 
 
 # ---- workers (worker DEALER <-> worker ROUTER) -------------------------------------------------
@@ -397,7 +435,10 @@ class TaskFailed(Message):
 
 @dataclass(frozen=True)
 class StreamOpen(Message):
-    """Run partition `partition` here; skip its first `skip` outputs (already delivered)."""
+    """Run partition `partition` here; skip its first `skip` outputs (already delivered).
+
+    `incarnation` numbers the partition's starts: the worker echoes it, so what an earlier
+    start on the same worker sent is told apart from what this one sends."""
 
     kind = "stream_open"
     channel = Channel.WORKER
@@ -407,6 +448,7 @@ class StreamOpen(Message):
     partition: int = _nonneg()
     skip: int = _nonneg()
     credit: int = _positive()
+    incarnation: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -467,6 +509,7 @@ class StreamAck(Message):
     receiver = (Peer.SERVER,)
     run: int = _nonneg()
     partition: int = _nonneg()
+    incarnation: int = _nonneg()
     n: int = _positive()
 
 
@@ -481,6 +524,7 @@ class StreamOutputs(Message):
     batch = True
     run: int = _nonneg()
     partition: int = _nonneg()
+    incarnation: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -491,6 +535,7 @@ class StreamDone(Message):
     receiver = (Peer.SERVER,)
     run: int = _nonneg()
     partition: int = _nonneg()
+    incarnation: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -501,6 +546,7 @@ class StreamFailed(Message):
     receiver = (Peer.SERVER,)
     run: int = _nonneg()
     partition: int = _nonneg()
+    incarnation: int = _nonneg()
     seq_tag: Optional[str] = None
     message: str = ""
     traceback: str = ""
@@ -525,6 +571,8 @@ MESSAGES: Dict[str, Type[Message]] = {
         End,
         RunFailed,
         Superseded,
+        ClientAlive,
+        ClientClosed,
         Hello,
         Welcome,
         Refuse,
@@ -618,16 +666,20 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
         if type(key) is not str or key in META_KEYS or key in keys:
             raise ProtocolError(f"item {pos}: bad or repeated array key {key!r:.40}")
         keys.add(key)
-        itemsize = _itemsize(dtype_str)
+        itemsize = _itemsize(dtype_str) if type(dtype_str) is str else None
         if itemsize is None:
             raise ProtocolError(f"item {pos}: refused dtype {dtype_str!r:.40}")
-        if type(shape) is not list:
+        if type(shape) is not list or len(shape) > MAX_NDIM:
             raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
         count = 1
+        nonzero = 1  # numpy must be able to hold the shape even when a zero makes it empty
         for d in shape:
             if type(d) is not int or d < 0:
                 raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
             count *= d
+            nonzero *= d or 1
+            if nonzero > MAX_ELEMENTS:
+                raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
         size = wire.nbytes(frame)
         if size != count * itemsize:
             raise ProtocolError(f"item {pos}: array {key!r} has {size} bytes, not those of {shape} {dtype_str}")
@@ -642,13 +694,18 @@ _META_TYPES: Dict[str, Any] = {
 }
 
 
+MAX_NDIM = 64  # numpy's limit
+MAX_ELEMENTS = 1 << 56
+
+
 @functools.lru_cache(maxsize=1024)
-def _itemsize(dtype_str: Any) -> Optional[int]:
-    """The item size of a plain dtype from the network, or None if it is refused."""
+def _itemsize(dtype_str: str) -> Optional[int]:
+    """The item size of a plain dtype from the network, or None if it is refused (call with a str)."""
     try:
-        return wire.check_dtype(dtype_str).itemsize
-    except (wire.WireError, TypeError):  # TypeError: unhashable values never reach here (lru_cache)
+        size = wire.check_dtype(dtype_str).itemsize
+    except wire.WireError:
         return None
+    return size or None  # 'S0', 'U0': nothing to rebuild an array from
 
 
 # ---- encode / decode ------------------------------------------------------------------------

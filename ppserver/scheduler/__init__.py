@@ -1,25 +1,31 @@
 """The scheduler, a pure state machine: `Scheduler.handle(event) -> instructions`.
 
 `events` lists what can happen, `instructions` what the server is asked to do, `core` holds
-workers, runs and delivery, `seqs` and `streams` the dispatch of the two mapper styles.
+workers, the job and delivery, `jobs` the job's runs and their per-rank lanes, `seqs` and
+`streams` the dispatch of the two mapper styles.
 """
 
 from . import events
-from .core import Run, Scheduler
-from .instructions import Instruction, ReadUpTo, Replay, StopReading, ToClient, ToWorker
+from .core import Scheduler
+from .instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
+from .jobs import Job, Lane, Run
 from .settings import Failure, Settings
 from .workers import Departure, WorkerState
 
 __all__ = [
     "events",
-    "Run",
     "Scheduler",
     "Instruction",
-    "ReadUpTo",
+    "Prepare",
+    "Read",
     "Replay",
+    "Reply",
     "StopReading",
     "ToClient",
     "ToWorker",
+    "Job",
+    "Lane",
+    "Run",
     "Failure",
     "Settings",
     "Departure",

@@ -1,23 +1,30 @@
 """The scheduler: events in (with the time passed in), instructions out. No sockets, no dataset,
 no clock: the server performs what it returns, and tests drive it alone.
 
-It owns the workers (registration, liveness, departures), the runs (an epoch requested by a
-client: preparing, then started, then done, failed or superseded) and delivery: outputs
-leave in epoch order, at most as many as the client has granted, and the reader reads only
-as far as the workers' credit and the client's window allow. What a task is and in what
-order outputs come is the business of the run's dispatch: `SeqDispatch` for map_seq,
-`StreamDispatch` for map_seq_stream.
+It owns the workers (registration, liveness, departures), the job (its ranks, their runs)
+and delivery. A run is one epoch of the job: outputs are released in epoch order into the
+lane of the rank that gets them (position i goes to rank i % world_size), never more than
+that rank has granted, and the reader reads only as far as the workers' credit allows.
+What a task is and in what order outputs come is the business of the run's dispatch:
+`SeqDispatch` for map_seq, `StreamDispatch` for map_seq_stream.
+
+Requests (see `_on_request`): a rank joins the job's run of its epoch, or starts it. A rank
+that asks for the epoch it is in again, from index k of its shard (a restarted trainer),
+takes its lane over if nothing from k on has been released to it yet; otherwise a solo run
+serves its shard from k, read and mapped again, and the main run drops that rank's seqs.
+One job at a time: another job is refused while any of this one's clients lives.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Union
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
     End,
+    EpochAccepted,
+    ErrorReply,
     FailureKind,
     Heartbeat,
     Item,
@@ -33,7 +40,8 @@ from ppclient.protocol import (
 )
 
 from . import events as ev
-from .instructions import Instruction, ReadUpTo, StopReading, ToClient, ToWorker
+from .instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
+from .jobs import Client, Job, Lane, Run
 from .seqs import SeqDispatch
 from .settings import Failure, Settings
 from .streams import StreamDispatch
@@ -41,53 +49,22 @@ from .workers import Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
 
-Dispatch = Union[SeqDispatch, StreamDispatch]
 MAX_GRANT_AHEAD = 1 << 20  # a client cannot make the server hold more than this many seqs
-UNHEARD_MAX = 64  # ended runs kept for a client that has not connected yet
+UNHEARD_MAX = 64  # ended lanes kept for a client that has not connected yet
 UNHEARD_S = 60.0
-
-
-@dataclass
-class Run:
-    """One epoch for one consumer (the client's data socket)."""
-
-    run: int
-    epoch: int
-    consumer: bytes
-    requested: float
-    num_seqs: Optional[int] = None  # inputs, once the reader has set the epoch up
-    check_tags: bool = False
-    dispatch: Optional[Dispatch] = None  # None while the reader prepares the epoch
-    started: Optional[float] = None
-    ended: Optional[float] = None
-    state: str = "preparing"  # preparing, running, done, failed, superseded
-    error: Optional[str] = None
-    connected: bool = False  # a credit arrived, so the client's data socket reaches us
-    held: List[ToClient] = field(default_factory=list)  # waiting for the data socket
-    granted: int = 0  # cumulative: a lost grant is repaired by the next one
-    delivered: int = 0
-    delivered_bytes: int = 0
-    complete_frac: float = 0.0
-    ready: Deque[Item] = field(default_factory=deque)  # released, to send in this step
-    read_upto: int = 0
-
-    @property
-    def live(self) -> bool:
-        return self.state in ("preparing", "running")
-
-    @property
-    def credit(self) -> int:
-        return self.granted - self.delivered
+MAX_EPOCHS = 2  # a job's runs span at most this many epochs (one being finished, the next one)
 
 
 class Scheduler:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.workers: Dict[bytes, WorkerState] = {}
-        self.runs: Dict[int, Run] = {}  # live runs
-        # Ended runs whose client has not connected yet: their last words wait for it (briefly).
-        self.unheard: Dict[int, Run] = {}
+        self.job: Optional[Job] = None
+        self.runs: Dict[int, Run] = {}  # live runs (of the job)
+        # Ended lanes whose client has not connected yet: their last words wait for it (briefly).
+        self.unheard: Dict[Tuple[int, bytes], Tuple[Run, Lane]] = {}
         self.last_run: Optional[Run] = None  # the newest run, live or not (for status)
+        self.next_run = 0  # run ids: the server sets the first one (random, so a restart never reuses ids)
         self.total_delivered = 0
         self.malformed_results = 0
         self.departures: Counter = Counter()
@@ -107,17 +84,19 @@ class Scheduler:
             ev.StreamFailed: self._on_stream_failed,
             ev.LocalWorkerExited: self._on_local_exit,
             ev.Tick: self._on_tick,
-            ev.RunRequested: self._on_run_requested,
+            ev.EpochRequested: self._on_request,
+            ev.RunChecked: self._on_checked,
             ev.RunRejected: self._on_run_rejected,
             ev.RunStarted: self._on_run_started,
             ev.InputsRead: self._on_inputs,
-            ev.InputsEnded: self._on_inputs_ended,
             ev.ReplayRead: self._on_replay,
             ev.ReadFailed: lambda e, out: self._fail_id(
                 e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
             ),
             ev.RunFailedElsewhere: lambda e, out: self._fail_id(e.run, Failure(FailureKind.SERVER, e.message), out),
             ev.CreditGranted: self._on_credit,
+            ev.ConsumerAlive: self._on_alive,
+            ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out),
         }
 
     # ---- the one entry point -----------------------------------------------------------------
@@ -127,7 +106,7 @@ class Scheduler:
         if isinstance(event, ev.WorkerEvent) and not self._touch(event, out):
             return out
         self._handlers[type(event)](event, out)
-        self._pump(event.now, out)
+        self._pump(out)
         return out
 
     def _touch(self, event: ev.WorkerEvent, out: List[Instruction]) -> bool:
@@ -158,7 +137,7 @@ class Scheduler:
         self.workers[e.wid] = w
         log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(self.workers))
         for run in self._running():
-            out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.check_tags)))
+            out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.seq_list is not None)))
             assert run.dispatch is not None
             run.dispatch.assign(self.workers, out)
 
@@ -195,32 +174,37 @@ class Scheduler:
                 self._remove(w.wid, Departure.EXITED, out)
 
     def _on_tick(self, e: ev.Tick, out: List[Instruction]) -> None:
-        timeout = self.settings.heartbeat_timeout
         for w in list(self.workers.values()):
-            if e.now - w.last_seen > timeout:
+            if e.now - w.last_seen > self.settings.heartbeat_timeout:
                 log.warning("no heartbeat from worker %s for %.1f s", w.name, e.now - w.last_seen)
                 self._remove(w.wid, Departure.LOST, out)
         self.reader_busy = e.reader_busy
-        for run_id, run in list(self.unheard.items()):
-            if e.now - (run.ended or e.now) > UNHEARD_S:
-                del self.unheard[run_id]
+        if self.job is not None:
+            for consumer, client in list(self.job.clients.items()):
+                if e.now - client.alive_at > client.timeout:
+                    self._consumer_gone(consumer, f"silent for {e.now - client.alive_at:.1f} s", out)
+        for key, (ended_run, _) in list(self.unheard.items()):
+            if e.now - (ended_run.ended or e.now) > UNHEARD_S:
+                del self.unheard[key]
         if e.now - self.last_beat < self.settings.heartbeat_interval:
             return
         self.last_beat = e.now
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
         for run in self.runs.values():
-            self._to_client(
-                run,
-                Keepalive(
-                    run=run.run,
-                    interval=self.settings.heartbeat_interval,
-                    workers=len(self.workers),
-                    waiting_for=self._holdup(run),
-                ),
-                out,
-                drop_if_unconnected=True,
-            )
+            for lane in run.lanes:
+                if lane.live and lane.connected and lane.consumer is not None:
+                    out.append(
+                        ToClient(
+                            lane.consumer,
+                            Keepalive(
+                                run=run.run,
+                                interval=self.settings.heartbeat_interval,
+                                workers=len(self.workers),
+                                waiting_for=self._holdup(run, lane),
+                            ),
+                        )
+                    )
 
     # ---- worker messages ----------------------------------------------------------------------
     def _dispatch_of(self, run_id: int, kind: type) -> Optional[Any]:
@@ -250,7 +234,7 @@ class Scheduler:
     def _on_stream_acked(self, e: ev.StreamAcked, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, StreamDispatch)
         if d is not None:
-            d.acked(self.workers[e.wid], e.partition, e.n)
+            d.acked(self.workers[e.wid], e.partition, e.incarnation, e.n)
 
     def _on_stream_outputs(self, e: ev.StreamOutputsReceived, out: List[Instruction]) -> None:
         if e.bad:
@@ -263,27 +247,199 @@ class Scheduler:
             )
         d = self._dispatch_of(e.run, StreamDispatch)
         if d is not None:
-            failure = d.outputs_received(self.workers[e.wid], e.partition, e.items, e.bad, self.workers, out)
+            failure = d.outputs_received(
+                self.workers[e.wid], e.partition, e.incarnation, e.items, e.bad, self.workers, out
+            )
             self._maybe_fail(e.run, failure, out)
 
     def _on_stream_finished(self, e: ev.StreamFinished, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, StreamDispatch)
         if d is not None:
-            d.finished(self.workers[e.wid], e.partition)
+            d.finished(self.workers[e.wid], e.partition, e.incarnation)
 
     def _on_stream_failed(self, e: ev.StreamFailed, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, StreamDispatch)
-        if d is not None and d.owned(self.workers[e.wid], e.partition) is not None:
+        if d is not None and d.owned(self.workers[e.wid], e.partition, e.incarnation) is not None:
             self._fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
 
-    # ---- runs ---------------------------------------------------------------------------------
-    def _running(self) -> List[Run]:
-        return [r for r in self.runs.values() if r.dispatch is not None]
+    # ---- requests -------------------------------------------------------------------------------
+    def _on_request(self, e: ev.EpochRequested, out: List[Instruction]) -> None:
+        refusal = self._refusal(e)
+        if refusal is not None:
+            log.warning("refused epoch %d for rank %d of job %r: %s", e.epoch, e.rank, e.job, refusal)
+            out.append(Reply(e.requester, ErrorReply(error=refusal, reason="job")))
+            return
+        job = self._job_for(e, out)
+        main = self._main_run(job, e.epoch)
+        if main is not None and self._can_attach(main, e):
+            self._attach(main, e, out)
+            target = main
+        else:
+            target = self._new_run(job, e, solo=e.rank if main is not None else None, out=out)
+        out.append(Reply(e.requester, EpochAccepted(run=target.run)))
 
-    def _on_run_requested(self, e: ev.RunRequested, out: List[Instruction]) -> None:
-        run = Run(run=e.run, epoch=e.epoch, consumer=e.consumer, requested=e.now)
-        self.runs[e.run] = run
+    def _refusal(self, e: ev.EpochRequested) -> Optional[str]:
+        """Why the request cannot be served (one line), or None."""
+        if not 0 <= e.rank < e.world_size:
+            return f"rank {e.rank} is not below world_size {e.world_size}"
+        job = self.job
+        if job is None or not (set(job.clients) - {e.consumer}):
+            return None  # no job, or one whose clients are all gone: this request starts a new one
+        if (e.job, e.world_size, e.drop_last) != (job.name, job.world, job.drop_last):
+            return (
+                f"job {job.name!r} (world_size {job.world}, drop_last {job.drop_last}) is running with "
+                f"{len(job.clients)} live clients; a request of job {e.job!r} (world_size "
+                f"{e.world_size}, drop_last {e.drop_last}) must wait until they are gone"
+            )
+        main = self._main_run(job, e.epoch)
+        if main is not None:
+            if (main.seq_list, main.seq_order) != (e.seq_list, e.seq_order):
+                return f"epoch {e.epoch} of job {job.name!r} runs with another seq_list/seq_order"
+            return None
+        # Only what other ranks still read constrains this one: it leaves its own runs anyway.
+        epochs = {
+            run.epoch
+            for run in job.runs.values()
+            if any(lane.rank != e.rank and not lane.gone and not lane.done for lane in run.lanes)
+        }
+        if epochs and e.epoch < max(epochs):
+            return (
+                f"epoch {e.epoch} is over for job {job.name!r} (it runs epoch "
+                f"{', '.join(map(str, sorted(epochs)))}); a dataset holds one epoch at a time"
+            )
+        if epochs and (e.epoch > max(epochs) + 1 or len(epochs | {e.epoch}) > MAX_EPOCHS):
+            return (
+                f"job {job.name!r} runs epochs {', '.join(map(str, sorted(epochs)))}; rank {e.rank} asked for "
+                f"epoch {e.epoch}: ranks may be at most one epoch apart"
+            )
+        return None
+
+    def _job_for(self, e: ev.EpochRequested, out: List[Instruction]) -> Job:
+        job = self.job
+        if job is not None and (job.name, job.world, job.drop_last) == (e.job, e.world_size, e.drop_last):
+            return job
+        if job is not None:
+            log.info(
+                "job %r (world_size %d) replaced by job %r (world_size %d): its clients are gone",
+                job.name,
+                job.world,
+                e.job,
+                e.world_size,
+            )
+            for run in list(job.runs.values()):
+                self._supersede(run, e.epoch, out)
+        self.job = Job(e.job, e.world_size, e.drop_last)
+        log.info("job %r: world_size %d, drop_last %s", e.job, e.world_size, e.drop_last)
+        return self.job
+
+    @staticmethod
+    def _main_run(job: Job, epoch: int) -> Optional[Run]:
+        for run in job.runs.values():
+            if run.epoch == epoch and run.solo is None and run.live:
+                return run
+        return None
+
+    @staticmethod
+    def _can_attach(run: Run, e: ev.EpochRequested) -> bool:
+        """Whether the run will still read, map and release the rank's seqs from `start` on."""
+        lane = run.lanes[e.rank]
+        if run.dispatch is None:
+            return not lane.gone  # nothing read yet: the lane may start anywhere
+        if lane.gone:
+            return False  # its seqs were not read since it left
+        if lane.consumer is None:
+            return e.start >= lane.start  # seqs before the expected start were never read
+        return e.start >= lane.released
+
+    def _attach(self, run: Run, e: ev.EpochRequested, out: List[Instruction]) -> None:
+        lane = run.lanes[e.rank]
+        if lane.consumer is not None and lane.consumer != e.consumer and not lane.gone:
+            self._to_lane(run, lane, Superseded(run=run.run, epoch=run.epoch), out)
+        lane.attach(e.consumer, e.start, e.now, run.world)
+        run.job.clients[e.consumer] = Client(e.rank, e.timeout, e.now)
+        log.info(
+            "rank %d of job %r reads epoch %d (run %d) from seq %d of its shard",
+            e.rank,
+            run.job.name,
+            run.epoch,
+            run.run,
+            e.start,
+        )
+        if run.checked:
+            self._leave_others(run, e.rank, out)
+        if run.dispatch is not None:
+            self._to_lane(run, lane, self._started(run, lane), out)
+
+    def _new_run(self, job: Job, e: ev.EpochRequested, *, solo: Optional[int], out: List[Instruction]) -> Run:
+        self.next_run += 1
+        run = Run(
+            run=self.next_run,
+            job=job,
+            epoch=e.epoch,
+            requested=e.now,
+            seq_list=e.seq_list,
+            seq_order=e.seq_order,
+            solo=solo,
+        )
+        # Ranks that have not come yet are expected where this one starts (DDP ranks resume
+        # together), unless they are done with this epoch.
+        run.lanes = [
+            Lane(rank=r, start=e.start, gone=r != e.rank and (solo is not None or not job.expects(r, e.epoch)))
+            for r in range(job.world)
+        ]
+        job.runs[run.run] = run
+        self.runs[run.run] = run
         self.last_run = run
+        self._attach(run, e, out)
+        out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order))
+        if solo is not None:
+            log.info(
+                "rank %d of job %r resumes epoch %d at seq %d of its shard, behind the job's run: "
+                "run %d reads and maps its shard again",
+                solo,
+                job.name,
+                e.epoch,
+                e.start,
+                run.run,
+            )
+        return run
+
+    def _leave_others(self, run: Run, rank: int, out: List[Instruction]) -> None:
+        """Rank `rank` now reads `run`: its lanes in the job's other runs are dropped."""
+        for other in list(run.job.runs.values()):
+            if other is run:
+                continue
+            lane = other.lanes[rank]
+            if lane.gone:
+                continue
+            if lane.consumer is not None and not lane.done:
+                self._to_lane(other, lane, Superseded(run=other.run, epoch=run.epoch), out)
+            lane.gone = True
+            self._check_finished(other, out)
+
+    def _consumer_gone(self, consumer: bytes, why: str, out: List[Instruction]) -> None:
+        """A client closed or went silent: its lanes are dropped (the rank may resume later)."""
+        job = self.job
+        if job is None or job.clients.pop(consumer, None) is None:
+            return
+        for run, lane in job.lanes_of(consumer):
+            if lane.gone:
+                continue
+            log.warning(
+                "rank %d of job %r (epoch %d, run %d) gone: client %s", lane.rank, job.name, run.epoch, run.run, why
+            )
+            lane.gone = True
+            self._check_finished(run, out)
+
+    # ---- the reader's answers ---------------------------------------------------------------
+    def _on_checked(self, e: ev.RunChecked, out: List[Instruction]) -> None:
+        run = self.runs.get(e.run)
+        if run is None:
+            return
+        run.checked = True
+        for lane in run.lanes:
+            if lane.consumer is not None and not lane.gone:
+                self._leave_others(run, lane.rank, out)
 
     def _on_run_rejected(self, e: ev.RunRejected, out: List[Instruction]) -> None:
         self._fail_id(e.run, Failure(FailureKind.REQUEST, e.message), out)
@@ -291,59 +447,71 @@ class Scheduler:
     def _on_run_started(self, e: ev.RunStarted, out: List[Instruction]) -> None:
         run = self.runs.get(e.run)
         if run is None:
-            out.append(StopReading(e.run))  # it was failed or superseded meanwhile
+            out.append(StopReading(e.run))  # it ended meanwhile
             return
-        for other in list(self.runs.values()):
-            if other is not run:
-                self._supersede(other, run, out)
         s = self.settings
+        run.checked = True
         run.num_seqs = e.num_seqs
-        run.check_tags = e.check_tags
         run.started = e.now
         run.state = "running"
-        run.dispatch = (
-            StreamDispatch(run.run, run.epoch, e.num_seqs, s) if s.stream else SeqDispatch(run.run, e.num_seqs, s)
-        )
+        if not s.stream or s.preserves_num_seqs:
+            run.total = e.num_seqs
+        if s.stream:
+            run.dispatch = StreamDispatch(run.run, run.epoch, e.num_seqs, s)
+        else:
+            first = min(((lane.start * run.world + lane.rank) for lane in run.lanes if not lane.gone), default=0)
+            run.dispatch = SeqDispatch(run.run, e.num_seqs, s, wanted=run.wanted, end=run.end() or 0, first=first)
         log.info("epoch %d started (run %d, %d input seqs)", run.epoch, run.run, e.num_seqs)
-        self._to_client(
-            run, Started(run=run.run, num_seqs=None if s.stream and not s.preserves_num_seqs else e.num_seqs), out
-        )
+        for lane in run.lanes:
+            if lane.consumer is not None and not lane.gone:
+                self._to_lane(run, lane, self._started(run, lane), out)
         for w in self.workers.values():
-            out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.check_tags)))
+            out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.seq_list is not None)))
         run.dispatch.assign(self.workers, out)
-        if e.num_seqs == 0:
-            run.dispatch.inputs_ended(0)
 
-    def _supersede(self, run: Run, by: Run, out: List[Instruction]) -> None:
-        log.info("epoch %d (run %d) superseded by epoch %d (run %d)", run.epoch, run.run, by.epoch, by.run)
-        self._to_client(run, Superseded(run=run.run, epoch=by.epoch), out)
-        self._close(run, "superseded", out)
+    def _started(self, run: Run, lane: Lane) -> Started:
+        size = run.shard_size(lane.rank)
+        return Started(
+            run=run.run,
+            num_seqs=None if size is None else max(size - lane.start, 0),
+            fingerprint=self.settings.fingerprint,
+        )
 
     def _on_inputs(self, e: ev.InputsRead, out: List[Instruction]) -> None:
         run = self.runs.get(e.run)
         if run is not None and run.dispatch is not None:
             run.dispatch.add_inputs(e.items)
 
-    def _on_inputs_ended(self, e: ev.InputsEnded, out: List[Instruction]) -> None:
-        run = self.runs.get(e.run)
-        if run is not None and run.dispatch is not None:
-            run.num_seqs = e.count
-            run.dispatch.inputs_ended(e.count)
-
     def _on_replay(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, StreamDispatch)
         if d is not None:
             d.replay_read(e.partition, e.ticket, e.items)
 
+    # ---- clients --------------------------------------------------------------------------------
+    def _lane_of(self, consumer: bytes, run_id: int) -> Optional[Tuple[Run, Lane]]:
+        run = self.runs.get(run_id)
+        if run is not None:
+            for lane in run.lanes:
+                if lane.consumer == consumer:
+                    return run, lane
+        return self.unheard.pop((run_id, consumer), None)  # keyed by consumer: a stranger pops nothing
+
     def _on_credit(self, e: ev.CreditGranted, out: List[Instruction]) -> None:
-        run = self.runs.get(e.run) or self.unheard.pop(e.run, None)
-        if run is None or run.consumer != e.consumer:
+        found = self._lane_of(e.consumer, e.run)
+        if found is None:
             return
-        run.granted = max(run.granted, min(e.total, run.delivered + MAX_GRANT_AHEAD))
-        if not run.connected:
-            run.connected = True
-            out.extend(run.held)
-            run.held.clear()
+        lane = found[1]
+        self._on_alive(ev.ConsumerAlive(e.now, e.consumer), out)
+        lane.granted = max(lane.granted, min(e.total, lane.delivered + MAX_GRANT_AHEAD))
+        if not lane.connected:
+            lane.connected = True
+            out.extend(lane.held)
+            lane.held.clear()
+
+    def _on_alive(self, e: ev.ConsumerAlive, out: List[Instruction]) -> None:
+        client = self.job.clients.get(e.consumer) if self.job is not None else None
+        if client is not None:
+            client.alive_at = e.now
 
     # ---- failing and finishing ------------------------------------------------------------------
     def _maybe_fail(self, run_id: int, failure: Optional[Failure], out: List[Instruction]) -> None:
@@ -358,112 +526,206 @@ class Scheduler:
     def _fail(self, run: Run, failure: Failure, out: List[Instruction]) -> None:
         log.error("epoch %d (run %d) failed: %s", run.epoch, run.run, failure.message)
         run.error = failure.message
-        self._flush(run, out)
-        self._to_client(
-            run,
-            RunFailed(
-                run=run.run,
-                failure=failure.kind.value,
-                message=failure.message,
-                seq_tag=failure.seq_tag,
-                traceback=failure.traceback,
-            ),
-            out,
-        )
+        for lane in run.lanes:
+            if lane.consumer is not None and not lane.gone and not lane.done:
+                self._flush(run, lane, out)
+                self._to_lane(
+                    run,
+                    lane,
+                    RunFailed(
+                        run=run.run,
+                        failure=failure.kind.value,
+                        message=failure.message,
+                        seq_tag=failure.seq_tag,
+                        traceback=failure.traceback,
+                    ),
+                    out,
+                )
         self._close(run, "failed", out)
 
-    def _finish(self, run: Run, now: float, out: List[Instruction]) -> None:
-        self._to_client(run, End(run=run.run, count=run.delivered), out)
-        elapsed = max(now - (run.started or run.requested), 1e-9)
-        log.info(
-            "epoch %d (run %d) done: %d seqs in %.2f s (%.1f seqs/s)",
-            run.epoch,
-            run.run,
-            run.delivered,
-            elapsed,
-            run.delivered / elapsed,
-        )
-        self._close(run, "done", out)
+    def _supersede(self, run: Run, epoch: int, out: List[Instruction]) -> None:
+        log.info("epoch %d (run %d) superseded", run.epoch, run.run)
+        for lane in run.lanes:
+            if lane.consumer is not None and not lane.gone and not lane.done:
+                self._to_lane(run, lane, Superseded(run=run.run, epoch=epoch), out)
+        self._close(run, "superseded", out)
+
+    def _check_finished(self, run: Run, out: List[Instruction]) -> None:
+        """A run ends when every lane has ended or left."""
+        if run.live and all(lane.done or lane.gone for lane in run.lanes):
+            self._close(run, "done" if any(lane.done for lane in run.lanes) else "superseded", out)
 
     def _close(self, run: Run, state: str, out: List[Instruction]) -> None:
+        if state == "done":
+            elapsed = max(self.now - (run.started or run.requested), 1e-9)
+            delivered = sum(lane.delivered for lane in run.lanes)
+            log.info(
+                "epoch %d (run %d) done: %d seqs in %.2f s (%.1f seqs/s)",
+                run.epoch,
+                run.run,
+                delivered,
+                elapsed,
+                delivered / elapsed,
+            )
         run.state = state
         run.ended = self.now
         self.runs.pop(run.run, None)
-        if run.held:
-            self.unheard[run.run] = run
-            while len(self.unheard) > UNHEARD_MAX:
-                self.unheard.pop(next(iter(self.unheard)))
-        out.append(StopReading(run.run))
+        run.job.runs.pop(run.run, None)
+        for lane in run.lanes:
+            if lane.consumer is not None and lane.held:
+                self.unheard[(run.run, lane.consumer)] = (run, lane)
+            lane.ready.clear()
+        while len(self.unheard) > UNHEARD_MAX:
+            self.unheard.pop(next(iter(self.unheard)))
+        if not run.reading_stopped:
+            run.reading_stopped = True
+            out.append(StopReading(run.run))
         if run.dispatch is not None:
             for w in self.workers.values():
                 out.append(ToWorker(w.wid, RunClose(run=run.run)))
             run.dispatch.close(self.workers)
-        run.ready.clear()
 
     # ---- the step after every event ---------------------------------------------------------------
-    def _pump(self, now: float, out: List[Instruction]) -> None:
+    def _running(self) -> List[Run]:
+        return [r for r in self.runs.values() if r.dispatch is not None]
+
+    def _pump(self, out: List[Instruction]) -> None:
         capacity = sum(w.capacity for w in self.workers.values())
-        for run in sorted(self._running(), key=lambda r: r.run):
+        for run in self._running():
             d = run.dispatch
             assert d is not None
             d.dispatch(self.workers, out)
-            while run.credit - len(run.ready) > 0:
-                item = d.pop_next(out)
-                if item is None:
-                    break
-                run.ready.append(self._released(run, item))
-            self._flush(run, out)
-            total = d.total()
-            if total is not None and run.delivered >= total:
-                self._finish(run, now, out)
+            self._release(run, out)
+            for lane in run.lanes:
+                self._flush(run, lane, out)
+            self._finish_lanes(run, out)
+            if not run.live:
                 continue
-            limit = d.read_limit(capacity)
-            # Grants in steps, so the reader wakes once per few seqs rather than once per seq,
-            # unless the workers would otherwise wait for it.
-            if limit > run.read_upto and (limit - run.read_upto >= self.settings.read_step or d.starving()):
-                run.read_upto = limit
-                out.append(ReadUpTo(run.run, limit))
+            if not run.reading_stopped:
+                positions = d.requests(capacity)
+                if positions:
+                    out.append(Read(run.run, positions))
+                if d.reading_done():
+                    run.reading_stopped = True
+                    out.append(StopReading(run.run))
 
-    def _released(self, run: Run, item: Item) -> Item:
-        """The output at the next epoch position: numbered, with a complete_frac that never decreases."""
-        item.pos = run.delivered + len(run.ready)  # the item is the scheduler's alone from here on
+    def _room(self, run: Run) -> Callable[[int], bool]:
+        """Whether the output at a position may be released now (outputs no one wants always may:
+        they are dropped)."""
+        world = run.world
+        lanes = run.lanes
+        group = run.group
+
+        def room(pos: int) -> bool:
+            lane = lanes[pos % world]
+            if lane.gone or pos // world < lane.start:
+                return True
+            if lane.consumer is None:
+                return False  # the rank has not come yet: its seqs wait (and so does the epoch)
+            waiting = len(lane.ready) + sum(1 for it in group if it.pos % world == lane.rank)
+            return lane.credit - waiting > 0
+
+        return room
+
+    def _release(self, run: Run, out: List[Instruction]) -> None:
+        """Move outputs in epoch order into their ranks' lanes, as far as their credit allows."""
+        d = run.dispatch
+        assert d is not None
+        room = self._room(run)
+        world = run.world
+        stream = isinstance(d, StreamDispatch)
+        hold = stream and run.job.drop_last and world > 1 and run.total is None
+        while True:
+            item = d.pop_next(out, room)
+            if item is None:
+                break
+            if stream:
+                self._clamp(run, item)
+            if hold:
+                run.group.append(item)  # with drop_last, a group of W goes out only once it is complete
+                if len(run.group) == world:
+                    for it in run.group:
+                        self._to_ready(run, it)
+                    run.group.clear()
+            else:
+                self._to_ready(run, item)
+        if stream:
+            total = d.total()
+            if total is not None and run.total is None:
+                run.total = total
+                for it in run.group:  # a complete epoch: the group is in (it is in end()) or dropped
+                    self._to_ready(run, it)
+                run.group.clear()
+
+    def _to_ready(self, run: Run, item: Item) -> None:
+        lane = run.lanes[item.pos % run.world]
+        index = item.pos // run.world
+        end = run.end()
+        lane.released = max(lane.released, index + 1)
+        if lane.gone or index < lane.start or (end is not None and item.pos >= end):
+            return  # no one wants it
+        lane.ready.append(item)
+
+    @staticmethod
+    def _clamp(run: Run, item: Item) -> None:
+        """A stream's merged complete_frac never decreases (each partition's does on its own)."""
         cf = item.meta.get("complete_frac")
         if cf is not None:
             if cf > run.complete_frac:
                 run.complete_frac = cf
             elif cf < run.complete_frac:
                 item.meta = {**item.meta, "complete_frac": run.complete_frac}
-        return item
 
-    def _flush(self, run: Run, out: List[Instruction]) -> None:
+    def _flush(self, run: Run, lane: Lane, out: List[Instruction]) -> None:
         batch = self.settings.max_delivery_batch
-        while run.ready:
-            items = [run.ready.popleft() for _ in range(min(batch, len(run.ready)))]
-            run.delivered += len(items)
-            run.delivered_bytes += sum(i.nbytes for i in items)
+        while lane.ready:
+            items = [lane.ready.popleft() for _ in range(min(batch, len(lane.ready)))]
+            lane.delivered += len(items)
+            lane.delivered_bytes += sum(i.nbytes for i in items)
             self.total_delivered += len(items)
-            out.append(ToClient(run.consumer, Seqs(run=run.run), items))
+            out.append(ToClient(lane.consumer, Seqs(run=run.run), items))  # type: ignore[arg-type]
 
-    def _to_client(self, run: Run, msg: Message, out: List[Instruction], *, drop_if_unconnected: bool = False) -> None:
-        instr = ToClient(run.consumer, msg)
-        if run.connected:
+    def _finish_lanes(self, run: Run, out: List[Instruction]) -> None:
+        for lane in run.lanes:
+            if lane.done or lane.gone or lane.consumer is None:
+                continue
+            size = run.shard_size(lane.rank)
+            if size is not None and not lane.ready and max(lane.released, lane.start) >= size:
+                lane.done = True
+                run.job.finish(run.epoch, lane.rank)
+                self._to_lane(run, lane, End(run=run.run, count=lane.delivered), out)
+                log.info(
+                    "rank %d of job %r finished epoch %d (run %d): %d seqs",
+                    lane.rank,
+                    run.job.name,
+                    run.epoch,
+                    run.run,
+                    lane.delivered,
+                )
+        self._check_finished(run, out)
+
+    def _to_lane(self, run: Run, lane: Lane, msg: Message, out: List[Instruction]) -> None:
+        if lane.consumer is None:
+            return
+        instr = ToClient(lane.consumer, msg)
+        if lane.connected:
             out.append(instr)
-        elif not drop_if_unconnected:
-            run.held.append(instr)
+        else:
+            lane.held.append(instr)
 
     # ---- status ---------------------------------------------------------------------------------
-    def _holdup(self, run: Run) -> str:
-        """What the run waits for, in words (keepalives and status)."""
+    def _holdup(self, run: Run, lane: Optional[Lane] = None) -> str:
+        """What the run (or a rank of it) waits for, in words (keepalives and status)."""
         if run.dispatch is None:
-            return (
-                f"the dataset to set up the epoch ({self.reader_busy})"
-                if self.reader_busy
-                else "the dataset to set up the epoch"
-            )
+            busy = f" ({self.reader_busy})" if self.reader_busy else ""
+            return f"the dataset to set up the epoch{busy}"
         if not self.workers:
             return "a worker (none is connected)"
-        if run.credit <= 0:
+        if lane is not None and lane.credit <= 0:
             return "the trainer (no credit)"
+        missing = [ln.rank for ln in run.lanes if ln.consumer is None and not ln.gone]
+        if missing:
+            return f"rank(s) {', '.join(map(str, missing[:8]))} of job {run.job.name!r} to connect"
         q = run.dispatch.queues()
         if q["in_flight"]:
             return f"the workers ({q['in_flight']} in flight)"
@@ -479,9 +741,40 @@ class Scheduler:
             "malformed_results": self.malformed_results,
             "departures": {d.value: n for d, n in self.departures.items()},
             "handed_back": self.handed_back,
+            "job": None,
+            "ranks": [],
         }
-        run = self.last_run
-        if run is None:
+        job = self.job
+        if job is not None:
+            st["job"] = {
+                **job.describe(),
+                "runs": sorted(job.runs),
+                "epochs": sorted({r.epoch for r in job.runs.values()}),
+            }
+            for run in sorted(job.runs.values(), key=lambda r: r.run):
+                for lane in run.lanes:
+                    if lane.consumer is None or lane.gone:
+                        continue
+                    size = run.shard_size(lane.rank)
+                    took = max(now - lane.attached_at, 1e-9)
+                    st["ranks"].append(
+                        {
+                            "rank": lane.rank,
+                            "epoch": run.epoch,
+                            "run": run.run,
+                            "solo": run.solo is not None,
+                            "position": lane.start + lane.delivered,
+                            "shard_size": size,
+                            "seqs_per_sec": round(lane.delivered / took, 2),
+                            "done": lane.done,
+                            "last_heard_s": round(now - job.clients[lane.consumer].alive_at, 1)
+                            if lane.consumer in job.clients
+                            else None,
+                            "credit": max(lane.credit, 0),
+                        }
+                    )
+        last = self.last_run
+        if last is None:
             st.update(
                 {
                     "epoch": None,
@@ -497,23 +790,23 @@ class Scheduler:
                 }
             )
             return st
-        began = run.started if run.started is not None else run.requested
-        end = now if run.ended is None else run.ended
-        known = run.num_seqs if not self.settings.stream or self.settings.preserves_num_seqs else None
+        began = last.started if last.started is not None else last.requested
+        end = now if last.ended is None else last.ended
+        delivered = sum(lane.delivered for lane in last.lanes)
         st.update(
             {
-                "epoch": run.epoch,
-                "run": run.run,
-                "state": run.state,
-                "num_seqs": known,
-                "seqs_delivered": run.delivered,
-                "seqs_per_sec": round(run.delivered / max(end - began, 1e-9), 2),
-                "mb_delivered": round(run.delivered_bytes / 1e6, 3),
-                "error": run.error,
-                "waiting_for": self._holdup(run) if run.live else None,
+                "epoch": last.epoch,
+                "run": last.run,
+                "state": last.state,
+                "num_seqs": last.total,
+                "seqs_delivered": delivered,
+                "seqs_per_sec": round(delivered / max(end - began, 1e-9), 2),
+                "mb_delivered": round(sum(lane.delivered_bytes for lane in last.lanes) / 1e6, 3),
+                "error": last.error,
+                "waiting_for": self._holdup(last) if last.live else None,
                 "queues": {
-                    **(run.dispatch.queues() if run.dispatch is not None and run.live else {}),
-                    "client_credit": max(run.credit, 0),
+                    **(last.dispatch.queues() if last.dispatch is not None and last.live else {}),
+                    "client_credit": sum(max(lane.credit, 0) for lane in last.lanes if lane.live),
                 },
             }
         )

@@ -69,6 +69,7 @@ class TaskFailed(WorkerEvent):
 class StreamAcked(WorkerEvent):
     run: int
     partition: int
+    incarnation: int
     n: int
 
 
@@ -76,6 +77,7 @@ class StreamAcked(WorkerEvent):
 class StreamOutputsReceived(WorkerEvent):
     run: int
     partition: int
+    incarnation: int
     items: List[Item] = field(default_factory=list)
     bad: List[BadItem] = field(default_factory=list)
 
@@ -84,12 +86,14 @@ class StreamOutputsReceived(WorkerEvent):
 class StreamFinished(WorkerEvent):
     run: int
     partition: int
+    incarnation: int
 
 
 @dataclass(slots=True)
 class StreamFailed(WorkerEvent):
     run: int
     partition: int
+    incarnation: int
     seq_tag: Optional[str]
     message: str
     traceback: str
@@ -114,17 +118,36 @@ class Tick(Event):
 
 # ---- runs and the reader ------------------------------------------------------------------
 @dataclass(slots=True)
-class RunRequested(Event):
-    """A client's epoch request passed the server's checks; the reader is preparing it."""
+class EpochRequested(Event):
+    """A client asks for rank `rank`'s shard of an epoch of job `job` (the request's form is checked).
+
+    `requester` is the REQ identity the reply goes to; `consumer` the data socket's.
+    """
+
+    requester: bytes
+    consumer: bytes
+    epoch: int
+    job: str = "default"
+    rank: int = 0
+    world_size: int = 1
+    start: int = 0
+    seq_list: Optional[List[str]] = None
+    seq_order: Optional[List[int]] = None
+    drop_last: bool = True
+    timeout: float = 30.0
+
+
+@dataclass(slots=True)
+class RunChecked(Event):
+    """The reader checked the run's request against the dataset; it will set the epoch up
+    once the runs of other epochs have stopped reading."""
 
     run: int
-    epoch: int
-    consumer: bytes
 
 
 @dataclass(slots=True)
 class RunRejected(Event):
-    """The reader refused the request (e.g. an unknown seq tag); the running epoch is untouched."""
+    """The reader refused the request (e.g. an unknown seq tag); nothing running is touched."""
 
     run: int
     message: str
@@ -144,12 +167,6 @@ class RunStarted(Event):
 class InputsRead(Event):
     run: int
     items: List[Item]
-
-
-@dataclass(slots=True)
-class InputsEnded(Event):
-    run: int
-    count: int
 
 
 @dataclass(slots=True)
@@ -183,3 +200,15 @@ class CreditGranted(Event):
     consumer: bytes
     run: int
     total: int
+
+
+@dataclass(slots=True)
+class ConsumerAlive(Event):
+    """A client's keepalive: its data socket `consumer` lives (its process does, at least)."""
+
+    consumer: bytes
+
+
+@dataclass(slots=True)
+class ConsumerClosed(Event):
+    consumer: bytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from ppclient.protocol import Item, Message
 
@@ -33,11 +33,29 @@ class ToClient(Instruction):
 
 
 @dataclass(frozen=True)
-class ReadUpTo(Instruction):
-    """The reader may read this run's inputs at positions < `upto`."""
+class Reply(Instruction):
+    """Answer a client's request on the control socket."""
+
+    requester: bytes
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Prepare(Instruction):
+    """Set the dataset up for a new run's epoch (after checking the request against it)."""
 
     run: int
-    upto: int
+    epoch: int
+    seq_list: Optional[List[str]] = None
+    seq_order: Optional[List[int]] = None
+
+
+@dataclass(frozen=True)
+class Read(Instruction):
+    """Read these positions of the run's epoch, in this order (ascending, each once)."""
+
+    run: int
+    positions: List[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,7 @@ class Replay(Instruction):
 
 @dataclass(frozen=True)
 class StopReading(Instruction):
-    """The run is over (done, failed or superseded): the reader drops it."""
+    """The run reads nothing more (its reading is complete, or it ended): the reader drops it, and
+    may set the dataset up for another epoch once no run of this one reads."""
 
     run: int

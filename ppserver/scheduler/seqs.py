@@ -1,5 +1,8 @@
 """map_seq dispatch: every input is a task any worker may run; outputs leave in input order.
 
+Only positions some rank wants are read (`wanted`: a resumed rank's skipped seqs and the
+seqs of ranks that left are neither read nor mapped), at most `window` ahead of delivery.
+
 An input stays here until its result arrives, so the tasks of a worker that dies are sent
 again elsewhere. Every task lost in a crash becomes suspect; a suspect later runs alone on an
 idle worker, so once a seq has been charged `max_seq_retries` crashes it really is the one
@@ -11,7 +14,7 @@ fail the run too, so a broken worker cannot loop forever.
 from __future__ import annotations
 
 import heapq
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ppclient.protocol import BadItem, FailureKind, Item, Tasks
 
@@ -21,10 +24,17 @@ from .workers import WorkerState
 
 
 class SeqDispatch:
-    def __init__(self, run: int, num_seqs: int, settings: Settings):
+    def __init__(
+        self, run: int, num_seqs: int, settings: Settings, *, wanted: Callable[[int], bool], end: int, first: int = 0
+    ):
         self.run = run
         self.num_seqs = num_seqs
         self.settings = settings
+        self.wanted = wanted
+        self.end = end  # positions from here on go to no one (drop_last)
+        self.read_next = first  # the next position to consider reading
+        self.requested: Set[int] = set()  # read or asked for, not yet released or dropped
+        self.awaiting = 0  # asked for, not yet arrived
         self.fed = 0  # inputs received from the reader
         self.pending: Dict[int, Item] = {}  # inputs whose result has not arrived
         self.todo: List[int] = []  # heap of positions to send: redone ones come first, being lower
@@ -33,25 +43,39 @@ class SeqDispatch:
         self.deaths: Dict[int, int] = {}  # crashes charged to a position (suspects)
         self.malformed: Dict[int, int] = {}  # malformed results of a position
         self.avoid: Dict[int, bytes] = {}  # the worker that sent a malformed result of a position
-        self.next_out = 0  # the next position to release
+        self.next_out = first  # the next position to release
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: List[Item]) -> None:
         for item in items:
+            self.awaiting -= 1
+            if item.pos not in self.requested:
+                continue  # dropped meanwhile (its rank left)
             self.fed = max(self.fed, item.pos + 1)
             self.pending[item.pos] = item
             heapq.heappush(self.todo, item.pos)
-
-    def inputs_ended(self, count: int) -> None:
-        self.num_seqs = count
 
     def starving(self) -> bool:
         """No input is waiting to be sent: a worker may be about to run dry."""
         return not self.todo
 
-    def read_limit(self, capacity: int) -> int:
-        """Read only as far as the workers' credit plus a little slack ahead of delivery."""
-        return min(self.num_seqs, self.next_out + capacity + self.settings.read_slack)
+    def requests(self, capacity: int) -> List[int]:
+        """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
+        ahead of delivery."""
+        window = capacity + self.settings.read_slack
+        out: List[int] = []
+        while self.read_next < self.end and len(self.requested) < window:
+            pos = self.read_next
+            self.read_next += 1
+            if self.wanted(pos):
+                self.requested.add(pos)
+                out.append(pos)
+        self.awaiting += len(out)
+        return out
+
+    def reading_done(self) -> bool:
+        """Everything wanted has been read: the reader may move on to another epoch."""
+        return self.read_next >= self.end and self.awaiting == 0
 
     # ---- workers --------------------------------------------------------------------------
     def assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
@@ -64,6 +88,8 @@ class SeqDispatch:
             if run != self.run or self.inflight.get(pos) != w.wid:
                 continue
             del self.inflight[pos]
+            if pos not in self.pending:
+                continue  # dropped meanwhile: nothing to redo
             if crashed:
                 self.deaths[pos] = self.deaths.get(pos, 0) + 1
                 if self.deaths[pos] >= self.settings.max_seq_retries:
@@ -85,23 +111,33 @@ class SeqDispatch:
         for item in items:
             if self.inflight.get(item.pos) != w.wid:
                 continue  # late or duplicate: the seq was handed to another worker
+            wanted = item.pos in self.pending
             self._settle(w, item.pos)
             w.done += 1
-            self.results[item.pos] = item
-        for b in bad:
-            if b.pos is None or self.inflight.get(b.pos) != w.wid:
+            if wanted:
+                self.results[item.pos] = item
+        blamed: List[Tuple[int, str]] = [(b.pos, b.reason) for b in bad if b.pos is not None]
+        if any(b.pos is None for b in bad):
+            # a result that names no seq: every seq this worker holds is charged with it
+            reason = next(b.reason for b in bad if b.pos is None)
+            blamed += [(pos, reason) for run, pos in sorted(w.tasks) if run == self.run]
+        for pos, reason in blamed:
+            if self.inflight.get(pos) != w.wid:
                 continue
-            self._settle(w, b.pos, keep_input=True)
-            self.malformed[b.pos] = self.malformed.get(b.pos, 0) + 1
-            if self.malformed[b.pos] >= self.settings.max_seq_retries:
-                tag = self._tag(b.pos)
+            if pos not in self.pending:
+                self._settle(w, pos)  # dropped meanwhile
+                continue
+            self._settle(w, pos, keep_input=True)
+            self.malformed[pos] = self.malformed.get(pos, 0) + 1
+            if self.malformed[pos] >= self.settings.max_seq_retries:
+                tag = self._tag(pos)
                 return Failure(
                     FailureKind.MAPPER,
-                    f"seq {tag!r}: {self.malformed[b.pos]} malformed results ({b.reason})",
+                    f"seq {tag!r}: {self.malformed[pos]} malformed results ({reason})",
                     seq_tag=tag,
                 )
-            self.avoid[b.pos] = w.wid
-            heapq.heappush(self.todo, b.pos)
+            self.avoid[pos] = w.wid
+            heapq.heappush(self.todo, pos)
         if not any(run == self.run for run, _ in w.tasks):
             w.isolating = False
         return None
@@ -175,11 +211,37 @@ class SeqDispatch:
             heapq.heappush(self.todo, pos)
 
     # ---- delivery -------------------------------------------------------------------------
-    def pop_next(self, out: List[Instruction]) -> Optional[Item]:
-        item = self.results.pop(self.next_out, None)
-        if item is not None:
+    def pop_next(self, out: List[Instruction], room: Callable[[int], bool]) -> Optional[Item]:
+        """The next output in epoch order, if it is there and its rank has room; positions no one
+        wants are passed over (and what was read of them dropped)."""
+        while self.next_out < self.end:
+            pos = self.next_out
+            if pos >= self.read_next:
+                return None  # not asked for yet
+            if pos not in self.requested:
+                self.next_out += 1  # no one wanted it when it came up: never read
+                continue
+            if not self.wanted(pos):
+                self._drop(pos)  # its rank left after it was read
+                self.next_out += 1
+                continue
+            item = self.results.get(pos)
+            if item is None or not room(pos):
+                return None
+            del self.results[pos]
+            self.requested.discard(pos)
             self.next_out += 1
-        return item
+            return item
+        return None
+
+    def _drop(self, pos: int) -> None:
+        """Forget a position (an in-flight task keeps its worker's slot until its result comes)."""
+        self.requested.discard(pos)
+        self.pending.pop(pos, None)
+        self.results.pop(pos, None)
+        self.deaths.pop(pos, None)
+        self.malformed.pop(pos, None)
+        self.avoid.pop(pos, None)
 
     def total(self) -> Optional[int]:
         return self.num_seqs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
     BadItem,
@@ -51,6 +51,7 @@ class Partition:
     deaths: int = 0
     received_at_death: int = -1
     last_tag: Optional[str] = None
+    incarnation: int = 0  # counts the partition's starts; the owner echoes it
 
     def replaying(self) -> bool:
         return self.sent < self.replay_until
@@ -68,6 +69,7 @@ class StreamDispatch:
         self.rr = 0  # the partition whose output the merge takes next
         self.released = 0
         self.tickets = 0
+        self.read_upto = 0  # positions asked of the reader
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: List[Item]) -> None:
@@ -78,30 +80,36 @@ class StreamDispatch:
             part.fed += 1
             if not part.done:  # a stream that ended early never reads its remaining inputs
                 part.queue.append(item)
-
-    def inputs_ended(self, count: int) -> None:
-        self.num_seqs = count
-        self.feed_done = True
+        self.feed_done = self.fed >= self.num_seqs
 
     def read_limit(self, capacity: int) -> int:
         """Read on while a partition that can take inputs has none queued: each hungry partition
         may get what its credit allows; the others queue what comes meanwhile (their streams may
         need that lookahead before they yield)."""
         n = len(self.parts)
-        limit = self.fed
+        limit = self.read_upto
         for part in self.parts:
             if part.wid is None or part.done or part.replaying():
                 continue
             room = part.in_credit - len(part.queue)
             if room <= 0:
                 continue
-            first = self.fed + (part.index - self.fed) % n  # this partition's next position
+            first = self.read_upto + (part.index - self.read_upto) % n  # this partition's next position
             limit = max(limit, first + (room - 1) * n + 1)
         return min(limit, self.num_seqs)
 
-    def starving(self) -> bool:
-        """The stream read limit already counts only partitions that can take inputs now."""
-        return True
+    def requests(self, capacity: int) -> List[int]:
+        """The next positions to read: every input goes to some partition, in epoch order."""
+        limit = self.read_limit(capacity)
+        if limit <= self.read_upto:
+            return []
+        out = list(range(self.read_upto, limit))
+        self.read_upto = limit
+        return out
+
+    def reading_done(self) -> bool:
+        """No partition can need an input again (a partition that restarts replays its inputs)."""
+        return all(part.done for part in self.parts)
 
     def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
         part = self.parts[partition]
@@ -161,23 +169,31 @@ class StreamDispatch:
             choices = [w for w in workers.values() if w.wid != avoid] or list(workers.values())
             w = min(choices, key=lambda w: (len(w.partitions), w.joined))
             part.wid = w.wid
+            part.incarnation += 1
             w.partitions.add((self.run, part.index))
             part.in_credit = self.settings.buf_size
             out.append(
                 ToWorker(
                     w.wid,
-                    StreamOpen(run=self.run, partition=part.index, skip=part.received, credit=self.settings.buf_size),
+                    StreamOpen(
+                        run=self.run,
+                        partition=part.index,
+                        skip=part.received,
+                        credit=self.settings.buf_size,
+                        incarnation=part.incarnation,
+                    ),
                 )
             )
 
-    def owned(self, w: WorkerState, partition: int) -> Optional[Partition]:
+    def owned(self, w: WorkerState, partition: int, incarnation: int) -> Optional[Partition]:
+        """The partition, if `w` runs its current start (`incarnation`): else the message is stale."""
         if not 0 <= partition < len(self.parts):
             return None
         part = self.parts[partition]
-        return part if part.wid == w.wid else None
+        return part if part.wid == w.wid and part.incarnation == incarnation else None
 
-    def acked(self, w: WorkerState, partition: int, n: int) -> None:
-        part = self.owned(w, partition)
+    def acked(self, w: WorkerState, partition: int, incarnation: int, n: int) -> None:
+        part = self.owned(w, partition, incarnation)
         if part is not None:
             part.in_credit += n
 
@@ -185,13 +201,14 @@ class StreamDispatch:
         self,
         w: WorkerState,
         partition: int,
+        incarnation: int,
         items: List[Item],
         bad: List[BadItem],
         workers: Dict[bytes, WorkerState],
         out: List[Instruction],
     ) -> Optional[Failure]:
         """Outputs arrive in stream order; a malformed one (or a gap) restarts the partition elsewhere."""
-        part = self.owned(w, partition)
+        part = self.owned(w, partition, incarnation)
         if part is None:
             return None
         broken = bool(bad)
@@ -214,8 +231,8 @@ class StreamDispatch:
         self._assign(workers, out, avoid=w.wid)
         return None
 
-    def finished(self, w: WorkerState, partition: int) -> None:
-        part = self.owned(w, partition)
+    def finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
+        part = self.owned(w, partition, incarnation)
         if part is None:
             return
         part.done = True
@@ -265,13 +282,17 @@ class StreamDispatch:
                 out.append(ToWorker(part.wid, StreamEnd(run=self.run, partition=part.index)))
 
     # ---- delivery -------------------------------------------------------------------------
-    def pop_next(self, out: List[Instruction]) -> Optional[Item]:
-        """The next output of the round-robin merge, once it is known."""
+    def pop_next(self, out: List[Instruction], room: Callable[[int], bool]) -> Optional[Item]:
+        """The next output of the round-robin merge, once it is known and its rank has room;
+        `item.pos` becomes its position in the epoch."""
         n = len(self.parts)
         for _ in range(n):
             part = self.parts[self.rr]
             if part.outputs:
+                if not room(self.released):
+                    return None
                 item, producer = part.outputs.popleft()
+                item.pos = self.released
                 if part.wid is not None and producer == part.wid:  # credit only for the owner's outputs
                     out.append(ToWorker(part.wid, StreamCredit(run=self.run, partition=part.index, n=1)))
                 self.rr = (self.rr + 1) % n

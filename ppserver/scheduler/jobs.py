@@ -1,0 +1,157 @@
+"""Jobs, runs and lanes: who consumes which part of which epoch.
+
+A job is one training run: `world_size` ranks (DDP processes) that read the same epochs.
+Rank r's shard of an epoch is every position i with i % world_size == r (strided, as
+PyTorch's DistributedSampler does), so all ranks move through the same region of the
+epoch at once and the reader reads one stream. A run is one epoch of a job; it has a lane
+per rank: the rank's client (its data socket), where in the shard it starts, what has been
+released to it and what it has been granted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Union
+
+from ppclient.protocol import Item
+
+from .instructions import ToClient
+from .seqs import SeqDispatch
+from .streams import StreamDispatch
+
+Dispatch = Union[SeqDispatch, StreamDispatch]
+
+
+@dataclass
+class Lane:
+    """Rank `rank`'s part of a run: positions rank, rank + W, ... from index `start` on."""
+
+    rank: int
+    start: int = 0  # index in the shard of the first seq delivered (the ones before are dropped)
+    consumer: Optional[bytes] = None  # the client's data socket; None: the rank has not come (or left)
+    gone: bool = False  # the rank left this run (another epoch, a resume elsewhere, dead): drop its seqs
+    done: bool = False  # End was sent
+    connected: bool = False  # a credit arrived, so the data socket reaches us
+    held: List[ToClient] = field(default_factory=list)  # waiting for the data socket
+    granted: int = 0  # cumulative, from the current consumer
+    delivered: int = 0  # seqs sent to the current consumer
+    delivered_bytes: int = 0
+    released: int = 0  # index in the shard of the next position released (dropped ones included)
+    ready: Deque[Item] = field(default_factory=deque)  # released, to send in this step
+    attached_at: float = 0.0
+
+    @property
+    def credit(self) -> int:
+        return self.granted - self.delivered
+
+    @property
+    def live(self) -> bool:
+        return self.consumer is not None and not self.gone and not self.done
+
+    def attach(self, consumer: bytes, start: int, now: float, world: int) -> None:
+        """A (new) client takes the lane over from index `start` (>= released): what was released
+        for it and not yet delivered is kept, the rest before `start` is dropped."""
+        self.consumer = consumer
+        self.start = start
+        self.attached_at = now
+        self.gone = self.done = self.connected = False
+        self.held = []
+        self.granted = self.delivered = self.delivered_bytes = 0
+        self.ready = deque(item for item in self.ready if item.pos // world >= start)
+
+
+@dataclass
+class Run:
+    """One epoch of a job (or, `solo`, one rank's resume of it behind the job's main run)."""
+
+    run: int
+    job: Job
+    epoch: int
+    requested: float
+    seq_list: Optional[List[str]] = None
+    seq_order: Optional[List[int]] = None
+    solo: Optional[int] = None  # the rank a solo run serves
+    lanes: List[Lane] = field(default_factory=list)
+    dispatch: Optional[Dispatch] = None  # None while the reader prepares the epoch
+    num_seqs: Optional[int] = None  # inputs of the epoch
+    checked: bool = False  # the reader accepted the request
+    started: Optional[float] = None
+    ended: Optional[float] = None
+    state: str = "preparing"  # preparing, running, done, failed, superseded
+    error: Optional[str] = None
+    reading_stopped: bool = False
+    complete_frac: float = 0.0  # stream mode: the largest released so far (never decreases)
+    group: List[Item] = field(default_factory=list)  # stream, drop_last: a group of W not yet complete
+    total: Optional[int] = None  # outputs of the whole epoch, once known
+
+    @property
+    def world(self) -> int:
+        return self.job.world
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("preparing", "running")
+
+    def lane_of(self, pos: int) -> Lane:
+        return self.lanes[pos % self.job.world]
+
+    def wanted(self, pos: int) -> bool:
+        """Whether the output at `pos` goes to anyone (else it is dropped, and in map_seq never read)."""
+        lane = self.lanes[pos % self.job.world]
+        return not lane.gone and pos // self.job.world >= lane.start
+
+    def shard_size(self, rank: int) -> Optional[int]:
+        """Seqs in rank's shard of the epoch (from index 0), once the epoch's output count is known."""
+        if self.total is None:
+            return None
+        w = self.job.world
+        return self.total // w if self.job.drop_last else max(0, -(-(self.total - rank) // w))
+
+    def end(self) -> Optional[int]:
+        """The first position no rank gets: the remainder is dropped with drop_last."""
+        if self.total is None:
+            return None
+        w = self.job.world
+        return self.total // w * w if self.job.drop_last else self.total
+
+
+@dataclass
+class Client:
+    """A client of the job (one data socket, one rank): alive while its keepalives come."""
+
+    rank: int
+    timeout: float
+    alive_at: float
+
+
+@dataclass
+class Job:
+    name: str
+    world: int
+    drop_last: bool
+    runs: Dict[int, Run] = field(default_factory=dict)  # live runs
+    clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
+    finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> ranks that finished it (recent ones)
+
+    def finish(self, epoch: int, rank: int) -> None:
+        self.finished.setdefault(epoch, set()).add(rank)
+        for old in [e for e in self.finished if e < epoch - 2]:
+            del self.finished[old]
+
+    def expects(self, rank: int, epoch: int) -> bool:
+        """Whether a new run of `epoch` should wait for `rank`: not if it finished that epoch, or
+        reads it (a solo run) or a later one elsewhere."""
+        if rank in self.finished.get(epoch, ()):
+            return False
+        return not any(
+            lane.rank == rank and not lane.gone and lane.consumer is not None and run.epoch >= epoch
+            for run in self.runs.values()
+            for lane in run.lanes
+        )
+
+    def describe(self) -> Dict[str, Any]:
+        return {"name": self.name, "world_size": self.world, "drop_last": self.drop_last, "clients": len(self.clients)}
+
+    def lanes_of(self, consumer: bytes) -> List[Tuple[Run, Lane]]:
+        return [(run, lane) for run in self.runs.values() for lane in run.lanes if lane.consumer == consumer]
