@@ -223,8 +223,25 @@ def format_status(st) -> str:
         f"reorder {q.get('reorder_buffer', 0)}  client credit {q.get('client_credit', 0)}",
         f"workers     {st.get('workers_alive')} alive",
     ]
+    if st.get("waiting_for"):
+        lines.append(f"waiting for {st['waiting_for']}")
     if st.get("error"):
         lines.append(f"error       {st['error']}")
+    job = st.get("job")
+    if job:
+        epochs = ", ".join(map(str, job.get("epochs", []))) or "none"
+        lines.append(
+            f"job         {job['name']!r}  world_size {job['world_size']}  drop_last {job['drop_last']}  "
+            f"{job['clients']} live clients  epochs {epochs}"
+        )
+        for r in st.get("ranks", []):
+            size = "?" if r["shard_size"] is None else r["shard_size"]
+            heard = "" if r["last_heard_s"] is None else f"  heard {r['last_heard_s']:.1f} s ago"
+            lines.append(
+                f"  rank {r['rank']:<3} epoch {r['epoch']} (run {r['run']}{', solo' if r['solo'] else ''})  "
+                f"position {r['position']}/{size}  {r['seqs_per_sec']} seqs/s"
+                f"{'  done' if r['done'] else ''}{heard}"
+            )
     if st.get("workers"):
         lines.append(f"  {'host':<20} {'pid':>7} {'done':>8} {'in flight':>9} {'last hb':>8}")
         for w in st["workers"]:

@@ -1,0 +1,358 @@
+"""Several trainers on one epoch, exact resume, one job at a time: real servers, workers and clients.
+
+Each rank is a ppclient.Client (in a thread of this process, or in a subprocess that is killed),
+and every test checks the delivered seqs bit for bit against the unsharded reference epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List
+
+import numpy as np
+import pytest
+from conftest import REPO, assert_same_epoch, collect, numpy_config, reference, run_server, wait_for
+
+import ppclient
+
+MAPPER = """
+def map_seq(seq, *, rng, **kwargs):
+    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5) + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+
+SLOW_MAPPER = """
+import time
+def map_seq(seq, *, rng, **kwargs):
+    time.sleep(0.01)
+    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+
+STREAM_MAPPER = """
+import numpy as np
+def map_seq_stream(seqs, *, epoch, rng, **kwargs):
+    held = None
+    for n, seq in enumerate(seqs):
+        if n % 5 == 4:
+            continue
+        if held is None:
+            held = seq
+            continue
+        yield {
+            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
+            "classes": np.concatenate([held["classes"], seq["classes"]]),
+            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
+            "complete_frac": seq["complete_frac"],
+        }
+        held = None
+    if held is not None:
+        yield held
+"""
+
+
+def shard(want: List[dict], rank: int, world: int, drop_last: bool = True) -> List[dict]:
+    end = len(want) // world * world if drop_last else len(want)
+    return want[rank:end:world]
+
+
+def pull_ranks(address: str, world: int, epoch: int, **client_kw) -> Dict[int, List[dict]]:
+    """Every rank's shard of `epoch`, each rank a client in its own thread (as DDP ranks pull at once)."""
+    got: Dict[int, List[dict]] = {}
+    errors: List[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            with ppclient.Client(address, rank=rank, world_size=world, job="train", timeout=30, **client_kw) as c:
+                it = c.epoch(epoch)
+                seqs = collect(it)
+                assert len(seqs) == len(it) if it.num_seqs is not None else True
+                got[rank] = seqs
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    return got
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_share_one_epoch_bit_identical_to_the_reference(tmp_path, world):
+    cfg = numpy_config(tmp_path, MAPPER, n=43, ordering="laplace:.5", extra="buf_size = 3\n")
+    want = reference(cfg, 2)
+    with run_server(cfg, workers=2) as srv:
+        got = pull_ranks(srv.address, world, 2)
+        with srv.client() as c:
+            st = c.status()
+    for rank in range(world):
+        assert [s["seq_idx"] for s in got[rank]] == [s["seq_idx"] for s in shard(want, rank, world)]
+        assert_same_epoch(got[rank], shard(want, rank, world))
+    tags = [s["seq_tag"] for r in range(world) for s in got[r]]
+    assert len(tags) == len(set(tags)) == 43 // world * world  # disjoint; the remainder dropped
+    assert st["job"]["name"] == "train" and st["job"]["world_size"] == world
+
+
+def test_uneven_shards_without_drop_last_deliver_every_seq(tmp_path):
+    cfg = numpy_config(tmp_path, MAPPER, n=22)
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=2) as srv:
+        got = pull_ranks(srv.address, 4, 1, drop_last=False)
+    assert [len(got[r]) for r in range(4)] == [6, 6, 5, 5]
+    for rank in range(4):
+        assert_same_epoch(got[rank], shard(want, rank, 4, drop_last=False))
+
+
+def test_ranks_in_stream_mode_get_the_merged_outputs_by_position(tmp_path):
+    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=2) as srv:
+        got = pull_ranks(srv.address, 2, 1)
+    for rank in range(2):
+        assert_same_epoch(got[rank], shard(want, rank, 2))
+
+
+def test_a_rank_ahead_by_an_epoch_does_not_disturb_the_others(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER, n=40, ordering="random", extra="buf_size = 2\n")
+    want1, want2 = reference(cfg, 1), reference(cfg, 2)
+    with run_server(cfg, workers=2) as srv:
+        fast = ppclient.Client(srv.address, rank=0, world_size=2, job="train")
+        slow = ppclient.Client(srv.address, rank=1, world_size=2, job="train")
+        try:
+            it0, it1 = fast.epoch(1), slow.epoch(1)
+            got1 = {0: [], 1: []}
+            got1[1] += [next(it1) for _ in range(17)]  # rank 1 is nearly done...
+            got1[0] += collect(it0)  # ...rank 0 finishes epoch 1
+            result: Dict[str, object] = {}
+
+            def next_epoch() -> None:  # and asks for epoch 2 while rank 1 still reads epoch 1
+                it = fast.epoch(2)
+                result["got"] = collect(it)
+
+            t = threading.Thread(target=next_epoch)
+            t.start()
+            time.sleep(0.5)
+            got1[1] += collect(it1)
+            got2_1 = collect(slow.epoch(2))
+            t.join(timeout=60)
+            assert not t.is_alive()
+        finally:
+            fast.close()
+            slow.close()
+    for rank in range(2):
+        assert_same_epoch(got1[rank], shard(want1, rank, 2))
+    assert_same_epoch(result["got"], shard(want2, 0, 2))
+    assert_same_epoch(got2_1, shard(want2, 1, 2))
+
+
+def test_another_job_is_refused_while_the_first_lives_and_accepted_after(tmp_path):
+    cfg = numpy_config(tmp_path, MAPPER, n=12)
+    with run_server(cfg, workers=1) as srv:
+        first = ppclient.Client(srv.address, rank=0, world_size=1, job="train", timeout=5)
+        first_it = first.epoch(1)
+        next(first_it)
+        with ppclient.Client(srv.address, job="eval") as other:
+            with pytest.raises(ppclient.Error, match=r"job 'train'.*must wait"):
+                other.epoch(1)
+            with ppclient.Client(srv.address, job="train", rank=0, world_size=4) as wrong_world:
+                with pytest.raises(ppclient.Error, match="world_size 1"):
+                    wrong_world.epoch(1)
+            first.close()  # the first job's last client leaves: the other job may run now
+            assert_same_epoch(collect(other.epoch(1)), reference(cfg, 1))
+            assert other.status()["job"]["name"] == "eval"
+
+
+def test_a_silent_job_is_replaced_after_its_client_timeout(tmp_path):
+    cfg = numpy_config(tmp_path, MAPPER, n=12)
+    with run_server(cfg, workers=1) as srv:
+        code = (
+            f"import ppclient, os, time\nc = ppclient.Client({srv.address!r}, job='train', timeout=2)\n"
+            "it = c.epoch(1); next(it); print('ready', flush=True); time.sleep(60)"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            with ppclient.Client(srv.address, job="eval") as other:
+                with pytest.raises(ppclient.Error, match="job 'train'"):
+                    other.epoch(1)  # its keepalive thread keeps the trainer alive while it sleeps
+                proc.send_signal(signal.SIGSTOP)  # frozen: no keepalives, no credit
+                start = time.monotonic()
+                got = wait_for(lambda: _try_epoch(other), 15, "the silent job to be replaced")
+                assert time.monotonic() - start >= 1.5
+                assert_same_epoch(got, reference(cfg, 1))
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def _try_epoch(client: ppclient.Client):
+    try:
+        return collect(client.epoch(1))
+    except ppclient.Error as exc:
+        if "job 'train'" in str(exc):
+            return None
+        raise
+
+
+RANK_SCRIPT = """
+import json, os, sys
+import numpy as np
+import ppclient
+address, rank, world, stop_after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, use_state = sys.argv[5], sys.argv[6] == "1"
+state_path = out + ".state"
+c = ppclient.Client(address, rank=rank, world_size=world, job="train", timeout=2)
+state = json.load(open(state_path)) if use_state and os.path.exists(state_path) else None
+it = c.epoch(1, state=state) if state else c.epoch(1)
+n = 0
+for seq in it:
+    np.save(f"{out}-{seq['seq_idx']}.npy", seq["data"])
+    with open(state_path + ".tmp", "w") as f:
+        json.dump(it.state_dict(), f)  # a checkpoint after every step
+    os.replace(state_path + ".tmp", state_path)
+    n += 1
+    if n == stop_after:
+        os.kill(os.getpid(), 9)
+print("done", it.position, flush=True)
+"""
+
+
+def _run_rank(
+    address: str, rank: int, world: int, stop_after: int, out: str, use_state: bool
+) -> subprocess.CompletedProcess:
+    script = os.path.join(os.path.dirname(out), "rank.py")
+    with open(script, "w") as f:
+        f.write(RANK_SCRIPT)
+    return subprocess.run(
+        [sys.executable, script, address, str(rank), str(world), str(stop_after), out, "1" if use_state else "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize("how", ["start", "state_dict"])
+def test_a_killed_rank_resumes_its_shard_while_the_other_runs(tmp_path, how):
+    cfg = numpy_config(tmp_path, MAPPER, n=60, ordering="random", extra="buf_size = 2\n")
+    want = reference(cfg, 1)
+    out = str(tmp_path / "rank1")
+    with run_server(cfg, workers=2) as srv:
+        other: Dict[str, object] = {}
+
+        def rank0() -> None:
+            with ppclient.Client(srv.address, rank=0, world_size=2, job="train") as c:
+                other["got"] = collect(c.epoch(1))
+
+        t = threading.Thread(target=rank0)
+        t.start()
+        killed = _run_rank(srv.address, 1, 2, 11, out, use_state=True)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        state = json.load(open(out + ".state"))
+        assert state["position"] == 11 and state["rank"] == 1 and state["world_size"] == 2
+        if how == "start":
+            with ppclient.Client(srv.address, rank=1, world_size=2, job="train") as c:
+                it = c.epoch(1, start=state["position"])
+                assert len(it) == 30 - 11
+                rest = collect(it)
+            for seq in rest:
+                np.save(f"{out}-{seq['seq_idx']}.npy", seq["data"])
+        else:
+            done = _run_rank(srv.address, 1, 2, -1, out, use_state=True)
+            assert done.returncode == 0 and done.stdout.split() == ["done", "30"], done.stderr
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert_same_epoch(other["got"], shard(want, 0, 2))
+    mine = shard(want, 1, 2)
+    for seq in mine:
+        assert np.array_equal(np.load(f"{out}-{seq['seq_idx']}.npy"), seq["data"]), seq["seq_idx"]
+
+
+def test_resume_in_stream_mode_replays_and_skips(tmp_path):
+    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
+    want = reference(cfg, 3)
+    with run_server(cfg, workers=2) as srv:
+        with srv.client() as c:
+            it = c.epoch(3)
+            first = [next(it) for _ in range(7)]
+            state = it.state_dict()
+        with srv.client() as c:  # a new client (a restarted trainer)
+            rest = collect(c.epoch(state=state))
+    assert state["position"] == 7
+    assert_same_epoch(first + rest, want)
+
+
+def test_conflicting_requests_are_refused_and_disturb_nothing(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER, n=30, extra="buf_size = 2\n")
+    with run_server(cfg, workers=2) as srv:
+        a = ppclient.Client(srv.address, rank=0, world_size=2, job="train")
+        b = ppclient.Client(srv.address, rank=1, world_size=2, job="train")
+        try:
+            ita, itb = a.epoch(1), b.epoch(1)
+            got = {0: [next(ita) for _ in range(3)], 1: [next(itb) for _ in range(3)]}
+            with ppclient.Client(srv.address, rank=1, world_size=2, job="train") as c:
+                with pytest.raises(ppclient.Error, match="at most one epoch apart"):
+                    c.epoch(5)
+                with pytest.raises(ppclient.Error, match="another seq_list"):
+                    c.epoch(1, seq_order=[3, 2, 1])
+            with ppclient.Client(srv.address, rank=0, world_size=3, job="train") as c:
+                with pytest.raises(ppclient.Error, match="world_size 2"):
+                    c.epoch(1)
+            foreign = dict(ita.state_dict(), fingerprint="0123456789abcdef")
+            with ppclient.Client(srv.address, rank=0, world_size=2, job="train") as c:
+                with pytest.raises(ppclient.Error, match="config fingerprint"):
+                    c.epoch(state=foreign)
+            with ppclient.Client(srv.address, rank=1, world_size=2, job="train") as c:
+                with pytest.raises(ppclient.UsageError, match="rank 0"):
+                    c.epoch(state=ita.state_dict())  # rank 0's state for a rank-1 client
+            with pytest.raises(ppclient.UsageError, match="below world_size"):
+                ppclient.Client(srv.address, rank=2, world_size=2)
+            st = a.status()
+            assert sorted(r["rank"] for r in st["ranks"]) == [0, 1]
+            assert {r["epoch"] for r in st["ranks"]} == {1}
+            got[0] += collect(ita)
+            got[1] += collect(itb)
+        finally:
+            a.close()
+            b.close()
+    want = reference(cfg, 1)
+    for rank in range(2):
+        assert_same_epoch(got[rank], shard(want, rank, 2))
+
+
+def test_status_shows_the_job_and_its_ranks(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER, n=30)
+    with run_server(cfg, workers=1) as srv:
+        with (
+            ppclient.Client(srv.address, rank=0, world_size=2, job="train") as a,
+            ppclient.Client(srv.address, rank=1, world_size=2, job="train") as b,
+        ):
+            ita, itb = a.epoch(1), b.epoch(1)
+            [next(ita) for _ in range(3)]
+            [next(itb) for _ in range(2)]
+            res = subprocess.run(
+                [sys.executable, "-m", "ppserver", "status", srv.address],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=REPO,
+            )
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"^job +'train' +world_size 2 +drop_last True +2 live clients +epochs 1$", res.stdout, re.M)
+    # position: the index in the shard up to which seqs were sent (the client buffers its window)
+    for rank, least in ((0, 3), (1, 2)):
+        m = re.search(rf"^  rank {rank} +epoch 1 \(run \d+\) +position (\d+)/15 ", res.stdout, re.M)
+        assert m and int(m.group(1)) >= least, res.stdout
