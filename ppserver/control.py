@@ -73,6 +73,8 @@ class Control:
                     seq_order=msg.seq_order,
                     drop_last=msg.drop_last,
                     timeout=msg.timeout,
+                    subshard=msg.subshard,
+                    subshards=msg.subshards,
                 )
             )
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []

@@ -9,6 +9,7 @@ order, with the bytes the mapper produced.
 
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
@@ -1032,3 +1033,27 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
         assert got == shard[start : start + len(got)], (consumer, got)  # its slice of the shard, in order
         if cluster.session.get(rank) == consumer:
             assert start + len(got) == len(shard), (consumer, "the last client of the rank got to the end")
+
+
+def test_subshards_split_a_rank_and_drop_last_follows_the_ranks():
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    sim.join(b"w2")
+    n, world, parts = 23, 2, 2
+    for rank in range(world):
+        for part in range(parts):
+            c = b"r%d-s%d" % (rank, part)
+            run, _ = sim.request(
+                1, consumer=c, job="train", rank=rank, world_size=world, subshard=part, subshards=parts
+            )
+            sim(ev.CreditGranted, c, run, 100)
+    sim.run = run
+    sim(ev.RunChecked, run)
+    sim(ev.RunStarted, run, 1, n)
+    finish(sim, run)
+    for rank in range(world):
+        lanes = [delivered(sim.out, b"r%d-s%d" % (rank, part)) for part in range(parts)]
+        merged = [p for group in zip_longest(*lanes) for p in group if p is not None]  # a DataLoader's turns
+        assert merged == list(range(rank, 22, world))  # the rank's shard, in order; 22: drop_last of 2 ranks
+    _, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=2, subshard=0, subshards=3)
+    assert "subshards 2" in refusal(out)

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional
+from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import zmq
 
@@ -28,7 +28,7 @@ from .protocol import Channel, Item, Peer
 # The server is alive if something came within this many of its heartbeat intervals.
 KEEPALIVE_MISSES = 2
 ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at most a quarter of its timeout)
-STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last")
+STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last", "subshard")
 
 
 def _int_arg(name: str, value: Any, minimum: int) -> int:
@@ -43,7 +43,9 @@ class Client:
     Each rank gets the seqs at positions i with i % world_size == rank (strided, as PyTorch's
     DistributedSampler), in order; with drop_last (the default) every rank gets the same
     number, the remainder of the epoch being dropped, so DDP ranks take equally many steps.
-    Use as a context manager or call close().
+    `subshard=(i, n)` splits the rank's shard among n readers (a DataLoader's workers): this
+    client takes every n-th seq of it from the i-th on; n readers taken from in turn yield the
+    rank's seqs in their order. Use as a context manager or call close().
 
     Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
     directory or key file, a rank not below world_size) raise UsageError here, before any
@@ -61,6 +63,7 @@ class Client:
         world_size: int = 1,
         job: str = "default",
         drop_last: bool = True,
+        subshard: Tuple[int, int] = (0, 1),
     ):
         self.address = endpoints.check(address, "address")
         _int_arg("window", window, 1)
@@ -74,6 +77,12 @@ class Client:
             raise UsageError(f"job must be a non-empty str, got {job!r}")
         self.job = job
         self.drop_last = bool(drop_last)
+        if not (isinstance(subshard, tuple) and len(subshard) == 2):
+            raise UsageError(f"subshard must be a pair (index, count), got {subshard!r}")
+        self.subshards = _int_arg("subshard count", subshard[1], 1)
+        self.subshard = _int_arg("subshard index", subshard[0], 0)
+        if self.subshard >= self.subshards:
+            raise UsageError(f"subshard index {self.subshard} must be below its count {self.subshards}")
         self.timeout = float(timeout)
         self.window = window
         self.keys = keys
@@ -184,6 +193,8 @@ class Client:
                 drop_last=self.drop_last,
                 timeout=self.timeout,
                 fingerprint=fingerprint,
+                subshard=self.subshard,
+                subshards=self.subshards,
             ),
             protocol.EpochAccepted,
         )
@@ -203,9 +214,16 @@ class Client:
     def _resume(self, state: Dict[str, Any], epoch: Optional[int]) -> Any:
         if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
             raise UsageError(f"state must be a dict from EpochIterator.state_dict() with {', '.join(STATE_KEYS)}")
-        mine = {"job": self.job, "rank": self.rank, "world_size": self.world_size, "drop_last": self.drop_last}
+        mine = {
+            "job": self.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "drop_last": self.drop_last,
+            "subshard": [self.subshard, self.subshards],
+        }
         for key, value in mine.items():
-            if state[key] != value:
+            theirs = list(state[key]) if isinstance(state[key], (list, tuple)) else state[key]
+            if theirs != value:
                 raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
         if epoch is not None and epoch != state["epoch"]:
             raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
@@ -348,6 +366,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             "position": self.position,
             "fingerprint": self.fingerprint,
             "drop_last": self._client.drop_last,
+            "subshard": [self._client.subshard, self._client.subshards],
         }
 
     def __iter__(self) -> EpochIterator:
@@ -384,7 +403,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 raise StopIteration
             self._receive("progress")
         item = self._ready.popleft()
-        expected = self.rank + self.position * self.world_size
+        lanes = self.world_size * self._client.subshards
+        expected = self.rank + self._client.subshard * self.world_size + self.position * lanes
         if item.pos != expected:
             self._raise(
                 Error(

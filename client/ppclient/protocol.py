@@ -97,6 +97,9 @@ class EpochRequest(Message):
 
     The shard holds the positions i with i % world_size == rank; `start` is the index in the
     shard of the first seq wanted (a resume); `drop_last` gives every rank the same count.
+    A rank may split its shard among `subshards` readers (a DataLoader's workers): reader
+    `subshard` takes every subshards-th seq of it, from its subshard-th on; `start` then counts
+    in that part.
     `timeout`: the client's, after which the server may count it gone if it stops sending
     keepalives. `fingerprint`: the config fingerprint a resumed state was made with ("" if none).
     """
@@ -117,6 +120,8 @@ class EpochRequest(Message):
     drop_last: bool = True
     timeout: float = 30.0
     fingerprint: str = ""
+    subshard: int = _nonneg()
+    subshards: int = _positive()
 
 
 @dataclass(frozen=True)

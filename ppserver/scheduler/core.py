@@ -275,21 +275,23 @@ class Scheduler:
             self._attach(main, e, out)
             target = main
         else:
-            target = self._new_run(job, e, solo=e.rank if main is not None else None, out=out)
+            target = self._new_run(job, e, solo=e.lane if main is not None else None, out=out)
         out.append(Reply(e.requester, EpochAccepted(run=target.run)))
 
     def _refusal(self, e: ev.EpochRequested) -> Optional[str]:
         """Why the request cannot be served (one line), or None."""
         if not 0 <= e.rank < e.world_size:
             return f"rank {e.rank} is not below world_size {e.world_size}"
+        if not 0 <= e.subshard < e.subshards:
+            return f"subshard {e.subshard} is not below subshards {e.subshards}"
         job = self.job
         if job is None or not (set(job.clients) - {e.consumer}):
             return None  # no job, or one whose clients are all gone: this request starts a new one
-        if (e.job, e.world_size, e.drop_last) != (job.name, job.world, job.drop_last):
+        if e.job_key != job.key:
             return (
-                f"job {job.name!r} (world_size {job.world}, drop_last {job.drop_last}) is running with "
-                f"{len(job.clients)} live clients; a request of job {e.job!r} (world_size "
-                f"{e.world_size}, drop_last {e.drop_last}) must wait until they are gone"
+                f"job {job.name!r} (world_size {job.world}, drop_last {job.drop_last}, subshards {job.subshards}) "
+                f"is running with {len(job.clients)} live clients; a request of job {e.job!r} (world_size "
+                f"{e.world_size}, drop_last {e.drop_last}, subshards {e.subshards}) must wait until they are gone"
             )
         main = self._main_run(job, e.epoch)
         if main is not None:
@@ -300,7 +302,7 @@ class Scheduler:
         epochs = {
             run.epoch
             for run in job.runs.values()
-            if any(lane.rank != e.rank and not lane.gone and not lane.done for lane in run.lanes)
+            if any(lane.rank != e.lane and not lane.gone and not lane.done for lane in run.lanes)
         }
         if epochs and e.epoch < max(epochs):
             return (
@@ -316,7 +318,7 @@ class Scheduler:
 
     def _job_for(self, e: ev.EpochRequested, out: List[Instruction]) -> Job:
         job = self.job
-        if job is not None and (job.name, job.world, job.drop_last) == (e.job, e.world_size, e.drop_last):
+        if job is not None and job.key == e.job_key:
             return job
         if job is not None:
             log.info(
@@ -328,8 +330,8 @@ class Scheduler:
             )
             for run in list(job.runs.values()):
                 self._supersede(run, e.epoch, out)
-        self.job = Job(e.job, e.world_size, e.drop_last)
-        log.info("job %r: world_size %d, drop_last %s", e.job, e.world_size, e.drop_last)
+        self.job = Job(e.job, e.world_size, e.drop_last, e.subshards)
+        log.info("job %r: world_size %d, drop_last %s, subshards %d", e.job, e.world_size, e.drop_last, e.subshards)
         return self.job
 
     @staticmethod
@@ -342,7 +344,7 @@ class Scheduler:
     @staticmethod
     def _can_attach(run: Run, e: ev.EpochRequested) -> bool:
         """Whether the run will still read, map and release the rank's seqs from `start` on."""
-        lane = run.lanes[e.rank]
+        lane = run.lanes[e.lane]
         if run.dispatch is None:
             return not lane.gone  # nothing read yet: the lane may start anywhere
         if lane.gone:
@@ -352,21 +354,21 @@ class Scheduler:
         return e.start >= lane.released
 
     def _attach(self, run: Run, e: ev.EpochRequested, out: List[Instruction]) -> None:
-        lane = run.lanes[e.rank]
+        lane = run.lanes[e.lane]
         if lane.consumer is not None and lane.consumer != e.consumer and not lane.gone:
             self._to_lane(run, lane, Superseded(run=run.run, epoch=run.epoch), out)
-        lane.attach(e.consumer, e.start, e.now, run.world)
-        run.job.clients[e.consumer] = Client(e.rank, e.timeout, e.now)
+        lane.attach(e.consumer, e.start, e.now, run.width)
+        run.job.clients[e.consumer] = Client(e.lane, e.timeout, e.now)
         log.info(
-            "rank %d of job %r reads epoch %d (run %d) from seq %d of its shard",
-            e.rank,
+            "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
+            run.job.who(e.lane),
             run.job.name,
             run.epoch,
             run.run,
             e.start,
         )
         if run.checked:
-            self._leave_others(run, e.rank, out)
+            self._leave_others(run, e.lane, out)
         if run.dispatch is not None:
             self._to_lane(run, lane, self._started(run, lane), out)
 
@@ -384,8 +386,8 @@ class Scheduler:
         # Ranks that have not come yet are expected where this one starts (DDP ranks resume
         # together), unless they are done with this epoch.
         run.lanes = [
-            Lane(rank=r, start=e.start, gone=r != e.rank and (solo is not None or not job.expects(r, e.epoch)))
-            for r in range(job.world)
+            Lane(rank=r, start=e.start, gone=r != e.lane and (solo is not None or not job.expects(r, e.epoch)))
+            for r in range(job.lanes)
         ]
         job.runs[run.run] = run
         self.runs[run.run] = run
@@ -394,9 +396,9 @@ class Scheduler:
         out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order))
         if solo is not None:
             log.info(
-                "rank %d of job %r resumes epoch %d at seq %d of its shard, behind the job's run: "
+                "%s of job %r resumes epoch %d at seq %d of its shard, behind the job's run: "
                 "run %d reads and maps its shard again",
-                solo,
+                job.who(solo),
                 job.name,
                 e.epoch,
                 e.start,
@@ -426,7 +428,7 @@ class Scheduler:
             if lane.gone:
                 continue
             log.warning(
-                "rank %d of job %r (epoch %d, run %d) gone: client %s", lane.rank, job.name, run.epoch, run.run, why
+                "%s of job %r (epoch %d, run %d) gone: client %s", job.who(lane.rank), job.name, run.epoch, run.run, why
             )
             lane.gone = True
             self._check_finished(run, out)
@@ -459,7 +461,7 @@ class Scheduler:
         if s.stream:
             run.dispatch = StreamDispatch(run.run, run.epoch, e.num_seqs, s)
         else:
-            first = min(((lane.start * run.world + lane.rank) for lane in run.lanes if not lane.gone), default=0)
+            first = min(((lane.start * run.width + lane.rank) for lane in run.lanes if not lane.gone), default=0)
             run.dispatch = SeqDispatch(run.run, e.num_seqs, s, wanted=run.wanted, end=run.end() or 0, first=first)
         log.info("epoch %d started (run %d, %d input seqs)", run.epoch, run.run, e.num_seqs)
         for lane in run.lanes:
@@ -612,17 +614,17 @@ class Scheduler:
     def _room(self, run: Run) -> Callable[[int], bool]:
         """Whether the output at a position may be released now (outputs no one wants always may:
         they are dropped)."""
-        world = run.world
+        width = run.width
         lanes = run.lanes
         group = run.group
 
         def room(pos: int) -> bool:
-            lane = lanes[pos % world]
-            if lane.gone or pos // world < lane.start:
+            lane = lanes[pos % width]
+            if lane.gone or pos // width < lane.start:
                 return True
             if lane.consumer is None:
                 return False  # the rank has not come yet: its seqs wait (and so does the epoch)
-            waiting = len(lane.ready) + sum(1 for it in group if it.pos % world == lane.rank)
+            waiting = len(lane.ready) + sum(1 for it in group if it.pos % width == lane.rank)
             return lane.credit - waiting > 0
 
         return room
@@ -632,7 +634,7 @@ class Scheduler:
         d = run.dispatch
         assert d is not None
         room = self._room(run)
-        world = run.world
+        world = run.job.world  # drop_last works in groups of the ranks
         stream = isinstance(d, StreamDispatch)
         hold = stream and run.job.drop_last and world > 1 and run.total is None
         while True:
@@ -658,8 +660,8 @@ class Scheduler:
                 run.group.clear()
 
     def _to_ready(self, run: Run, item: Item) -> None:
-        lane = run.lanes[item.pos % run.world]
-        index = item.pos // run.world
+        lane = run.lanes[item.pos % run.width]
+        index = item.pos // run.width
         end = run.end()
         lane.released = max(lane.released, index + 1)
         if lane.gone or index < lane.start or (end is not None and item.pos >= end):
@@ -695,8 +697,8 @@ class Scheduler:
                 run.job.finish(run.epoch, lane.rank)
                 self._to_lane(run, lane, End(run=run.run, count=lane.delivered), out)
                 log.info(
-                    "rank %d of job %r finished epoch %d (run %d): %d seqs",
-                    lane.rank,
+                    "%s of job %r finished epoch %d (run %d): %d seqs",
+                    run.job.who(lane.rank),
                     run.job.name,
                     run.epoch,
                     run.run,
@@ -759,7 +761,8 @@ class Scheduler:
                     took = max(now - lane.attached_at, 1e-9)
                     st["ranks"].append(
                         {
-                            "rank": lane.rank,
+                            "rank": lane.rank % job.world,
+                            "subshard": lane.rank // job.world,
                             "epoch": run.epoch,
                             "run": run.run,
                             "solo": run.solo is not None,

@@ -10,7 +10,7 @@ into these; nothing else reaches the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ppclient.protocol import BadItem, Item
 
@@ -135,6 +135,16 @@ class EpochRequested(Event):
     seq_order: Optional[List[int]] = None
     drop_last: bool = True
     timeout: float = 30.0
+    subshard: int = 0
+    subshards: int = 1
+
+    @property
+    def lane(self) -> int:
+        return self.rank + self.subshard * self.world_size
+
+    @property
+    def job_key(self) -> Tuple[str, int, bool, int]:
+        return (self.job, self.world_size, self.drop_last, self.subshards)
 
 
 @dataclass(slots=True)

@@ -3,9 +3,13 @@
 A job is one training run: `world_size` ranks (DDP processes) that read the same epochs.
 Rank r's shard of an epoch is every position i with i % world_size == r (strided, as
 PyTorch's DistributedSampler does), so all ranks move through the same region of the
-epoch at once and the reader reads one stream. A run is one epoch of a job; it has a lane
-per rank: the rank's client (its data socket), where in the shard it starts, what has been
-released to it and what it has been granted.
+epoch at once and the reader reads one stream. A rank may split its shard among
+`subshards` readers (its DataLoader's workers): reader s takes every subshards-th seq of the
+shard from its s-th on. A run is one epoch of a job; it has a lane per reader, lane
+rank + s * world_size of world_size * subshards, which holds positions i with
+i % lanes == lane: the reader's client (its data socket), where it starts, what has been
+released to it and what it has been granted. drop_last drops the epoch's last
+num_seqs % world_size positions, so that every rank gets the same count.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ Dispatch = Union[SeqDispatch, StreamDispatch]
 class Lane:
     """Rank `rank`'s part of a run: positions rank, rank + W, ... from index `start` on."""
 
-    rank: int
-    start: int = 0  # index in the shard of the first seq delivered (the ones before are dropped)
+    rank: int  # the lane's index: rank + subshard * world_size
+    start: int = 0  # index in the lane of the first seq delivered (the ones before are dropped)
     consumer: Optional[bytes] = None  # the client's data socket; None: the rank has not come (or left)
     gone: bool = False  # the rank left this run (another epoch, a resume elsewhere, dead): drop its seqs
     done: bool = False  # End was sent
@@ -49,7 +53,7 @@ class Lane:
     def live(self) -> bool:
         return self.consumer is not None and not self.gone and not self.done
 
-    def attach(self, consumer: bytes, start: int, now: float, world: int) -> None:
+    def attach(self, consumer: bytes, start: int, now: float, lanes: int) -> None:
         """A (new) client takes the lane over from index `start` (>= released): what was released
         for it and not yet delivered is kept, the rest before `start` is dropped."""
         self.consumer = consumer
@@ -58,7 +62,7 @@ class Lane:
         self.gone = self.done = self.connected = False
         self.held = []
         self.granted = self.delivered = self.delivered_bytes = 0
-        self.ready = deque(item for item in self.ready if item.pos // world >= start)
+        self.ready = deque(item for item in self.ready if item.pos // lanes >= start)
 
 
 @dataclass
@@ -86,30 +90,31 @@ class Run:
     total: Optional[int] = None  # outputs of the whole epoch, once known
 
     @property
-    def world(self) -> int:
-        return self.job.world
+    def width(self) -> int:
+        """How many lanes the run has (positions go to lane pos % width)."""
+        return self.job.lanes
 
     @property
     def live(self) -> bool:
         return self.state in ("preparing", "running")
 
     def lane_of(self, pos: int) -> Lane:
-        return self.lanes[pos % self.job.world]
+        return self.lanes[pos % self.job.lanes]
 
     def wanted(self, pos: int) -> bool:
         """Whether the output at `pos` goes to anyone (else it is dropped, and in map_seq never read)."""
-        lane = self.lanes[pos % self.job.world]
-        return not lane.gone and pos // self.job.world >= lane.start
+        lane = self.lanes[pos % self.job.lanes]
+        return not lane.gone and pos // self.job.lanes >= lane.start
 
-    def shard_size(self, rank: int) -> Optional[int]:
-        """Seqs in rank's shard of the epoch (from index 0), once the epoch's output count is known."""
-        if self.total is None:
+    def shard_size(self, lane: int) -> Optional[int]:
+        """Seqs of a lane in the epoch (from index 0), once the epoch's output count is known."""
+        end = self.end()
+        if end is None:
             return None
-        w = self.job.world
-        return self.total // w if self.job.drop_last else max(0, -(-(self.total - rank) // w))
+        return max(0, -(-(end - lane) // self.job.lanes))
 
     def end(self) -> Optional[int]:
-        """The first position no rank gets: the remainder is dropped with drop_last."""
+        """The first position no rank gets: with drop_last, the remainder of world_size."""
         if self.total is None:
             return None
         w = self.job.world
@@ -128,8 +133,9 @@ class Client:
 @dataclass
 class Job:
     name: str
-    world: int
+    world: int  # ranks
     drop_last: bool
+    subshards: int = 1  # readers per rank
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
     finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> ranks that finished it (recent ones)
@@ -150,8 +156,27 @@ class Job:
             for lane in run.lanes
         )
 
+    @property
+    def lanes(self) -> int:
+        return self.world * self.subshards
+
+    def who(self, lane: int) -> str:
+        """A lane in words: "rank 1", or "rank 1 (reader 2 of 4)" with subshards."""
+        rank, part = lane % self.world, lane // self.world
+        return f"rank {rank}" if self.subshards == 1 else f"rank {rank} (reader {part} of {self.subshards})"
+
+    @property
+    def key(self) -> Tuple[str, int, bool, int]:
+        return (self.name, self.world, self.drop_last, self.subshards)
+
     def describe(self) -> Dict[str, Any]:
-        return {"name": self.name, "world_size": self.world, "drop_last": self.drop_last, "clients": len(self.clients)}
+        return {
+            "name": self.name,
+            "world_size": self.world,
+            "drop_last": self.drop_last,
+            "subshards": self.subshards,
+            "clients": len(self.clients),
+        }
 
     def lanes_of(self, consumer: bytes) -> List[Tuple[Run, Lane]]:
         return [(run, lane) for run in self.runs.values() for lane in run.lanes if lane.consumer == consumer]
