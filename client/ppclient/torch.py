@@ -1,0 +1,369 @@
+"""PyTorch: a ppserver epoch as a `torch.utils.data.IterableDataset` (``pip install ./client[torch]``).
+
+    from ppclient.torch import ServerDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = ServerDataset("tcp://trainer:5555", job="asr", batch_frames=20000)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    for epoch in range(1, 11):
+        ds.set_epoch(epoch)                     # as with DistributedSampler
+        for batch in loader:
+            ...                                 # {"data": (B, T, 80), "data:lengths": (B,), "seq_tag": [...], ...}
+
+Rank and world size come from `torch.distributed` when it is initialised, else from the
+RANK and WORLD_SIZE environment variables, else 0 and 1; each rank reads its strided shard.
+Under a DataLoader with k workers, worker w reads every k-th seq of the rank's shard from
+its w-th on (a subshard), so a loader that takes from its workers in turn (batch_size=None)
+yields the rank's seqs in their epoch order; with batching (`batch_frames`), each worker
+batches its own subshard. `state_dict()`/`load_state_dict()` follow the stateful protocol
+of torchdata's StatefulDataLoader: per worker, the epoch and the position in its subshard,
+so a resumed loader delivers exactly what the interrupted one would have delivered next.
+
+Arrays become tensors with `torch.from_numpy`, sharing the received frames (writable with
+pyzmq 27 and later; with older pyzmq a frame is read-only and is copied once, to spare
+PyTorch's warning about non-writable arrays).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .client import Client, EpochIterator
+from .errors import UsageError
+from .wire import META_KEYS
+
+log = logging.getLogger("ppclient.torch")
+
+__all__ = ["ServerDataset", "collate_padded", "rank_and_world"]
+
+
+def rank_and_world() -> Tuple[int, int]:
+    """This process's rank and world size: torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UsageError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} must be integers"
+        ) from None
+
+
+def to_tensors(seq: Dict[str, Any]) -> Dict[str, Any]:
+    """Arrays as tensors sharing their memory; meta entries stay Python values."""
+    out: Dict[str, Any] = {}
+    for key, value in seq.items():
+        if isinstance(value, numpy.ndarray):
+            out[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
+        else:
+            out[key] = value
+    return out
+
+
+def _length(seq: Dict[str, Any], key: Optional[str]) -> int:
+    """Frames of a seq: its `key`'s first axis, or the longest first axis of its arrays."""
+    if key is not None:
+        return int(seq[key].shape[0])
+    return max((int(v.shape[0]) for k, v in seq.items() if k not in META_KEYS and v.ndim), default=1)
+
+
+def collate_padded(seqs: List[Dict[str, Any]], pin_memory: bool = False) -> Dict[str, Any]:
+    """Seqs (tensor dicts) as one batch: every array key padded with zeros to the longest along
+    its first axis, with `key + ":lengths"` (int64); 0-d arrays stacked; meta entries as lists
+    (`seq_idx`, `complete_frac` as tensors)."""
+    batch: Dict[str, Any] = {}
+    first = seqs[0]
+    for key, value in first.items():
+        if key in META_KEYS:
+            continue
+        tensors = [s[key] for s in seqs]
+        if value.dim() == 0:
+            batch[key] = torch.stack(tensors)
+            continue
+        lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+        padded = tensors[0].new_zeros((len(tensors), int(lengths.max()), *value.shape[1:]))
+        for i, t in enumerate(tensors):
+            padded[i, : t.shape[0]] = t
+        batch[key] = padded
+        batch[key + ":lengths"] = lengths
+    if pin_memory:
+        if torch.cuda.is_available():
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        elif not getattr(collate_padded, "_warned", False):
+            collate_padded._warned = True  # type: ignore[attr-defined]
+            log.warning("pin_memory=True but no accelerator is available: batches are not pinned")
+    batch["seq_tag"] = [s.get("seq_tag") for s in seqs]
+    batch["seq_idx"] = torch.tensor([int(s.get("seq_idx", -1)) for s in seqs], dtype=torch.int64)
+    batch["complete_frac"] = torch.tensor([float(s.get("complete_frac", 0.0)) for s in seqs], dtype=torch.float64)
+    return batch
+
+
+def cut(
+    window: List[Dict[str, Any]],
+    batch_frames: Optional[int],
+    max_seqs: Optional[int],
+    length_key: Optional[str],
+    *,
+    sort: bool,
+) -> List[List[Dict[str, Any]]]:
+    """Greedy batches, as RETURNN cuts them: a seq joins the batch while (seqs in it) * (longest
+    one) stays within `batch_frames` and it holds at most `max_seqs`; a seq longer than
+    `batch_frames` is a batch of its own. `sort`: by length first (stably), so that batches hold
+    seqs of similar length (less padding)."""
+    lengths = [_length(s, length_key) for s in window]
+    order = sorted(range(len(window)), key=lambda i: lengths[i]) if sort else list(range(len(window)))
+    out: List[List[Dict[str, Any]]] = []
+    batch: List[Dict[str, Any]] = []
+    longest = 0
+    for i in order:
+        n = lengths[i]
+        fits = (batch_frames is None or (len(batch) + 1) * max(longest, n) <= batch_frames) and (
+            max_seqs is None or len(batch) < max_seqs
+        )
+        if batch and not fits:
+            out.append(batch)
+            batch, longest = [], 0
+        batch.append(window[i])
+        longest = max(longest, n)
+    if batch:
+        out.append(batch)
+    return out
+
+
+class ServerDataset(IterableDataset):
+    """One ppserver epoch per iteration (`set_epoch(n)` picks it), this rank's shard of it.
+
+    Without `batch_frames`/`max_seqs` it yields one seq at a time (a dict of tensors plus
+    `seq_tag`, `seq_idx`, `complete_frac`); use it with `DataLoader(batch_size=None)` or a
+    collate of your own. With them it yields padded batches (see `collate_padded`).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        job: str = "default",
+        epoch: int = 1,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = True,
+        timeout: float = 30.0,
+        window: int = 32,
+        keys: Optional[str] = None,
+        batch_frames: Optional[int] = None,
+        max_seqs: Optional[int] = None,
+        bucket_window: int = 1,
+        length_key: Optional[str] = None,
+        pin_memory: bool = False,
+    ):
+        super().__init__()
+        for name, value in (("batch_frames", batch_frames), ("max_seqs", max_seqs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 1:
+            raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
+        self.address = address
+        self.job = job
+        self.epoch = epoch
+        self._fixed = (rank, world_size)
+        self.rank, self.world_size = self._resolve()
+        self.client_options: Dict[str, Any] = {
+            "timeout": timeout,
+            "window": window,
+            "keys": keys,
+            "drop_last": drop_last,
+        }
+        self.batching = batch_frames is not None or max_seqs is not None
+        self.batch_frames = batch_frames
+        self.max_seqs = max_seqs
+        self.bucket_window = bucket_window
+        self.length_key = length_key
+        self.pin_memory = pin_memory
+        self._resume: Optional[Dict[str, Any]] = None  # where the next iteration starts (a loaded state)
+        self._stream: Optional[_Stream] = None
+        self._client: Optional[Client] = None
+        self._client_key: Optional[Tuple[int, int, int]] = None
+
+    def _resolve(self) -> Tuple[int, int]:
+        rank, world = self._fixed
+        if rank is None or world is None:
+            found = rank_and_world()
+            rank = found[0] if rank is None else rank
+            world = found[1] if world is None else world
+        return rank, world
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (call it before each epoch, as with DistributedSampler)."""
+        self.epoch = epoch
+        self.rank, self.world_size = self._resolve()  # torch.distributed may be initialised by now
+        self._resume = None
+
+    # ---- the stateful protocol (torchdata.stateful_dataloader) --------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        if self._stream is not None:
+            return self._stream.state_dict()
+        return {"epoch": self.epoch, "resume": self._resume}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self._resume = state.get("resume")
+        self._stream = None
+
+    # ---- iteration -----------------------------------------------------------------------
+    def _client_for(self, part: int, parts: int) -> Client:
+        key = (os.getpid(), part, parts)
+        if self._client is None or self._client_key != key:  # a client made in another process is not ours
+            self._client = Client(
+                self.address,
+                rank=self.rank,
+                world_size=self.world_size,
+                job=self.job,
+                subshard=(part, parts),
+                **self.client_options,
+            )
+            self._client_key = key
+        return self._client
+
+    def __iter__(self) -> _Stream:
+        info = get_worker_info()
+        part, parts = (info.id, info.num_workers) if info is not None else (0, 1)
+        self._stream = _Stream(self, part, parts, self.epoch, self._resume)
+        return self._stream
+
+    def close(self) -> None:
+        if self._client is not None and self._client_key is not None and self._client_key[0] == os.getpid():
+            self._client.close()
+        self._client = None
+
+    def __getstate__(self) -> Dict[str, Any]:  # DataLoader workers get the settings, not the sockets
+        state = dict(self.__dict__)
+        state.update(_client=None, _client_key=None, _stream=None)
+        return state
+
+
+class _Stream(Iterator[Any]):
+    """One iteration of a ServerDataset. Opens its epoch lazily, so a loaded state applies first.
+
+    Its state is where a resume starts: the position (in this reader's part of the shard) of
+    the first seq not yet yielded, or, with `bucket_window` N, of the first seq of the current
+    window of N plus the batches of it already yielded (the window is cut again on resume,
+    the same way, and those batches skipped).
+    """
+
+    def __init__(self, ds: ServerDataset, part: int, parts: int, epoch: int, resume: Optional[Dict[str, Any]]):
+        self.ds = ds
+        self.part, self.parts = part, parts
+        self.epoch = epoch
+        self.resume = resume  # an EpochIterator state (plus "skip") to start from
+        self.it: Optional[EpochIterator] = None
+        self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
+        self.skip = 0  # batches of the current window already yielded
+        self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
+        self.queue: List[List[Dict[str, Any]]] = []  # batches of the current window still to yield
+        self.window_size = 0
+        self.finished = False
+
+    def state_dict(self) -> Dict[str, Any]:
+        if self.finished:
+            return {"epoch": self.epoch, "resume": None, "finished": True}
+        if self.it is None:
+            return {"epoch": self.epoch, "resume": self.resume}
+        state = self.it.state_dict()
+        state.update(position=self.position, skip=self.skip)
+        return {"epoch": self.epoch, "resume": state}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self.resume = state.get("resume")
+        self.finished = bool(state.get("finished"))
+        self.it = None
+
+    def _open(self) -> EpochIterator:
+        client = self.ds._client_for(self.part, self.parts)
+        resume = self.resume
+        if resume is not None and list(resume.get("subshard", [0, 1])) == [self.part, self.parts]:
+            it = client.epoch(state=resume)
+            self.skip = int(resume.get("skip", 0))
+        else:
+            it = client.epoch(self.epoch)
+            self.skip = 0
+        self.position = it.start
+        self.it = it
+        return it
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> Any:
+        if self.finished:
+            raise StopIteration
+        it = self.it if self.it is not None else self._open()
+        try:
+            item = self._next(it)
+        except StopIteration:
+            self.finished = True
+            self.ds.close()
+            raise
+        return item
+
+    def _next(self, it: EpochIterator) -> Any:
+        ds = self.ds
+        if not ds.batching:
+            seq = to_tensors(next(it))
+            self.position += 1
+            return _pinned(seq) if ds.pin_memory else seq
+        if ds.bucket_window == 1:
+            return collate_padded(self._greedy(it), pin_memory=ds.pin_memory)
+        if not self.queue:
+            window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
+            if not window:
+                raise StopIteration
+            self.window_size = len(window)
+            self.queue = cut(window, ds.batch_frames, ds.max_seqs, ds.length_key, sort=True)[self.skip :]
+        batch = self.queue.pop(0)
+        self.skip += 1
+        if not self.queue:  # the window is all yielded: a resume starts after it
+            self.position += self.window_size
+            self.skip = self.window_size = 0
+        return collate_padded(batch, pin_memory=ds.pin_memory)
+
+    def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
+        """The next batch, cut as the seqs come; the seq that does not fit waits for the next one."""
+        ds = self.ds
+        while True:
+            try:
+                self.pending.append(to_tensors(next(it)))
+            except StopIteration:
+                if not self.pending:
+                    raise
+                batch, self.pending = self.pending, []
+                break
+            parts = cut(self.pending, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
+            if len(parts) > 1:
+                batch, self.pending = parts[0], [s for p in parts[1:] for s in p]
+                break
+        self.position += len(batch)
+        return batch
+
+
+def _pinned(seq: Dict[str, Any]) -> Dict[str, Any]:
+    if not torch.cuda.is_available():
+        return seq
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in seq.items()}
+
+
+def _take(it: Iterator[Dict[str, Any]], n: int) -> List[Dict[str, Any]]:
+    out = []
+    for seq in it:
+        out.append(seq)
+        if len(out) == n:
+            break
+    return out
