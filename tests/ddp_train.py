@@ -64,7 +64,7 @@ def main() -> int:
         opt.zero_grad()
         loss.backward()  # the gradients are averaged across the ranks here
         opt.step()
-        log.write(json.dumps({"step": step, "tags": batch["seq_tag"], "loss": float(loss)}) + "\n")
+        log.write(json.dumps({"step": step, "tags": batch["seq_tag"], "loss": float(loss.detach())}) + "\n")
         log.flush()
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
