@@ -119,6 +119,9 @@ def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
         for axis, (got, want) in enumerate(zip(value.shape, shape)):
             if want is not None and got != want:
                 raise MappingError(f"dim {axis} mismatch for {key!r}: got {got}, expected {want}", tag)
+        sparse = tpl.get("sparse_dim")
+        if sparse is not None and value.size and (value.min() < 0 or value.max() >= sparse):
+            raise MappingError(f"{key!r} holds class indices outside [0, {sparse}) (its sparse_dim)", tag)
     cf = seq.get("complete_frac")
     if cf is not None and not 0.0 <= float(cf) <= 1.0:
         raise MappingError(f"complete_frac must be in [0, 1], got {cf}", tag)

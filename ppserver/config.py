@@ -111,6 +111,10 @@ def load_config(path: str) -> Config:
     except OSError as exc:
         raise ConfigError("config", f"{path!r} cannot be read: {exc.strerror}") from None
     namespace: Dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__ppserver_config__"}
+    # Modules next to the config import as they would in RETURNN ("mymod:MyDataset", helpers).
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         exec(compile(source, path, "exec"), namespace)
     except Exception as exc:
@@ -227,6 +231,13 @@ def _check_map_outputs(map_outputs) -> Optional[Dict[str, Dict[str, Any]]]:
         if dtype.itemsize == 0:
             raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5'")
         out[key] = {"shape": list(shape), "dtype": dtype_text(dtype)}
+        sparse = spec.get("sparse_dim")
+        if sparse is not None:
+            if isinstance(sparse, bool) or not isinstance(sparse, int) or sparse < 1:
+                raise ConfigError("map_outputs", f"{key!r}: 'sparse_dim' must be an int >= 1, got {sparse!r}")
+            if dtype.kind not in "iu":
+                raise ConfigError("map_outputs", f"{key!r}: a sparse key (class indices) needs an integer dtype")
+            out[key]["sparse_dim"] = sparse
     return out
 
 

@@ -219,8 +219,14 @@ class Dataset:
 
     @property
     def num_seqs(self) -> int:
-        """Number of seqs in the current epoch; raises RuntimeError before init_seq_order()."""
+        """Number of seqs in the current epoch; raises RuntimeError before init_seq_order().
+
+        A dataset that cannot tell in advance returns None and answers `is_less_than_num_seqs`
+        instead: the reader then reads until it says no."""
         return len(self._require_order())
+
+    def is_less_than_num_seqs(self, n: int) -> bool:
+        return n < self.num_seqs
 
     def get_seq(self, pos: int) -> dict[str, Any]:
         order = self._require_order()

@@ -276,9 +276,14 @@ class Reader(threading.Thread):
                 return
             self.epoch_args = cmd.args
         self.runs[cmd.run] = deque()
+        num_seqs = self.dataset.num_seqs
         self._emit(
             ev.RunStarted(
-                time.monotonic(), cmd.run, cmd.epoch, int(self.dataset.num_seqs), check_tags=cmd.seq_list is not None
+                time.monotonic(),
+                cmd.run,
+                cmd.epoch,
+                None if num_seqs is None else int(num_seqs),
+                check_tags=cmd.seq_list is not None,
             )
         )
 
@@ -292,9 +297,16 @@ class Reader(threading.Thread):
         self.rr += 1
         positions = self.runs[run]
         get_seq, commands, out, monotonic = self.dataset.get_seq, self.commands, self.out, time.monotonic
+        counted = self.dataset.num_seqs is not None
         try:
             while positions:
                 pos = positions[0]
+                if not counted and not self._call(
+                    "is_less_than_num_seqs", pos, self.dataset.is_less_than_num_seqs, pos
+                ):
+                    positions.clear()  # the epoch ends here
+                    self._emit(ev.InputsEnded(monotonic(), run, pos))
+                    break
                 self.busy = ("get_seq", pos, monotonic())
                 item = seq_to_item(get_seq(pos), pos)
                 self.busy = None
@@ -307,7 +319,7 @@ class Reader(threading.Thread):
                     break
         except Exception as exc:
             self.busy = None
-            log.error("reading the dataset failed in run %d: %s", run, exc)
+            log.exception("reading the dataset failed in run %d", run)
             self._emit(ev.ReadFailed(monotonic(), run, f"dataset failed: {_message(exc)}", traceback.format_exc()))
             self.runs.pop(run, None)
             return

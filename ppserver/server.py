@@ -69,7 +69,7 @@ class Server:
         # Everything the I/O thread needs from the dataset is read now, before serving.
         try:
             self.in_templates = self.dataset.data_keys()
-            self.total_num_seqs = self.dataset.total_num_seqs
+            self.total_num_seqs = getattr(self.dataset, "total_num_seqs", None)
         except ConfigError:
             raise
         except Exception as exc:

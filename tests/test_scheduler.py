@@ -1057,3 +1057,28 @@ def test_subshards_split_a_rank_and_drop_last_follows_the_ranks():
         assert merged == list(range(rank, 22, world))  # the rank's shard, in order; 22: drop_last of 2 ranks
     _, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=2, subshard=0, subshards=3)
     assert "subshards 2" in refusal(out)
+
+
+@pytest.mark.parametrize("world, drop_last", [(1, True), (2, True), (2, False)])
+def test_an_epoch_whose_count_is_learnt_by_reading(world, drop_last):
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    sim.join(b"w2")
+    for rank in range(world):
+        run, _ = sim.request(1, consumer=b"r%d" % rank, job="j", rank=rank, world_size=world, drop_last=drop_last)
+        sim(ev.CreditGranted, b"r%d" % rank, run, 100)
+    sim.run = run
+    sim(ev.RunChecked, run)
+    out = sim(ev.RunStarted, run, 1, None)
+    assert {i.msg.num_seqs for i in client_msgs(out, protocol.Started)} == {None}
+    asked = reads(sim.out)
+    assert asked == list(range(len(asked))) and len(asked) >= 7  # it reads on without knowing the end
+    sim.feed(range(7), run=run)
+    sim(ev.InputsEnded, run, 7)  # the dataset has 7 seqs
+    finish(sim, run)
+    end = 6 if drop_last and world == 2 else 7
+    for rank in range(world):
+        assert delivered(sim.out, b"r%d" % rank) == list(range(rank, end, world))
+    ends = {i.consumer: i.msg.count for i in client_msgs(sim.out, protocol.End)}
+    assert ends == {b"r%d" % r: len(range(r, end, world)) for r in range(world)}
+    assert run not in sim.s.runs

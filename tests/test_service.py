@@ -17,6 +17,7 @@ from conftest import (
     collect,
     collect_with,
     numpy_config,
+    read,
     reference,
     run_server,
     wait_for,
@@ -483,20 +484,22 @@ def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
             return {"data": {"shape": [None, 2], "dtype": "float32"}}
     """
     data_mod = write_config(tmp_path, body, name="flaky_data.py")
-    cfg = write_config(
+    assert os.path.dirname(data_mod) == str(tmp_path)
+    cfg = write_config(  # the module next to the config imports without sys.path changes
         tmp_path,
-        f"""
-    import sys
-    sys.path.insert(0, {os.path.dirname(data_mod)!r})
-    dataset = {{"class": "flaky_data:Flaky"}}
+        """
+    dataset = {"class": "flaky_data:Flaky"}
     def map_seq(seq, **kwargs):
         return seq
     """,
     )
-    with run_server(cfg, workers=1) as srv, srv.client(timeout=10) as c:
-        with pytest.raises(ppclient.Error, match="disk gone"):
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv, srv.client(timeout=10) as c:
+        with pytest.raises(ppclient.DatasetError, match="disk gone") as info:
             collect(c.epoch(1))
+        assert "_load" in info.value.remote_traceback and "OSError: disk gone" in info.value.remote_traceback
         assert c.status()["state"] == "failed"
+    assert "disk gone" in read(slog) and "Traceback" in read(slog)
 
 
 @pytest.mark.parametrize(

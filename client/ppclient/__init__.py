@@ -2,13 +2,14 @@
 
 from ._version import __version__
 from .client import Client, EpochIterator
-from .errors import Error, MapperError, ServerUnavailable, Superseded, UsageError
+from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
 from .protocol import PROTOCOL
 
 __all__ = [
     "Client",
     "EpochIterator",
     "Error",
+    "DatasetError",
     "MapperError",
     "ServerUnavailable",
     "Superseded",

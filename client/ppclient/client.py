@@ -22,7 +22,7 @@ from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple
 import zmq
 
 from . import endpoints, keyfiles, protocol
-from .errors import Error, MapperError, ServerUnavailable, Superseded, UsageError
+from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
 from .protocol import Channel, Item, Peer
 
 # The server is alive if something came within this many of its heartbeat intervals.
@@ -463,6 +463,12 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._done = True
             if msg.failure == protocol.FailureKind.MAPPER.value:
                 self._raise(MapperError(msg.message, seq_tag=msg.seq_tag, remote_traceback=msg.traceback))
+            if msg.failure == protocol.FailureKind.DATASET.value:
+                self._raise(
+                    DatasetError(
+                        f"epoch {self.epoch} failed on the server: {msg.message}", remote_traceback=msg.traceback
+                    )
+                )
             if msg.failure == protocol.FailureKind.REQUEST.value:
                 self._raise(Error(f"cannot start epoch {self.epoch}: {msg.message}"))
             self._raise(Error(f"epoch {self.epoch} failed on the server: {msg.message}"))

@@ -21,6 +21,14 @@ class Superseded(Error):
     """Another request (of this or another client) started a newer epoch; this one ended."""
 
 
+class DatasetError(Error):
+    """The server's dataset raised (reading, or setting the epoch up); `remote_traceback` says where."""
+
+    def __init__(self, message: str, *, remote_traceback: str = ""):
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
 class MapperError(Error):
     """A mapper raised on the server (or its output failed validation)."""
 

@@ -89,6 +89,7 @@ class Scheduler:
             ev.RunRejected: self._on_run_rejected,
             ev.RunStarted: self._on_run_started,
             ev.InputsRead: self._on_inputs,
+            ev.InputsEnded: self._on_inputs_ended,
             ev.ReplayRead: self._on_replay,
             ev.ReadFailed: lambda e, out: self._fail_id(
                 e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
@@ -462,8 +463,9 @@ class Scheduler:
             run.dispatch = StreamDispatch(run.run, run.epoch, e.num_seqs, s)
         else:
             first = min(((lane.start * run.width + lane.rank) for lane in run.lanes if not lane.gone), default=0)
-            run.dispatch = SeqDispatch(run.run, e.num_seqs, s, wanted=run.wanted, end=run.end() or 0, first=first)
-        log.info("epoch %d started (run %d, %d input seqs)", run.epoch, run.run, e.num_seqs)
+            run.dispatch = SeqDispatch(run.run, e.num_seqs, s, wanted=run.wanted, end=run.end(), first=first)
+        count = "an unknown number of" if e.num_seqs is None else str(e.num_seqs)
+        log.info("epoch %d started (run %d, %s input seqs)", run.epoch, run.run, count)
         for lane in run.lanes:
             if lane.consumer is not None and not lane.gone:
                 self._to_lane(run, lane, self._started(run, lane), out)
@@ -483,6 +485,23 @@ class Scheduler:
         run = self.runs.get(e.run)
         if run is not None and run.dispatch is not None:
             run.dispatch.add_inputs(e.items)
+
+    def _on_inputs_ended(self, e: ev.InputsEnded, out: List[Instruction]) -> None:
+        run = self.runs.get(e.run)
+        if run is None or run.dispatch is None:
+            return
+        s = self.settings
+        run.num_seqs = e.count
+        if isinstance(run.dispatch, StreamDispatch):
+            run.dispatch.inputs_ended(e.count)
+            if s.preserves_num_seqs:
+                run.total = e.count
+        else:
+            run.total = e.count
+            end = run.end()
+            assert end is not None
+            run.dispatch.inputs_ended(e.count, end)
+        log.info("epoch %d (run %d) has %d input seqs", run.epoch, run.run, e.count)
 
     def _on_replay(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, StreamDispatch)
@@ -636,7 +655,8 @@ class Scheduler:
         room = self._room(run)
         world = run.job.world  # drop_last works in groups of the ranks
         stream = isinstance(d, StreamDispatch)
-        hold = stream and run.job.drop_last and world > 1 and run.total is None
+        # with drop_last and the count not known yet, a group of W goes out only once complete
+        hold = run.job.drop_last and world > 1 and run.total is None
         while True:
             item = d.pop_next(out, room)
             if item is None:
@@ -644,20 +664,19 @@ class Scheduler:
             if stream:
                 self._clamp(run, item)
             if hold:
-                run.group.append(item)  # with drop_last, a group of W goes out only once it is complete
+                run.group.append(item)
                 if len(run.group) == world:
                     for it in run.group:
                         self._to_ready(run, it)
                     run.group.clear()
             else:
                 self._to_ready(run, item)
-        if stream:
-            total = d.total()
-            if total is not None and run.total is None:
-                run.total = total
-                for it in run.group:  # a complete epoch: the group is in (it is in end()) or dropped
-                    self._to_ready(run, it)
-                run.group.clear()
+        if stream and run.total is None:
+            run.total = d.total()
+        if run.total is not None and run.group:
+            for it in run.group:  # the epoch's count is known: the group is in end() or dropped
+                self._to_ready(run, it)
+            run.group.clear()
 
     def _to_ready(self, run: Run, item: Item) -> None:
         lane = run.lanes[item.pos % run.width]

@@ -169,7 +169,7 @@ class RunStarted(Event):
 
     run: int
     epoch: int
-    num_seqs: int
+    num_seqs: Optional[int]  # None: the dataset learns its count by reading (see InputsEnded)
     check_tags: bool = False
 
 
@@ -177,6 +177,15 @@ class RunStarted(Event):
 class InputsRead(Event):
     run: int
     items: List[Item]
+
+
+@dataclass(slots=True)
+class InputsEnded(Event):
+    """A dataset whose count was not known in advance has no seq at `count`: the epoch has
+    `count` inputs, and the positions asked for from there on will not come."""
+
+    run: int
+    count: int
 
 
 @dataclass(slots=True)

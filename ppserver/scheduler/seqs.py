@@ -25,13 +25,20 @@ from .workers import WorkerState
 
 class SeqDispatch:
     def __init__(
-        self, run: int, num_seqs: int, settings: Settings, *, wanted: Callable[[int], bool], end: int, first: int = 0
+        self,
+        run: int,
+        num_seqs: Optional[int],
+        settings: Settings,
+        *,
+        wanted: Callable[[int], bool],
+        end: Optional[int],
+        first: int = 0,
     ):
         self.run = run
         self.num_seqs = num_seqs
         self.settings = settings
         self.wanted = wanted
-        self.end = end  # positions from here on go to no one (drop_last)
+        self.end = end  # positions from here on go to no one (drop_last); None: not known yet
         self.read_next = first  # the next position to consider reading
         self.requested: Set[int] = set()  # read or asked for, not yet released or dropped
         self.awaiting = 0  # asked for, not yet arrived
@@ -64,7 +71,7 @@ class SeqDispatch:
         ahead of delivery."""
         window = capacity + self.settings.read_slack
         out: List[int] = []
-        while self.read_next < self.end and len(self.requested) < window:
+        while (self.end is None or self.read_next < self.end) and len(self.requested) < window:
             pos = self.read_next
             self.read_next += 1
             if self.wanted(pos):
@@ -75,7 +82,18 @@ class SeqDispatch:
 
     def reading_done(self) -> bool:
         """Everything wanted has been read: the reader may move on to another epoch."""
-        return self.read_next >= self.end and self.awaiting == 0
+        return self.end is not None and self.read_next >= self.end and self.awaiting == 0
+
+    def inputs_ended(self, count: int, end: int) -> None:
+        """The dataset has `count` seqs (it could not say so in advance); `end`: the first position
+        no rank gets (drop_last)."""
+        self.num_seqs = count
+        for pos in [p for p in self.requested if p >= count]:  # asked for, but they do not exist
+            self.requested.discard(pos)
+            self.awaiting -= 1
+        self.end = end
+        for pos in [p for p in self.requested if p >= end]:
+            self._drop(pos)
 
     # ---- workers --------------------------------------------------------------------------
     def assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
@@ -214,7 +232,7 @@ class SeqDispatch:
     def pop_next(self, out: List[Instruction], room: Callable[[int], bool]) -> Optional[Item]:
         """The next output in epoch order, if it is there and its rank has room; positions no one
         wants are passed over (and what was read of them dropped)."""
-        while self.next_out < self.end:
+        while self.end is None or self.next_out < self.end:
             pos = self.next_out
             if pos >= self.read_next:
                 return None  # not asked for yet

@@ -58,7 +58,7 @@ class Partition:
 
 
 class StreamDispatch:
-    def __init__(self, run: int, epoch: int, num_seqs: int, settings: Settings):
+    def __init__(self, run: int, epoch: int, num_seqs: Optional[int], settings: Settings):
         self.run = run
         self.epoch = epoch
         self.num_seqs = num_seqs  # inputs
@@ -80,7 +80,11 @@ class StreamDispatch:
             part.fed += 1
             if not part.done:  # a stream that ended early never reads its remaining inputs
                 part.queue.append(item)
-        self.feed_done = self.fed >= self.num_seqs
+        self.feed_done = self.num_seqs is not None and self.fed >= self.num_seqs
+
+    def inputs_ended(self, count: int) -> None:
+        self.num_seqs = count
+        self.feed_done = self.fed >= count
 
     def read_limit(self, capacity: int) -> int:
         """Read on while a partition that can take inputs has none queued: each hungry partition
@@ -96,7 +100,7 @@ class StreamDispatch:
                 continue
             first = self.read_upto + (part.index - self.read_upto) % n  # this partition's next position
             limit = max(limit, first + (room - 1) * n + 1)
-        return min(limit, self.num_seqs)
+        return limit if self.num_seqs is None else min(limit, self.num_seqs)
 
     def requests(self, capacity: int) -> List[int]:
         """The next positions to read: every input goes to some partition, in epoch order."""
