@@ -230,14 +230,15 @@ def _check_map_outputs(map_outputs) -> Optional[Dict[str, Dict[str, Any]]]:
             )
         if dtype.itemsize == 0:
             raise ConfigError("map_outputs", f"{key!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5'")
-        out[key] = {"shape": list(shape), "dtype": dtype_text(dtype)}
+        entry: Dict[str, Any] = {"shape": list(shape), "dtype": dtype_text(dtype)}
+        out[key] = entry
         sparse = spec.get("sparse_dim")
         if sparse is not None:
             if isinstance(sparse, bool) or not isinstance(sparse, int) or sparse < 1:
                 raise ConfigError("map_outputs", f"{key!r}: 'sparse_dim' must be an int >= 1, got {sparse!r}")
             if dtype.kind not in "iu":
                 raise ConfigError("map_outputs", f"{key!r}: a sparse key (class indices) needs an integer dtype")
-            out[key]["sparse_dim"] = sparse
+            entry["sparse_dim"] = sparse
     return out
 
 
