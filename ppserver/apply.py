@@ -90,8 +90,16 @@ def dtype_text(dtype: numpy.dtype) -> str:
     return dtype.str
 
 
+STRING = "string"  # a template dtype: str arrays of any length (RETURNN's "string", e.g. OggZip's "raw")
+
+
 def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
-    """Check a mapper output against the output templates; the error names the key."""
+    """Check a mapper output against the output templates; the error names the key.
+
+    A template is ``{"shape": [None | int, ...], "dtype": str}`` with optional
+    ``"sparse_dim": int`` (values are class indices below it) and ``"labels": [str]``
+    (its vocabulary, as long as sparse_dim). None marks an axis that varies across seqs.
+    """
     tag = seq.get("seq_tag") if isinstance(seq, dict) else None
     if not isinstance(seq, dict):
         raise MappingError(f"mapper must return a dict, got {type(seq).__name__}")
@@ -111,6 +119,12 @@ def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
             raise MappingError(
                 f"ndim mismatch for {key!r}: got {value.ndim}, expected {len(shape)} (shape {tuple(shape)})", tag
             )
+        if tpl["dtype"] == STRING:
+            if value.dtype.kind != "U":
+                raise MappingError(
+                    f"dtype mismatch for {key!r}: got {dtype_text(value.dtype)}, expected a str array", tag
+                )
+            continue
         want_dtype = _dtype(tpl["dtype"])
         if _native_dtype(value.dtype) != want_dtype:
             raise MappingError(

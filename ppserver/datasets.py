@@ -542,6 +542,12 @@ class DemoDataset(Dataset):
 # ---- factory --------------------------------------------------------------------------------
 
 BUILTIN_DATASETS: dict[str, type[Dataset]] = {"NumpyDataset": NumpyDataset, "DemoDataset": DemoDataset}
+# Built-in classes in modules of their own, imported only when a config names them (their
+# optional dependencies, h5py and RETURNN, are needed only then).
+LAZY_DATASETS = {
+    "HDFDataset": "ppserver.hdf:HDFDataset",
+    "returnn": "ppserver.returnn_dataset:ReturnnDataset",
+}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -574,11 +580,15 @@ def make_dataset(spec: dict, *, order_seed: int = 0) -> Dataset:
         raise ConfigError("dataset", f"'class' must be a string, got {type(name).__name__}")
     if name in BUILTIN_DATASETS:
         cls = BUILTIN_DATASETS[name]
+    elif name in LAZY_DATASETS:
+        cls = _import_class(LAZY_DATASETS[name])
     elif ":" in name:
         cls = _import_class(name)
     else:
         raise ConfigError(
-            "dataset", f"unknown class {name!r}; use one of {', '.join(BUILTIN_DATASETS)} or 'package.module:Name'"
+            "dataset",
+            f"unknown class {name!r}; use one of {', '.join([*BUILTIN_DATASETS, *LAZY_DATASETS])}"
+            " or 'package.module:Name'",
         )
     if not (isinstance(cls, type) and issubclass(cls, Dataset)):
         raise ConfigError("dataset", f"class {name!r} is not a subclass of ppserver.datasets.Dataset")
