@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -30,7 +30,19 @@ __all__ = [
 ]
 
 META_KEYS = ("seq_tag", "seq_idx", "complete_frac")
-SEQ_ORDERINGS = ("default", "reverse", "sorted", "sorted_reverse", "random", "laplace", "laplace:N", "laplace:.N")
+# As in RETURNN's Dataset.get_seq_order_for_epoch. X is M (M bins) or .M (about M seqs per bin);
+# :N makes N consecutive full epochs share one shuffle.
+SEQ_ORDERINGS = (
+    "default",
+    "reverse",
+    "sorted",
+    "sorted_reverse",
+    "random[:N]",
+    "laplace[:X[:N]]",
+    "sort_bin_shuffle[:X[:N]]",
+    "sort_bin_shuffle_x2[:X[:N]]",
+)
+_MAX_SEED = 2**32 - 1  # numpy.random.RandomState takes seeds in [0, 2**32)
 
 
 class UnknownSeqTagError(ValueError, KeyError):
@@ -43,44 +55,108 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _parse_seq_ordering(value: Any) -> tuple[str, int | None, bool]:
-    """Returns (kind, n, n_is_per_bin) so bad orderings fail at construction, not at the first epoch."""
+class _Ordering(NamedTuple):
+    """A parsed seq_ordering. bins: the bin count, or seqs per bin if per_bin (None: 2 bins);
+    nth: how many consecutive full epochs share one seed."""
+
+    kind: str
+    bins: int | None = None
+    per_bin: bool = False
+    nth: int = 1
+
+    def num_bins(self, n: int) -> int:
+        if self.bins is None:
+            return 2
+        return max(n // self.bins, 2) if self.per_bin else self.bins
+
+
+def _positive(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() and int(text) >= 1 else None
+
+
+def _parse_seq_ordering(value: Any) -> _Ordering:
+    """Parse once so that bad orderings fail at construction, not at the first epoch."""
     if not isinstance(value, str):
         raise ConfigError("seq_ordering", f"must be a string, got {type(value).__name__}")
-    if value in ("default", "reverse", "sorted", "sorted_reverse", "random", "laplace"):
-        return value, None, False
-    if value.startswith("laplace:"):
-        arg = value[len("laplace:") :]
-        per_bin = arg.startswith(".")
-        digits = arg[1:] if per_bin else arg
-        if digits.isdigit() and int(digits) >= 1:
-            return "laplace", int(digits), per_bin
+    if value in ("default", "reverse", "sorted", "sorted_reverse"):
+        return _Ordering(value)
+    kind, *args = value.split(":")
+    if kind == "random" and len(args) <= 1:
+        nth = _positive(args[0]) if args else 1
+        if nth is not None:
+            return _Ordering(kind, nth=nth)
+        raise ConfigError("seq_ordering", f"bad spec {value!r}; use 'random' or 'random:N' (N >= 1 epochs per seed)")
+    if kind in ("laplace", "sort_bin_shuffle", "sort_bin_shuffle_x2") and len(args) <= 2:
+        bins, per_bin, bins_ok = None, False, True
+        if args:
+            per_bin = args[0].startswith(".")
+            bins = _positive(args[0][1:] if per_bin else args[0])
+            bins_ok = bins is not None
+        nth = _positive(args[1]) if len(args) == 2 else 1
+        if bins_ok and nth is not None:
+            return _Ordering(kind, bins, per_bin, nth)
         raise ConfigError(
             "seq_ordering",
-            f"bad laplace spec {value!r}; use 'laplace:N' (N bins) or 'laplace:.N' (N seqs per bin), N >= 1",
+            f"bad spec {value!r}; use '{kind}', '{kind}:N' (N bins), '{kind}:.N' (about N seqs per bin),"
+            " each optionally followed by ':M' (M >= 1 epochs per seed)",
         )
     raise ConfigError("seq_ordering", f"unknown ordering {value!r}; expected one of {', '.join(SEQ_ORDERINGS)}")
 
 
-def epoch_random_seed(order_seed: int, epoch: int) -> int:
-    """Seed for the epoch's permutation; mixes both so neighbouring seeds/epochs are unrelated."""
-    return int(np.random.SeedSequence([int(order_seed), int(epoch)]).generate_state(1)[0])
+def epoch_random_seed(
+    order_seed: int, epoch: int, *, nth: int = 1, partition_epoch: int = 1, fixed_random_seed: int | None = None
+) -> int:
+    """RETURNN's seed for the epoch's shuffling (order_seed is its random_seed_offset).
+
+    Epoch 0 counts as 1; all sub-epochs of one partitioned full epoch share a seed, and so do
+    `nth` consecutive full epochs.
+    """
+    if fixed_random_seed is not None:
+        return int(fixed_random_seed)
+    seed = int(epoch) or 1
+    if partition_epoch > 1:
+        seed = (seed - 1) // partition_epoch + 1
+    if nth > 1:
+        seed = (seed - 1) // nth + 1
+    return seed + int(order_seed)
+
+
+def _check_seed(key: str, value: Any, note: str = "") -> int:
+    if not _is_int(value) or not 0 <= value <= _MAX_SEED:
+        raise ConfigError(key, f"must be an integer in [0, 2**32){note}, got {value!r}")
+    return int(value)
 
 
 class Dataset:
     """Base class: subclasses provide the corpus, this class owns the epoch order.
+
+    The order of an epoch is the one RETURNN's Dataset gives for the same seq lengths, epoch and
+    options: `seq_ordering`, `partition_epoch` (each epoch is the next 1/partition_epoch of a
+    full-epoch order), `fixed_random_seed` (one seed for every epoch) and `order_seed` (the
+    config's `seed`, added to the epoch's seed as RETURNN's random_seed_offset).
 
     Hooks: ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
     ``_seq_len(corpus_idx)`` (the default loads the seq), ``_corpus_idx_for_tag(tag)`` and
     ``_compute_data_keys()`` (the default loads the whole corpus once).
     """
 
-    def __init__(self, *, seq_ordering: str = "default", order_seed: int = 0):
+    def __init__(
+        self,
+        *,
+        seq_ordering: str = "default",
+        order_seed: int = 0,
+        partition_epoch: int = 1,
+        fixed_random_seed: int | None = None,
+    ):
         self._ordering = _parse_seq_ordering(seq_ordering)
         self.seq_ordering = seq_ordering
-        if not _is_int(order_seed) or order_seed < 0:
-            raise ConfigError("order_seed", f"must be a non-negative integer, got {order_seed!r}")
-        self.order_seed = int(order_seed)
+        self.order_seed = _check_seed("order_seed", order_seed, " (it is the config's seed)")
+        if not _is_int(partition_epoch) or partition_epoch < 1:
+            raise ConfigError("partition_epoch", f"must be an integer >= 1, got {partition_epoch!r}")
+        self.partition_epoch = int(partition_epoch)
+        self.fixed_random_seed = (
+            None if fixed_random_seed is None else _check_seed("fixed_random_seed", fixed_random_seed)
+        )
         self._order: list[int] | None = None
         self._epoch: int | None = None
         # The corpus is static, so these survive across epochs.
@@ -119,10 +195,20 @@ class Dataset:
         return int(self._num_corpus_seqs())
 
     def data_keys(self) -> dict[str, dict[str, Any]]:
-        """``{key: {"shape": [None | int, ...], "dtype": str}}``; None marks an axis that varies across seqs."""
+        """``{key: {"shape": [None | int, ...], "dtype": str}}``; None marks an axis that varies across seqs.
+
+        Sparse keys (class indices) also have ``"sparse_dim": int`` and may have ``"labels": [str]``.
+        """
         if self._data_keys_cache is None:
             self._data_keys_cache = self._compute_data_keys()
-        return {k: {"shape": list(v["shape"]), "dtype": v["dtype"]} for k, v in self._data_keys_cache.items()}
+        out = {}
+        for k, v in self._data_keys_cache.items():
+            out[k] = {"shape": list(v["shape"]), "dtype": v["dtype"]}
+            if v.get("sparse_dim") is not None:
+                out[k]["sparse_dim"] = int(v["sparse_dim"])
+            if v.get("labels") is not None:
+                out[k]["labels"] = list(v["labels"])
+        return out
 
     def seq_lens(self) -> np.ndarray:
         """Lengths of all corpus seqs (int64), computed once."""
@@ -134,10 +220,14 @@ class Dataset:
     # ---- epoch order -------------------------------------------------------------------------
 
     def init_seq_order(self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None) -> None:
-        """Fix the order for `epoch`; `seq_list` (tags) or `seq_order` (corpus indices) override the ordering."""
+        """Fix the order for `epoch`; `seq_list` (tags) or `seq_order` (corpus indices) override the ordering.
+
+        An overriding list is served whole: partition_epoch applies only to the ordering's epochs (as in RETURNN).
+        """
         order = self._requested_order(epoch, seq_list, seq_order)
         if order is None:
-            order = [int(i) for i in self._ordered_indices(int(epoch), self.total_num_seqs)]
+            full = self._ordered_indices(int(epoch), self.total_num_seqs)
+            order = [int(i) for i in self._partition(full, int(epoch))]
         self._order = order
         self._epoch = int(epoch)
 
@@ -173,8 +263,19 @@ class Dataset:
             return order
         return None
 
+    def epoch_seed(self, epoch: int) -> int:
+        """The RandomState seed of `epoch`'s shuffling (random, laplace and sort_bin_shuffle orderings)."""
+        return epoch_random_seed(
+            self.order_seed,
+            epoch,
+            nth=self._ordering.nth,
+            partition_epoch=self.partition_epoch,
+            fixed_random_seed=self.fixed_random_seed,
+        )
+
     def _ordered_indices(self, epoch: int, n: int) -> np.ndarray:
-        kind, arg, per_bin = self._ordering
+        """The full-epoch order (before partition_epoch): corpus indices."""
+        kind = self._ordering.kind
         if kind == "default":
             return np.arange(n)
         if kind == "reverse":
@@ -183,25 +284,40 @@ class Dataset:
             return np.argsort(self.seq_lens(), kind="stable")
         if kind == "sorted_reverse":
             return np.argsort(-self.seq_lens(), kind="stable")
-        perm = np.random.RandomState(epoch_random_seed(self.order_seed, epoch)).permutation(n)
+        rng = np.random.RandomState(self.epoch_seed(epoch))
+        perm = rng.permutation(n)
         if kind == "random":
             return perm
-        assert kind == "laplace"
-        if arg is None:
-            bins = 2
-        elif per_bin:
-            bins = max(n // arg, 2)
-        else:
-            bins = arg
         lens = self.seq_lens()
-        parts = []
-        for i in range(bins):
-            part = perm[i * n // bins : (i + 1) * n // bins]
-            part_lens = lens[part]
-            if i % 2 == 1:
-                part_lens = -part_lens
-            parts.append(part[np.argsort(part_lens, kind="stable")])
-        return np.concatenate(parts) if parts else perm
+        bins = self._ordering.num_bins(n)
+        if kind == "laplace":
+            # Random bins, sorted by length alternately up and down: similar lengths meet in a batch.
+            parts = []
+            for i in range(bins):
+                part = perm[i * n // bins : (i + 1) * n // bins]
+                part_lens = -lens[part] if i % 2 == 1 else lens[part]
+                parts.append(part[np.argsort(part_lens, kind="stable")])
+            return np.concatenate(parts)
+        # sort_bin_shuffle[_x2]: sort a shuffle by length, cut it into bins, visit the bins in random
+        # order (x2: shuffled inside too). The rng calls must come in RETURNN's order to match it.
+        by_len = perm[np.argsort(lens[perm], kind="stable")].tolist()
+        out: list[int] = []
+        for i in rng.permutation(bins):
+            part = by_len[i * n // bins : (i + 1) * n // bins]
+            if kind == "sort_bin_shuffle_x2":
+                rng.shuffle(part)
+            out.extend(part)
+        return np.asarray(out, dtype=np.int64)
+
+    def _partition(self, order: np.ndarray, epoch: int) -> np.ndarray:
+        """Sub-epoch `epoch` of a full-epoch order: the first n % P parts have one seq more."""
+        parts = self.partition_epoch
+        if parts == 1:
+            return order
+        q, r = divmod(len(order), parts)
+        k = ((epoch or 1) - 1) % parts
+        start = k * q + min(k, r)
+        return order[start : start + q + (k < r)]
 
     def _require_order(self) -> list[int]:
         if self._order is None:
@@ -378,7 +494,10 @@ def load_npz(path: str | os.PathLike) -> tuple[list[dict[str, np.ndarray]], list
 
 
 class NumpyDataset(Dataset):
-    """In-memory corpus from a list of key->array dicts or an npz file (see save_npz for the layout)."""
+    """In-memory corpus from a list of key->array dicts or an npz file (see save_npz for the layout).
+
+    `ordering`: the options of Dataset (seq_ordering, order_seed, partition_epoch, fixed_random_seed).
+    """
 
     def __init__(
         self,
@@ -386,10 +505,9 @@ class NumpyDataset(Dataset):
         seqs: list[dict[str, np.ndarray]] | None = None,
         path: str | os.PathLike | None = None,
         tags: list[str] | None = None,
-        seq_ordering: str = "default",
-        order_seed: int = 0,
+        **ordering: Any,
     ):
-        super().__init__(seq_ordering=seq_ordering, order_seed=order_seed)
+        super().__init__(**ordering)
         if (seqs is None) == (path is None):
             raise ConfigError("seqs", "give exactly one of 'seqs' or 'path'")
         file_tags = None
@@ -444,6 +562,7 @@ class DemoDataset(Dataset):
 
     "data": float32 (T, num_features) log-mel-like values in [-10, 5];
     "classes": int32 (max(1, T // 8),) labels in [0, num_classes). Tags are "demo-<i>".
+    `ordering`: the options of Dataset (seq_ordering, order_seed, partition_epoch, fixed_random_seed).
     """
 
     def __init__(
@@ -455,10 +574,9 @@ class DemoDataset(Dataset):
         max_frames: int = 400,
         num_features: int = 80,
         num_classes: int = 40,
-        seq_ordering: str = "default",
-        order_seed: int = 0,
+        **ordering: Any,
     ):
-        super().__init__(seq_ordering=seq_ordering, order_seed=order_seed)
+        super().__init__(**ordering)
         for key, value, low in (
             ("num_seqs", num_seqs, 1),
             ("seed", seed, 0),
