@@ -1,0 +1,245 @@
+"""RETURNN: a ppserver epoch as a RETURNN dataset (``pip install ./client[returnn]``).
+
+In a RETURNN config (the PyTorch backend)::
+
+    from ppclient.returnn import ServerDataset
+
+    train = {"class": ServerDataset, "address": "tcp://trainer:5555", "job": "asr"}
+
+RETURNN resolves a class given by name only among its own modules, so the config imports
+the class and passes the object. RETURNN's epoch n is the server's epoch n; the
+server's dataset decides which seqs an epoch holds and in which order, so `partition_epoch`
+is refused and `seq_ordering` has no effect.
+
+RETURNN's shards (`torch_distributed` with ``"dataset_distribution": "shard"``, and the
+DataLoader workers it shards) become ranks of one job: shard k of n reads the positions i
+with i % n == k (strided, where RETURNN would cut contiguous blocks), each shard
+num_seqs // n of them with `drop_last` (the default). Without "shard", every rank would read
+as the one shard of its job and take it from the others.
+
+The client connects in the process that reads (a DataLoader worker), when an epoch starts.
+The data keys come from one info request when RETURNN initializes the dataset (its
+num_outputs must be known then) and travel with the dataset when it is pickled; the
+connection never does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy
+from returnn.datasets.basic import DatasetSeq
+from returnn.datasets.cached2 import CachedDataset2
+from returnn.util.basic import OptionalNotImplementedError
+
+from . import endpoints
+from .client import Client, EpochIterator
+from .errors import UsageError
+from .wire import META_KEYS
+
+__all__ = ["ServerDataset", "returnn_dtype"]
+
+STRING = "string"  # the template dtype of str arrays, RETURNN's name for them too
+
+
+def returnn_dtype(template: Dict[str, Any]) -> str:
+    """RETURNN's dtype name for a template: numpy's name, "string" for str arrays."""
+    if template["dtype"] == STRING:
+        return STRING
+    dtype = numpy.dtype(template["dtype"])
+    return STRING if dtype.kind == "U" else dtype.name
+
+
+def num_outputs_entry(template: Dict[str, Any]) -> Tuple[int, int]:
+    """(dim, ndim) as RETURNN's num_outputs holds them: the sparse dim, else the last feature
+    dim (1 if there is none or it varies), and the ndim including time."""
+    shape = template["shape"]
+    if template.get("sparse_dim") is not None:
+        return int(template["sparse_dim"]), len(shape)
+    last = shape[-1] if len(shape) > 1 else None
+    return (1 if last is None else int(last)), len(shape)
+
+
+class ServerDataset(CachedDataset2):
+    """This process's shard of each epoch of the ppserver at `address`, in the server's order.
+
+    `timeout`, `keys` and `drop_last` are the Client's; `prefetch` is its `window` (the seqs
+    the server may send ahead; RETURNN's Dataset already has an argument named `window`).
+    Any other argument is RETURNN's (name, _num_shards, ...). Errors of the server (a
+    ppclient.Error) reach the trainer as they are.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        job: str = "returnn",
+        timeout: float = 30.0,
+        prefetch: int = 32,
+        keys: Optional[str] = None,
+        drop_last: bool = True,
+        **kwargs: Any,
+    ):
+        if kwargs.get("partition_epoch") not in (None, 1):
+            raise UsageError(
+                f"partition_epoch={kwargs['partition_epoch']!r}: the server's dataset decides what an epoch is; "
+                "split it there (or ask for shorter epochs) instead"
+            )
+        super().__init__(**kwargs)
+        endpoints.check(address, "address")  # a bad address fails at config time, before any socket
+        # Every argument is kept as `_<name>`: RETURNN's Dataset.__reduce__ builds the copy from them.
+        self._address = address
+        self._job = job
+        self._timeout = timeout
+        self._prefetch = prefetch
+        self._keys = keys
+        self._drop_last = drop_last
+        self._info: Optional[Dict[str, Any]] = None  # {"templates": ..., "num_seqs": ...}: plain, picklable
+        self._client: Optional[Client] = None
+        self._client_key: Optional[Tuple[int, int, int]] = None  # (pid, shard, shards) it was made for
+        self._iter: Optional[EpochIterator] = None
+        self._next_idx = 0  # the RETURNN seq_idx of the next seq the iterator yields
+
+    def __reduce__(self) -> Any:  # the copy gets the settings and the data keys, not the connection
+        func, (cls, kwargs, state) = super().__reduce__()
+        state = dict(
+            state, _info=self._info, num_outputs=self.num_outputs, num_inputs=self.num_inputs, labels=self.labels
+        )
+        return func, (cls, kwargs, state)
+
+    # ---- the connection ----------------------------------------------------------------------
+    def _new_client(self, rank: int, world_size: int) -> Client:
+        return Client(
+            self._address,
+            rank=rank,
+            world_size=world_size,
+            job=self._job,
+            timeout=self._timeout,
+            window=self._prefetch,
+            keys=self._keys,
+            drop_last=self._drop_last,
+        )
+
+    def _client_for_shard(self) -> Client:
+        key = (os.getpid(), self._shard_index, self._num_shards)
+        if self._client is None or self._client_key != key:
+            self._close_client()
+            self._client = self._new_client(self._shard_index, self._num_shards)
+            self._client_key = key
+        return self._client
+
+    def _close_client(self) -> None:
+        client, key = getattr(self, "_client", None), getattr(self, "_client_key", None)
+        self._client = self._client_key = self._iter = None
+        if client is not None and key is not None and key[0] == os.getpid():  # a forked parent's is not ours
+            client.close()
+
+    def _describe(self) -> Dict[str, Any]:
+        """The server's data keys and seq count, asked for once (in the first process that needs them)."""
+        if self._info is None:
+            if self._client is not None and self._client_key is not None and self._client_key[0] == os.getpid():
+                info = self._client.info()
+            else:
+                with self._new_client(0, 1) as client:
+                    info = client.info()
+            templates = {k: v for k, v in info["data_keys"].items() if k not in META_KEYS}
+            self._info = {"templates": templates, "num_seqs": info.get("num_seqs")}
+            self.num_outputs = {k: num_outputs_entry(t) for k, t in templates.items()}
+            self.num_inputs = self.num_outputs["data"][0] if "data" in self.num_outputs else 0
+            self.labels = {k: [str(s) for s in t["labels"]] for k, t in templates.items() if t.get("labels")}
+        return self._info
+
+    def _template(self, key: str) -> Dict[str, Any]:
+        templates = self._describe()["templates"]
+        if key not in templates:
+            raise KeyError(f"{self}: the server has no data key {key!r} (it has {', '.join(templates)})")
+        return templates[key]
+
+    # ---- what RETURNN asks before it reads ---------------------------------------------------
+    def initialize(self) -> None:
+        self._describe()  # RETURNN checks num_outputs here (and prints them)
+        super().initialize()
+
+    def get_data_keys(self) -> List[str]:
+        return list(self._describe()["templates"])
+
+    def get_target_list(self) -> List[str]:
+        return [k for k in self.get_data_keys() if k != "data"]
+
+    def get_data_dtype(self, key: str) -> str:
+        return returnn_dtype(self._template(key))
+
+    def is_data_sparse(self, key: str) -> bool:
+        return self._template(key).get("sparse_dim") is not None
+
+    def get_data_dim(self, key: str) -> int:
+        return num_outputs_entry(self._template(key))[0]
+
+    def get_data_shape(self, key: str) -> List[Optional[int]]:
+        return list(self._template(key)["shape"][1:])  # without the time axis; None where it varies
+
+    def supports_sharding(self) -> bool:
+        return True  # the server cuts the shards
+
+    def get_all_tags(self) -> List[str]:
+        raise OptionalNotImplementedError(f"{self}: the server does not list its seq tags")
+
+    def get_total_num_seqs(self, *, fast: bool = False) -> int:
+        num_seqs = self._describe()["num_seqs"]
+        if num_seqs is None:
+            raise OptionalNotImplementedError(f"{self}: the server learns its number of seqs only by reading")
+        return int(num_seqs)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def init_seq_order(
+        self, epoch: Optional[int] = None, seq_list: Optional[List[str]] = None, seq_order: Optional[List[int]] = None
+    ) -> bool:
+        super().init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
+        self._iter = None
+        self._next_idx = 0
+        if epoch is None:  # RETURNN's initialize(): no epoch yet, so nothing to ask the server
+            if seq_list is not None or seq_order is not None:
+                raise UsageError(f"{self}: a seq_list or seq_order needs an epoch")
+            return True
+        client = self._client_for_shard()
+        self._describe()
+        self._iter = client.epoch(epoch, seq_list=seq_list, seq_order=seq_order)
+        self._num_seqs = self._iter.num_seqs  # None: learnt at the end, as CachedDataset2 does
+        return True
+
+    def is_less_than_num_seqs(self, n: int) -> bool:
+        if self._num_seqs is None and self._iter is not None and n >= self.expected_load_seq_start:
+            self._load_seqs(self.expected_load_seq_start, n + 1)  # so an epoch found empty ends cleanly
+        return super().is_less_than_num_seqs(n)
+
+    def _collect_single_seq(self, seq_idx: int) -> Optional[DatasetSeq]:
+        it = self._iter
+        if it is None:
+            return None
+        if seq_idx < self._next_idx:
+            raise UsageError(f"{self}: seq {seq_idx} was read already; the server sends an epoch once, in order")
+        seq = None
+        while self._next_idx <= seq_idx:  # seqs RETURNN skips are read and dropped
+            seq = next(it, None)
+            if seq is None:
+                self._iter = None
+                self._num_seqs = self._next_idx
+                self.reached_final_seq = True
+                return None
+            self._next_idx += 1
+        assert seq is not None
+        features = {k: seq[k] for k in self._describe()["templates"]}
+        return DatasetSeq(seq_idx, features, seq_tag=seq["seq_tag"], complete_frac=seq.get("complete_frac"))
+
+    def finish_epoch(self, *, free_resources: bool = False) -> None:
+        super().finish_epoch(free_resources=free_resources)
+        self._iter = None
+        if free_resources:
+            self._close_client()
+
+    def __del__(self) -> None:
+        try:
+            self._close_client()
+        except Exception:  # at interpreter exit, or after a failed __init__
+            pass
