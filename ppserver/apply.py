@@ -209,14 +209,26 @@ def run_stream(
     seed: int,
     partition: int,
     templates: Dict[str, Dict[str, Any]],
+    rng: Optional[numpy.random.RandomState] = None,
 ) -> Iterator[Dict[str, Any]]:
-    """Run map_seq_stream over one partition's inputs, validating every output."""
-    out = map_seq_stream(inputs, epoch=epoch, rng=partition_rng(seed, epoch, partition), **fwd_compat_kwargs())
+    """Run map_seq_stream over one partition's inputs, validating every output; `rng` defaults to
+    partition_rng."""
+    if rng is None:
+        rng = partition_rng(seed, epoch, partition)
+    out = map_seq_stream(inputs, epoch=epoch, rng=rng, **fwd_compat_kwargs())
     if not isinstance(out, Iterator):
         raise MappingError(f"map_seq_stream must return an iterator, got {type(out).__name__}")
     check = StreamValidator(templates)
     for seq in out:
         yield check(seq)
+
+
+def _positions(dataset: Any, first: int, step: int) -> Iterator[int]:
+    """first, first + step, ... while the epoch has them (also for counts known only by reading)."""
+    pos = first
+    while dataset.is_less_than_num_seqs(pos):
+        yield pos
+        pos += step
 
 
 def reference_epoch(
@@ -229,13 +241,15 @@ def reference_epoch(
     seq_order=None,
 ) -> Iterator[Dict[str, Any]]:
     """The epoch as the service must deliver it, computed in one process (for checks and benchmarks)."""
+    from .mapper_api import mappers_for
+
+    mappers = mappers_for(cfg, dataset.data_keys())
     dataset.init_seq_order(epoch, seq_list=seq_list, seq_order=seq_order)
-    n = dataset.num_seqs
-    if cfg.map_seq is not None:
-        for pos in range(n):
+    if mappers.map_seq is not None:
+        for pos in _positions(dataset, 0, 1):
             seq = writable(dataset.get_seq(pos))
             yield apply_map_seq(
-                cfg.map_seq,
+                mappers.map_seq,
                 seq,
                 epoch=epoch,
                 seed=cfg.seed,
@@ -244,14 +258,16 @@ def reference_epoch(
             )
         return
     parts = cfg.partitions
+    assert mappers.map_seq_stream is not None
     streams = [
         run_stream(
-            cfg.map_seq_stream,
-            (writable(dataset.get_seq(pos)) for pos in range(p, n, parts)),
+            mappers.map_seq_stream,
+            (writable(dataset.get_seq(pos)) for pos in _positions(dataset, p, parts)),
             epoch=epoch,
             seed=cfg.seed,
             partition=p,
             templates=templates,
+            rng=mappers.stream_rng(epoch, p),
         )
         for p in range(parts)
     ]

@@ -32,6 +32,7 @@ KNOWN_KEYS = {
     "map_seq_stream",
     "map_outputs",
     "map_seq_stream_preserves_num_seqs",
+    "mapper_api",
     "buf_size",
     "num_workers",
     "seed",
@@ -44,6 +45,9 @@ KNOWN_KEYS = {
 }
 
 
+MAPPER_APIS = ("dict", "returnn")
+
+
 @dataclass
 class Config:
     path: str
@@ -53,6 +57,7 @@ class Config:
     map_seq_stream: Optional[Callable] = None
     map_outputs: Optional[Dict[str, Dict[str, Any]]] = None
     preserves_num_seqs: Optional[bool] = None
+    mapper_api: str = "dict"  # "returnn": the mappers take and return RETURNN TensorDicts
     buf_size: int = 1
     num_workers: int = 1
     seed: int = 0
@@ -168,14 +173,27 @@ def from_settings(
         attr = getattr(map_seq_stream, "preserves_num_seqs", None)
         preserves = attr if isinstance(attr, bool) else None
 
+    mapper_api = settings.get("mapper_api", "dict")
+    if mapper_api not in MAPPER_APIS:
+        raise ConfigError("mapper_api", f"must be one of {', '.join(map(repr, MAPPER_APIS))}, got {mapper_api!r}")
+    if mapper_api == "returnn":
+        from .returnn_mappers import out_templates, require_returnn
+
+        require_returnn()
+
+        map_outputs = None if settings.get("map_outputs") is None else out_templates(settings["map_outputs"])
+    else:
+        map_outputs = _check_map_outputs(settings.get("map_outputs"))
+
     cfg = Config(
         path=path,
         fingerprint=fingerprint(source, [map_seq, map_seq_stream], roots=(namespace or settings).values()),
         dataset=dataset,
         map_seq=map_seq,
         map_seq_stream=map_seq_stream,
-        map_outputs=_check_map_outputs(settings.get("map_outputs")),
+        map_outputs=map_outputs,
         preserves_num_seqs=preserves,
+        mapper_api=mapper_api,
         buf_size=_int(settings, "buf_size", 1, minimum=1),
         num_workers=_int(settings, "num_workers", 1, minimum=1),
         seed=_int(settings, "seed", 0, minimum=0),

@@ -99,6 +99,7 @@ class Reader(threading.Thread):
         self.runs: Dict[int, Deque[int]] = {}  # runs of that epoch and the positions they asked for
         self.waiting: Deque[Prepare] = deque()  # runs of another epoch, checked, waiting for these to stop
         self.replays: Deque[Replay] = deque()
+        self.ends: Dict[int, int] = {}  # runs whose epoch ended (count learnt by reading) -> the count
         self.rr = 0
 
     # ---- the I/O thread's side ------------------------------------------------------------
@@ -206,7 +207,8 @@ class Reader(threading.Thread):
             self._prepare(command)
         elif isinstance(command, Read):
             if command.run in self.runs:
-                self.runs[command.run].extend(command.positions)
+                end = self.ends.get(command.run)
+                self.runs[command.run].extend(p for p in command.positions if end is None or p < end)
         elif isinstance(command, Replay):
             if command.run in self.runs:
                 self.replays.append(command)
@@ -215,6 +217,7 @@ class Reader(threading.Thread):
 
     def _stop_run(self, run: int) -> None:
         self.runs.pop(run, None)
+        self.ends.pop(run, None)
         self.waiting = deque(p for p in self.waiting if p.run != run)
         self.replays = deque(r for r in self.replays if r.run != run)
         while self.waiting and (not self.runs or self.waiting[0].args == self.epoch_args):
@@ -305,6 +308,7 @@ class Reader(threading.Thread):
                     "is_less_than_num_seqs", pos, self.dataset.is_less_than_num_seqs, pos
                 ):
                     positions.clear()  # the epoch ends here
+                    self.ends[run] = pos
                     self._emit(ev.InputsEnded(monotonic(), run, pos))
                     break
                 self.busy = ("get_seq", pos, monotonic())

@@ -20,6 +20,7 @@ from ppclient.protocol import Item
 
 from .apply import MappingError, apply_map_seq, run_stream, writable
 from .config import Config
+from .mapper_api import Mappers
 
 log = logging.getLogger("ppserver.worker")
 
@@ -49,10 +50,13 @@ def _failure_text(exc: BaseException) -> str:
 
 
 class MapSeqRunner:
-    def __init__(self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]]):
+    def __init__(
+        self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]], mappers: Callable[[], Mappers]
+    ):
         self.cfg = cfg
         self.send = send
         self.templates = templates
+        self.mappers = mappers
         self.tasks: Deque[Tuple[int, Item]] = deque()
         self.results: List[Item] = []
         self.results_run = -1
@@ -90,10 +94,11 @@ class MapSeqRunner:
         if self.results and self.results_run != run_id:
             self.flush()
         seq = writable(protocol.item_to_seq(item))
-        assert self.cfg.map_seq is not None
         try:
+            map_seq = self.mappers().map_seq
+            assert map_seq is not None
             out = apply_map_seq(
-                self.cfg.map_seq,
+                map_seq,
                 seq,
                 epoch=run.epoch,
                 seed=self.cfg.seed,
@@ -153,11 +158,17 @@ class StreamRunner:
     """Partitions as generators whose input iterator pulls inputs from the server while it waits."""
 
     def __init__(
-        self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]], wait_for_input: Callable[[], None]
+        self,
+        cfg: Config,
+        send: Send,
+        templates: Callable[[], Dict[str, Any]],
+        mappers: Callable[[], Mappers],
+        wait_for_input: Callable[[], None],
     ):
         self.cfg = cfg
         self.send = send
         self.templates = templates
+        self.mappers = mappers
         self.wait_for_input = wait_for_input
         self.parts: Dict[Tuple[int, int], _Partition] = {}
         self.rr = 0
@@ -217,14 +228,16 @@ class StreamRunner:
         """Advance one partition by one output."""
         try:
             if part.gen is None:
-                assert self.cfg.map_seq_stream is not None
+                mappers = self.mappers()
+                assert mappers.map_seq_stream is not None
                 part.gen = run_stream(
-                    self.cfg.map_seq_stream,
+                    mappers.map_seq_stream,
                     self._inputs(part),
                     epoch=part.epoch,
                     seed=self.cfg.seed,
                     partition=part.index,
                     templates=self.templates(),
+                    rng=mappers.stream_rng(part.epoch, part.index),
                 )
             seq = next(part.gen)
             if part.closed:

@@ -422,7 +422,10 @@ class Server:
             log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
             self._send(self.workers_sock, [wid, *protocol.encode(protocol.Refuse(reason=reason))])
             return None
-        self._send(self.workers_sock, [wid, *protocol.encode(protocol.Welcome(templates=self.out_templates))])
+        self._send(
+            self.workers_sock,
+            [wid, *protocol.encode(protocol.Welcome(templates=self.out_templates, inputs=self.in_templates))],
+        )
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
 
     # ---- periodic -----------------------------------------------------------------------------

@@ -106,6 +106,7 @@ class Session:
         self.stopping = False
         self.sock: Optional[zmq.Socket] = None
         self.templates: Dict[str, Any] = {}
+        self.inputs: Dict[str, Any] = {}
         self.identity: Optional[bytes] = None
         self.forgotten = False
         self._hb: Optional[Heartbeat] = None
@@ -186,6 +187,7 @@ class Session:
                 raise Refused(msg.reason)
             if isinstance(msg, protocol.Welcome):
                 self.templates = msg.templates
+                self.inputs = msg.inputs
                 self.sock = sock
                 self.forgotten = False
                 self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

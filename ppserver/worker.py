@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
@@ -24,6 +24,7 @@ from ppclient import UsageError, endpoints, keyfiles, protocol
 
 from .config import Config, load_config
 from .errors import ConfigError
+from .mapper_api import Mappers, mappers_for
 from .memory import keep_freed_memory
 from .runners import MapSeqRunner, OpenRun, StreamRunner
 from .session import POLL_MS, Refused, Session, Stopped
@@ -56,8 +57,16 @@ class Worker:
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
-        self.seqs = MapSeqRunner(cfg, self.session.send, templates)
-        self.streams = StreamRunner(cfg, self.session.send, templates, self._wait_for_input)
+        self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
+        self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers)
+        self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
+
+    def mappers(self) -> Mappers:
+        """The config's mappers for the input templates the server sent (rebuilt if they change)."""
+        inputs = self.session.inputs
+        if self._mappers is None or self._mappers[0] is not inputs:
+            self._mappers = (inputs, mappers_for(self.cfg, inputs))
+        return self._mappers[1]
 
     @property
     def stopping(self) -> bool:

@@ -1075,6 +1075,7 @@ def test_an_epoch_whose_count_is_learnt_by_reading(world, drop_last):
     assert asked == list(range(len(asked))) and len(asked) >= 7  # it reads on without knowing the end
     sim.feed(range(7), run=run)
     sim(ev.InputsEnded, run, 7)  # the dataset has 7 seqs
+    sim(ev.InputsEnded, run, 9)  # a late, contradicting answer changes nothing: the first end stands
     finish(sim, run)
     end = 6 if drop_last and world == 2 else 7
     for rank in range(world):

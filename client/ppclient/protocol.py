@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 3
+PROTOCOL = 4
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -338,7 +338,8 @@ class Welcome(Message):
     sender = (Peer.SERVER,)
     receiver = (Peer.WORKER,)
     versioned = True
-    templates: Dict[str, Any] = field(default_factory=dict)
+    templates: Dict[str, Any] = field(default_factory=dict)  # of the outputs: what the worker checks
+    inputs: Dict[str, Any] = field(default_factory=dict)  # of the inputs: what RETURNN-API mappers get
 
 
 @dataclass(frozen=True)

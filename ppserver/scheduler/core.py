@@ -488,8 +488,8 @@ class Scheduler:
 
     def _on_inputs_ended(self, e: ev.InputsEnded, out: List[Instruction]) -> None:
         run = self.runs.get(e.run)
-        if run is None or run.dispatch is None:
-            return
+        if run is None or run.dispatch is None or run.num_seqs is not None:
+            return  # the first end the reader found stands
         s = self.settings
         run.num_seqs = e.count
         if isinstance(run.dispatch, StreamDispatch):
