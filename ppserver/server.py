@@ -69,7 +69,9 @@ class Server:
         # Everything the I/O thread needs from the dataset is read now, before serving.
         try:
             self.in_templates = self.dataset.data_keys()
-            self.total_num_seqs = getattr(self.dataset, "total_num_seqs", None)
+            # seqs per epoch: the corpus, unless each epoch is a part of it
+            whole = getattr(self.dataset, "partition_epoch", 1) == 1
+            self.total_num_seqs = getattr(self.dataset, "total_num_seqs", None) if whole else None
         except ConfigError:
             raise
         except Exception as exc:

@@ -284,6 +284,7 @@ def test_served_epochs_equal_returnn(files, tmp_path):
         info = c.info()
         epochs = {e: collect(c.epoch(e)) for e in (1, 2, 3)}
     assert info["data_keys"]["classes"] == {"shape": [None], "dtype": "int32", "sparse_dim": 10, "labels": LABELS}
+    assert info["num_seqs"] is None  # an epoch is a part of the corpus (partition_epoch 2)
     for epoch, got in epochs.items():
         want = returnn_epoch(theirs, epoch)
         assert [s["seq_tag"] for s in got] == [tag for _, tag, _ in want]
