@@ -33,6 +33,7 @@ KNOWN_KEYS = {
     "map_outputs",
     "map_seq_stream_preserves_num_seqs",
     "mapper_api",
+    "direct_results",
     "buf_size",
     "num_workers",
     "seed",
@@ -58,6 +59,7 @@ class Config:
     map_outputs: Optional[Dict[str, Dict[str, Any]]] = None
     preserves_num_seqs: Optional[bool] = None
     mapper_api: str = "dict"  # "returnn": the mappers take and return RETURNN TensorDicts
+    direct_results: bool = True  # map_seq results go from workers to clients without the server
     buf_size: int = 1
     num_workers: int = 1
     seed: int = 0
@@ -194,6 +196,7 @@ def from_settings(
         map_outputs=map_outputs,
         preserves_num_seqs=preserves,
         mapper_api=mapper_api,
+        direct_results=_bool(settings, "direct_results", True),
         buf_size=_int(settings, "buf_size", 1, minimum=1),
         num_workers=_int(settings, "num_workers", 1, minimum=1),
         seed=_int(settings, "seed", 0, minimum=0),
@@ -217,6 +220,13 @@ def _int(settings, key, default, *, minimum):
     if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < minimum:
         raise ConfigError(key, f"must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _bool(settings, key, default):
+    value = settings.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be True or False, got {value!r}")
+    return value
 
 
 def _float(settings, key, default):

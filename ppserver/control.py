@@ -44,7 +44,9 @@ class Control:
         """The reply (None: none, or the scheduler's Reply instruction) and the scheduler's instructions."""
         now = time.monotonic()
         if isinstance(msg, protocol.Credit):
-            return None, self.sched.handle(ev.CreditGranted(now, ident, msg.run, msg.total))
+            return None, self.sched.handle(ev.CreditGranted(now, ident, msg.run, msg.total, msg.consumed))
+        if isinstance(msg, protocol.Missing):
+            return None, self.sched.handle(ev.MissingReported(now, ident, msg.run, msg.pos))
         if isinstance(msg, protocol.ClientAlive):
             return None, self.sched.handle(ev.ConsumerAlive(now, msg.consumer))
         if isinstance(msg, protocol.ClientClosed):
@@ -75,6 +77,9 @@ class Control:
                     timeout=msg.timeout,
                     subshard=msg.subshard,
                     subshards=msg.subshards,
+                    direct=msg.direct,
+                    direct_key=msg.direct_key,
+                    host=msg.host,
                 )
             )
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []
@@ -93,4 +98,6 @@ class Control:
             )
         if not msg.timeout > 0:
             return "timeout must be > 0"
+        if msg.direct and not (msg.direct.startswith(("tcp://", "ipc://")) and len(msg.direct) < 1024):
+            return f"direct endpoint {msg.direct[:64]!r} is not tcp://HOST:PORT or ipc://PATH"
         return None

@@ -20,6 +20,7 @@ from ppclient.protocol import Item
 
 from .apply import MappingError, apply_map_seq, run_stream, writable
 from .config import Config
+from .direct import Routes
 from .mapper_api import Mappers
 
 log = logging.getLogger("ppserver.worker")
@@ -50,23 +51,35 @@ def _failure_text(exc: BaseException) -> str:
 
 
 class MapSeqRunner:
+    """Runs tasks one by one; results leave in batches, each straight to its consumer when the
+    task names one the worker reaches (with a `completed` to the server), else to the server."""
+
     def __init__(
-        self, cfg: Config, send: Send, templates: Callable[[], Dict[str, Any]], mappers: Callable[[], Mappers]
+        self,
+        cfg: Config,
+        send: Send,
+        templates: Callable[[], Dict[str, Any]],
+        mappers: Callable[[], Mappers],
+        routes: Optional[Routes] = None,
     ):
         self.cfg = cfg
         self.send = send
         self.templates = templates
         self.mappers = mappers
-        self.tasks: Deque[Tuple[int, Item]] = deque()
-        self.results: List[Item] = []
+        self.routes = routes
+        self.tasks: Deque[Tuple[int, Item, bytes]] = deque()
+        self.results: List[Tuple[Item, bytes]] = []
         self.results_run = -1
         self.results_bytes = 0
         self.flush_every = max(1, min(cfg.buf_size // 2, 16))
         self.done = 0
         self.messages_in = self.messages_out = 0
 
-    def add(self, run: int, items: List[Item]) -> None:
-        self.tasks.extend((run, item) for item in items)
+    def add(self, run: int, items: List[Item], to: Optional[List[bytes]] = None) -> None:
+        if to and len(to) == len(items):
+            self.tasks.extend((run, item, dest) for item, dest in zip(items, to))
+        else:
+            self.tasks.extend((run, item, b"") for item in items)
         self.messages_in += 1
 
     def drop_run(self, run: int) -> None:
@@ -81,13 +94,32 @@ class MapSeqRunner:
         self.results, self.results_bytes = [], 0
 
     def flush(self) -> None:
-        if self.results:
-            self.send(protocol.Results(run=self.results_run), self.results)
-            self.messages_out += 1
-            self.results, self.results_bytes = [], 0
+        if not self.results:
+            return
+        run = self.results_run
+        relayed: List[Item] = []
+        direct: Dict[bytes, List[Item]] = {}
+        for item, dest in self.results:
+            if dest and self.routes is not None:
+                direct.setdefault(dest, []).append(item)
+            else:
+                relayed.append(item)
+        done: List[Item] = []
+        for dest, items in direct.items():
+            assert self.routes is not None
+            if self.routes.send(dest, run, items):
+                done.extend(items)
+            else:
+                relayed.extend(items)
+        if done:
+            self.send(protocol.Completed(run=run, pos=[i.pos for i in done], nbytes=[i.nbytes for i in done]))
+        if relayed:
+            self.send(protocol.Results(run=run), relayed)
+        self.messages_out += 1
+        self.results, self.results_bytes = [], 0
 
     def step(self, runs: Dict[int, OpenRun]) -> None:
-        run_id, item = self.tasks.popleft()
+        run_id, item, dest = self.tasks.popleft()
         run = runs.get(run_id)
         if run is None:
             return
@@ -120,7 +152,7 @@ class MapSeqRunner:
             return
         if self.results_bytes + result.nbytes > self.cfg.max_message_bytes:
             self.flush()
-        self.results.append(result)
+        self.results.append((result, dest))
         self.results_run = run_id
         self.results_bytes += result.nbytes
         self.done += 1

@@ -89,6 +89,7 @@ class Server:
                 stream=cfg.is_stream,
                 partitions=cfg.partitions,
                 preserves_num_seqs=not cfg.is_stream or cfg.preserves_num_seqs is True,
+                direct=cfg.direct_results and not cfg.is_stream,
                 fingerprint=cfg.fingerprint,
             )
         )
@@ -394,6 +395,8 @@ class Server:
         kind = type(msg)
         if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
+        if kind is protocol.Completed:
+            return ev.CompletedReceived(now, wid, msg.run, msg.pos, msg.nbytes)
         if kind is protocol.StreamOutputs:
             return ev.StreamOutputsReceived(
                 now, wid, msg.run, msg.partition, msg.incarnation, decoded.items, decoded.bad

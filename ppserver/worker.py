@@ -23,6 +23,7 @@ import zmq
 from ppclient import UsageError, endpoints, keyfiles, protocol
 
 from .config import Config, load_config
+from .direct import Routes
 from .errors import ConfigError
 from .mapper_api import Mappers, mappers_for
 from .memory import keep_freed_memory
@@ -58,7 +59,8 @@ class Worker:
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
-        self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers)
+        self.routes = Routes(self.ctx, keys)
+        self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers, self.routes)
         self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
 
     def mappers(self) -> Mappers:
@@ -109,6 +111,7 @@ class Worker:
         return 0
 
     def _drop_all(self) -> None:
+        self.routes.clear()
         self.runs.clear()
         self.seqs.clear()
         self.streams.clear()
@@ -134,6 +137,8 @@ class Worker:
         self._receive(POLL_MS)
 
     def _receive(self, timeout_ms: int) -> None:
+        if self.routes.routes:
+            self.routes.poll()
         for decoded in self.session.receive(timeout_ms):
             self._handle(decoded.msg, decoded.items, decoded.bad)
 
@@ -142,6 +147,11 @@ class Worker:
             log.warning("dropped %d malformed inputs from the server (first: %s)", len(bad), bad[0].reason)
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags)
+        elif isinstance(msg, protocol.ConsumerRoute):
+            self.routes.identity = self.session.identity or b""
+            self.routes.set(msg)
+        elif isinstance(msg, protocol.ConsumerGone):
+            self.routes.drop(msg.consumer)
         elif isinstance(msg, protocol.RunClose):
             self.runs.pop(msg.run, None)
             self.seqs.drop_run(msg.run)
@@ -149,7 +159,7 @@ class Worker:
         elif getattr(msg, "run", None) not in self.runs:
             return  # of a run that is not open here (closed, or never opened)
         elif isinstance(msg, protocol.Tasks):
-            self.seqs.add(msg.run, items)
+            self.seqs.add(msg.run, items, msg.to)
         elif isinstance(msg, protocol.StreamOpen):
             self.streams.open(msg, self.runs)
         elif isinstance(msg, protocol.StreamClose):

@@ -244,10 +244,20 @@ class Lab:
                 ip("-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", self.host_if(i))
                 ip("-n", ns, "link", "set", self.host_if(i), "up")
             wait_for(self._links_ready, 10.0, "the lab's links to come up")
+            self._route_hosts_to_client()
         except BaseException:
             self.destroy()
             raise
         return self
+
+    def _route_hosts_to_client(self) -> None:
+        """Worker hosts reach the client (its direct results socket) through the server namespace,
+        as hosts of one cluster reach each other through a router. Labs run one at a time: the
+        root namespace's routes to 198.18.I.0/24 go through this lab's client link (and go with it)."""
+        ip("netns", "exec", self.server_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for i, ns in enumerate(self.host_ns, start=1):
+            ip("-n", ns, "route", "add", "default", "via", self.server_ip_for(i))
+            ip("route", "replace", f"198.18.{i}.0/24", "via", self.server_client_ip, "dev", self.root_if)
 
     def _free_client_net(self) -> ipaddress.IPv4Network:
         """A /30 in 198.19.0.0/16 that overlaps no address or route of the root namespace."""

@@ -125,9 +125,9 @@ def test_stuck_dataset_is_an_error_and_the_server_stays_responsive(tmp_path):
 
 # ---- 2. slow epoch set-up ----------------------------------------------------------------------
 def test_slow_epoch_setup_keeps_workers_alive(tmp_path):
-    # 30 lengths x 0.1 s: 3 s inside init_seq_order, 15 heartbeat timeouts
+    # 30 lengths x 0.1 s: 3 s inside init_seq_order, 5 heartbeat timeouts
     cfg = corpus_config(
-        tmp_path, '"len_delay": 0.1, "seq_ordering": "sorted"', "heartbeat_interval = 0.1\nheartbeat_timeout = 0.2\n"
+        tmp_path, '"len_delay": 0.1, "seq_ordering": "sorted"', "heartbeat_interval = 0.2\nheartbeat_timeout = 0.6\n"
     )
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=2, log_path=slog) as srv, srv.client(timeout=20) as c:

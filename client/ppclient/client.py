@@ -27,6 +27,7 @@ from .protocol import Channel, Item, Peer
 
 # The server is alive if something came within this many of its heartbeat intervals.
 KEEPALIVE_MISSES = 2
+MISSING_AFTER = 2.0  # heartbeat intervals a client waits for its next direct seq before saying it is missing
 ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at most a quarter of its timeout)
 STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last", "subshard")
 
@@ -64,6 +65,7 @@ class Client:
         job: str = "default",
         drop_last: bool = True,
         subshard: Tuple[int, int] = (0, 1),
+        direct: bool = True,
     ):
         self.address = endpoints.check(address, "address")
         _int_arg("window", window, 1)
@@ -95,6 +97,16 @@ class Client:
         # Messages of each live run, so one run's seqs are not lost while another one is awaited.
         self._inbox: Dict[int, Deque[protocol.Decoded]] = {}
         self._alive: Optional[_Alive] = None
+        # Results straight from workers (map_seq): a ROUTER they connect to.
+        self.direct = bool(direct)
+        self._direct: Optional[zmq.Socket] = None
+        self._direct_endpoint = ""
+        self._direct_dir: Optional[str] = None
+        self._auth: Any = None
+        self._poller: Optional[zmq.Poller] = None
+        self._authorized: Tuple[bytes, ...] = ()
+        if self.direct and self._keys is not None:
+            self._authorized = tuple(keyfiles.authorized_keys(keys))  # type: ignore[arg-type]
 
     # ---- sockets ------------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.Socket:
@@ -135,6 +147,51 @@ class Client:
             sock.connect(self.address)
             self._data = sock
         return self._data
+
+    def _direct_socket(self) -> Optional[zmq.Socket]:
+        """The ROUTER workers send this client's results to (None: everything through the server)."""
+        if not self.direct:
+            return None
+        if self._direct is None:
+            import tempfile
+
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.linger = 0
+            sock.rcvhwm = 0
+            if self._keys is not None:
+                self._auth = _authenticator(self._ctx, self._authorized)
+                sock.curve_server = True
+                sock.curve_publickey = self._keys.public
+                sock.curve_secretkey = self._keys.secret
+            if self.address.startswith("ipc://"):
+                self._direct_dir = tempfile.mkdtemp(prefix="ppclient-")
+            endpoint = endpoints.direct_bind(self.address, self._direct_dir or "", "direct")
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                self.direct = False
+                import logging
+
+                logging.getLogger("ppclient").warning(
+                    "cannot bind %s for direct results (%s): they come through the server", endpoint, exc
+                )
+                return None
+            last = sock.getsockopt(zmq.LAST_ENDPOINT)
+            self._direct_endpoint = last.decode() if isinstance(last, bytes) else str(last)
+            self._direct = sock
+            self._poller = zmq.Poller()
+            self._poller.register(self._data_socket(), zmq.POLLIN)
+            self._poller.register(sock, zmq.POLLIN)
+        return self._direct
+
+    def _welcome(self, ident: bytes, hello: protocol.DirectHello) -> None:
+        """A worker connected: it may send results directly from now on."""
+        assert self._direct is not None
+        try:
+            self._direct.send_multipart([ident, *protocol.encode(protocol.DirectWelcome(shm=False))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
@@ -179,6 +236,7 @@ class Client:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
         _int_arg("start", start, 0)
         data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
+        self._direct_socket()
         self._keep_alive()
         reply = self._request(
             protocol.EpochRequest(
@@ -195,6 +253,8 @@ class Client:
                 fingerprint=fingerprint,
                 subshard=self.subshard,
                 subshards=self.subshards,
+                direct=self._direct_endpoint if self._direct is not None else "",
+                direct_key=self._keys.public if self._keys is not None and self._direct is not None else b"",
             ),
             protocol.EpochAccepted,
         )
@@ -240,25 +300,50 @@ class Client:
         inbox = self._inbox.get(run)
         if inbox:
             return inbox.popleft()
-        sock = self._data_socket()
+        data = self._data_socket()
+        direct = self._direct
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                if time.monotonic() < deadline:
-                    continue
+            if left <= 0:
                 return None
-            frames = sock.recv_multipart(copy=False)
+            if direct is None:
+                ready: Any = (data,) if data.poll(int(left * 1000) + 1) else ()
+            else:
+                assert self._poller is not None
+                ready = dict(self._poller.poll(int(left * 1000) + 1))
+            for sock in (data, direct):
+                if sock is None or sock not in ready:
+                    continue
+                decoded = self._recv(sock, sock is data)
+                if decoded is None:
+                    continue
+                owner = getattr(decoded.msg, "run", None)
+                if owner == run:
+                    return decoded
+                if owner in self._inbox:
+                    self._inbox[owner].append(decoded)  # a live run's: keep it for that iterator
+
+    def _recv(self, sock: zmq.Socket, from_server: bool) -> Optional[protocol.Decoded]:
+        """One message from the data socket (the server's) or the direct socket (a worker's)."""
+        frames = sock.recv_multipart(copy=False)
+        if from_server:
             if len(frames) < 2 or len(frames[0]) != 0:
-                continue
+                return None
             try:
-                decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DATA,))
+                return protocol.decode(frames[1:], Peer.CLIENT, (Channel.DATA,))
             except protocol.ProtocolError as exc:
                 raise Error(f"malformed message from {self.address}: {exc}") from None
-            owner = getattr(decoded.msg, "run", None)
-            if owner == run:
-                return decoded
-            if owner in self._inbox:
-                self._inbox[owner].append(decoded)  # a live run's: keep it for that iterator
+        if len(frames) < 2:
+            return None
+        try:
+            decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DIRECT,))
+        except protocol.ProtocolError:
+            return None  # a worker's bad message: what it should have carried is made again (missing)
+        if isinstance(decoded.msg, protocol.DirectHello):
+            self._welcome(frames[0].bytes, decoded.msg)
+            return None
+        decoded.bad = []  # bad items: reported missing in time, made again
+        return decoded
 
     def close(self) -> None:
         """Tell the server (its shards may be taken over at once) and close every socket."""
@@ -273,10 +358,18 @@ class Client:
                 )
             except zmq.ZMQError:
                 pass
-        for sock in (self._req, self._data):
+        for sock in (self._req, self._data, self._direct):
             if sock is not None:
                 sock.close(linger=100 if sock is self._data else 0)
-        self._req = self._data = None
+        self._req = self._data = self._direct = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._direct_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._direct_dir, ignore_errors=True)
+            self._direct_dir = None
         if not self._ctx.closed:
             self._ctx.term()
 
@@ -285,6 +378,22 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _authenticator(ctx: zmq.Context, authorized: Tuple[bytes, ...]) -> Any:
+    """Only workers with an authorised key may send results to this client."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    keys = set(authorized)
+
+    class KeyRing:
+        def callback(self, domain: str, client_key: bytes) -> bool:
+            return client_key in keys
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=KeyRing())
+    return auth
 
 
 class _Alive(threading.Thread):
@@ -336,8 +445,14 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._ungranted = 0
         self._granted = 0
         self._done = False
+        self._end: Optional[int] = None  # seqs the epoch has for this iterator, once End came
         self._error: Optional[Error] = None
-        self._ready: Deque[Item] = deque()
+        # Seqs by position: direct results may come out of order, twice, or before the server's End.
+        self._buffer: Dict[int, Item] = {}
+        self._lanes = client.world_size * client.subshards
+        self._first = client.rank + client.subshard * client.world_size + start * self._lanes
+        self._direct = client._direct is not None
+        self._arrived = self._first  # without direct results: the position the next message must have
         self._alive_at = 0.0  # when the last keepalive (or anything) came from the server
         self._interval = 1.0
         self._waiting_for = ""
@@ -376,11 +491,14 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
         self._granted += n
         self._sock.send_multipart(
-            [protocol.DELIMITER, *protocol.encode(protocol.Credit(run=self.run, total=self._granted))]
+            [
+                protocol.DELIMITER,
+                *protocol.encode(protocol.Credit(run=self.run, total=self._granted, consumed=self._consumed)),
+            ]
         )
 
     def _supersede(self, message: str) -> None:
-        if self._error is None and (not self._done or self._ready):
+        if self._error is None and not self._finished():
             self._error = Superseded(message)
 
     def _raise(self, error: Error) -> NoReturn:
@@ -394,24 +512,23 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         while not self._started:
             self._receive("started")
 
+    def _finished(self) -> bool:
+        return self._done and (self._end is None or self._consumed >= self._end)
+
+    @property
+    def _expected(self) -> int:
+        return self._first + self._consumed * self._lanes
+
     def __next__(self) -> Dict[str, Any]:
         if self._error is not None:
             raise self._error
-        while not self._ready:
-            if self._done:
+        expected = self._expected
+        while expected not in self._buffer:
+            if self._finished():
                 self._client._inbox.pop(self.run, None)
                 raise StopIteration
             self._receive("progress")
-        item = self._ready.popleft()
-        lanes = self.world_size * self._client.subshards
-        expected = self.rank + self._client.subshard * self.world_size + self.position * lanes
-        if item.pos != expected:
-            self._raise(
-                Error(
-                    f"epoch {self.epoch}: expected the seq at position {expected} but got {item.pos} "
-                    "(messages were lost, e.g. on a reset connection)"
-                )
-            )
+        item = self._buffer.pop(expected)
         seq = protocol.item_to_seq(item)
         self._consumed += 1
         self._ungranted += 1
@@ -421,16 +538,23 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         return seq
 
     def _receive(self, what: str) -> None:
-        """Take the next message of this run; raise when none comes within the timeout."""
+        """Take the next message of this run; raise when none comes within the timeout. Waiting for
+        a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost)."""
         timeout = self._client.timeout
         began = time.monotonic()
         deadline = began + timeout
+        ask = began + MISSING_AFTER * self._interval if self._direct and what == "progress" else deadline
         while True:
             try:
-                decoded = self._client._next_message(self.run, deadline)
+                decoded = self._client._next_message(self.run, min(deadline, ask))
             except Error as exc:
                 self._raise(exc)
             if decoded is None:
+                now = time.monotonic()
+                if now < deadline:
+                    self._missing()
+                    ask = now + MISSING_AFTER * self._interval
+                    continue
                 self._timed_out(what, timeout, began)
                 return
             msg = decoded.msg
@@ -446,14 +570,15 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._started = True
             self.num_seqs = msg.num_seqs
             self.fingerprint = msg.fingerprint
-        elif isinstance(msg, protocol.Seqs):
+        elif isinstance(msg, (protocol.Seqs, protocol.DirectSeqs)):
             if decoded.bad:
                 self._raise(Error(f"epoch {self.epoch}: malformed seq from the server: {decoded.bad[0].reason}"))
-            self._ready.extend(decoded.items)
+            self._take(decoded.items)
         elif isinstance(msg, protocol.End):
             self._done = True
-            arrived = self._consumed + len(self._ready)
-            if msg.count != arrived:
+            self._end = msg.count
+            arrived = self._consumed + len(self._buffer)
+            if msg.count < arrived or (not self._direct and msg.count != arrived):
                 self._raise(
                     Error(f"epoch {self.epoch} ended after {msg.count} seqs but {arrived} arrived (messages were lost)")
                 )
@@ -477,6 +602,33 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._raise(
                 Superseded(f"epoch {self.epoch} was superseded by epoch {msg.epoch}, requested by another client")
             )
+
+    def _take(self, items: List[Item]) -> None:
+        """Into the reorder buffer; duplicates and seqs already yielded are dropped."""
+        expected, lanes = self._expected, self._lanes
+        for item in items:
+            pos = item.pos
+            if not self._direct:
+                if pos != self._arrived:
+                    self._raise(
+                        Error(
+                            f"epoch {self.epoch}: expected the seq at position {self._arrived} but got {pos} "
+                            "(messages were lost, e.g. on a reset connection)"
+                        )
+                    )
+                self._arrived += lanes
+            elif pos < expected or (pos - self._first) % lanes or pos in self._buffer:
+                continue
+            self._buffer[pos] = item
+
+    def _missing(self) -> None:
+        try:
+            self._sock.send_multipart(
+                [protocol.DELIMITER, *protocol.encode(protocol.Missing(run=self.run, pos=self._expected))],
+                flags=zmq.NOBLOCK,
+            )
+        except zmq.ZMQError:
+            pass
 
     def _timed_out(self, what: str, timeout: float, began: float) -> None:
         """Alive means keepalives kept coming while we waited; else the server is gone."""

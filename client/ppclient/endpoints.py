@@ -53,3 +53,29 @@ def reachable(endpoint: str, via: str) -> str:
     _, port = host_port(endpoint)
     host = host_port(via)[0] if via.startswith("tcp://") and not is_wildcard(via) else "127.0.0.1"
     return f"tcp://{host}:{port}"
+
+
+def direct_bind(server: str, directory: str, name: str) -> str:
+    """Where a client binds the socket workers send its results to, given the server's address:
+    beside an ipc server, an ipc path in `directory`; beside a loopback server, loopback; else the
+    local address this host reaches the server from (so the socket listens on that interface
+    only), any free port."""
+    if server.startswith("ipc://"):
+        return f"ipc://{directory}/{name}"
+    if is_loopback(server):
+        return "tcp://127.0.0.1:*"
+    return f"tcp://{local_address_toward(host_port(server)[0])}:*"
+
+
+def local_address_toward(host: str) -> str:
+    """This host's address on the interface that routes to `host` (no packet is sent)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host.strip("[]"), 9))
+        except OSError:
+            return "127.0.0.1"
+        address = s.getsockname()[0]
+    return f"[{address}]" if family == socket.AF_INET6 else address

@@ -50,6 +50,7 @@ class Channel(enum.Enum):
     CONTROL = "control"  # a REQ (client, or a worker host discovering) -> the control ROUTER, and the reply
     DATA = "data"  # a client's DEALER <-> the control ROUTER: one epoch's credit and seqs
     WORKER = "worker"  # a worker's DEALERs (tasks, heartbeats) <-> the worker ROUTER
+    DIRECT = "direct"  # a worker's DEALER -> a client's direct ROUTER: results that bypass the server
 
 
 def _nonneg(default: int = 0) -> Any:
@@ -102,6 +103,9 @@ class EpochRequest(Message):
     in that part.
     `timeout`: the client's, after which the server may count it gone if it stops sending
     keepalives. `fingerprint`: the config fingerprint a resumed state was made with ("" if none).
+    `direct`: the endpoint of the client's direct ROUTER, where workers may send its results
+    ("" : everything through the server); `direct_key`: its CURVE public key (with keys);
+    `host`: the client's shared-memory host id ("" : none).
     """
 
     kind = "epoch"
@@ -122,6 +126,9 @@ class EpochRequest(Message):
     fingerprint: str = ""
     subshard: int = _nonneg()
     subshards: int = _positive()
+    direct: str = ""
+    direct_key: bytes = b""
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -200,7 +207,8 @@ class ErrorReply(Message):
 # ---- an epoch's data (client DEALER <-> control ROUTER) --------------------------------------
 @dataclass(frozen=True)
 class Credit(Message):
-    """The client has granted `total` seqs of this run so far (cumulative, so a lost grant heals)."""
+    """The client has granted `total` seqs of this run so far and taken `consumed` of them
+    (both cumulative, so a lost message heals)."""
 
     kind = "credit"
     channel = Channel.DATA
@@ -208,6 +216,20 @@ class Credit(Message):
     receiver = (Peer.SERVER,)
     run: int = _nonneg()
     total: int = _nonneg()
+    consumed: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class Missing(Message):
+    """The client has waited long for the seq at `pos` (its next): if it was sent directly and
+    lost on the way, the server has it made again and sends it itself."""
+
+    kind = "missing"
+    channel = Channel.DATA
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    pos: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -406,10 +428,93 @@ class RunClose(Message):
 
 @dataclass(frozen=True)
 class Tasks(Message):
+    """map_seq inputs. `to[k]`: the consumer item k's result goes to directly (b"": to the server);
+    empty: every result to the server."""
+
     kind = "tasks"
     channel = Channel.WORKER
     sender = (Peer.SERVER,)
     receiver = (Peer.WORKER,)
+    batch = True
+    run: int = _nonneg()
+    to: List[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Completed(Message):
+    """Results sent directly to their consumers: positions and byte counts, no data."""
+
+    kind = "completed"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    pos: List[int] = field(default_factory=list)
+    nbytes: List[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ConsumerRoute(Message):
+    """How a worker reaches a consumer's direct ROUTER (`key`: its CURVE public key; `host`: its
+    shared-memory host id)."""
+
+    kind = "route"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    consumer: bytes = b""
+    endpoint: str = ""
+    key: bytes = b""
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class ConsumerGone(Message):
+    """The consumer left: close the connection to it and free what it holds."""
+
+    kind = "consumer_gone"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    consumer: bytes = b""
+
+
+# ---- direct results (worker DEALER -> client direct ROUTER) -----------------------------------
+@dataclass(frozen=True)
+class DirectHello(Message):
+    """A worker's first message on a direct connection. `shm`: the descriptor of its result segment
+    when the consumer is on its host (None: no shared memory)."""
+
+    kind = "direct_hello"
+    channel = Channel.DIRECT
+    sender = (Peer.WORKER,)
+    receiver = (Peer.CLIENT,)
+    versioned = True
+    worker: bytes = b""
+    shm: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class DirectWelcome(Message):
+    """The consumer heard the worker: results may come directly now (`shm`: and through the
+    segment, which the consumer mapped)."""
+
+    kind = "direct_welcome"
+    channel = Channel.DIRECT
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.WORKER,)
+    versioned = True
+    shm: bool = False
+
+
+@dataclass(frozen=True)
+class DirectSeqs(Message):
+    """Results of `run` for this consumer, straight from the worker that made them."""
+
+    kind = "direct_seqs"
+    channel = Channel.DIRECT
+    sender = (Peer.WORKER,)
+    receiver = (Peer.CLIENT,)
     batch = True
     run: int = _nonneg()
 
@@ -589,6 +694,13 @@ MESSAGES: Dict[str, Type[Message]] = {
         RunClose,
         Tasks,
         Results,
+        Completed,
+        ConsumerRoute,
+        ConsumerGone,
+        DirectHello,
+        DirectWelcome,
+        DirectSeqs,
+        Missing,
         TaskFailed,
         StreamOpen,
         StreamInputs,
@@ -610,6 +722,10 @@ class Item:
 
     `arrays` lists `[key, dtype, shape]` per array; `frames` holds one buffer per array
     (numpy arrays, bytes or zmq.Frames), which a forwarder passes on without decoding.
+    Instead of frames, the arrays may lie in a shared-memory block of the sender's segment:
+    `block` is `[offset, nbytes, [offset of each array in the block]]` (header key "b"); the
+    receiver maps it (shm.py) and fills `frames` with views. `direct` marks a result the worker
+    sent to its consumer itself (the server holds only its position and size).
     """
 
     pos: int
@@ -617,12 +733,24 @@ class Item:
     arrays: List[List[Any]]
     frames: List[Any]
     nbytes: int = 0
+    block: Optional[List[Any]] = None
+    direct: bool = False
 
     def header(self, pos: Optional[int] = None) -> Dict[str, Any]:
-        return {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
+        h = {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
+        if self.block is not None:
+            h["b"] = self.block
+        return h
+
+    @property
+    def wire_frames(self) -> List[Any]:
+        """The frames that travel with the header (none when the arrays are in shared memory)."""
+        return [] if self.block is not None else self.frames
 
     def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> Item:
-        return Item(pos, self.meta if meta is None else meta, self.arrays, self.frames, self.nbytes)
+        return Item(
+            pos, self.meta if meta is None else meta, self.arrays, self.frames, self.nbytes, self.block, self.direct
+        )
 
     @property
     def seq_tag(self) -> Optional[str]:
@@ -657,7 +785,12 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
         raise ProtocolError(f"item position {pos!r:.40} is not an int >= 0")
     if type(meta) is not dict:
         raise ProtocolError(f"item {pos}: meta is not a map")
-    if type(arrays) is not list or len(arrays) != len(frames):
+    block = spec.get("b")
+    if type(arrays) is not list:
+        raise ProtocolError(f"item {pos}: the arrays entry is not a list")
+    if block is not None:
+        _check_block(pos, block, arrays, frames)
+    elif len(arrays) != len(frames):
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
     for key, value in meta.items():
         check = _META_TYPES.get(key)
@@ -665,7 +798,8 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
             raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
     nbytes = 0
     keys = set()
-    for spec_, frame in zip(arrays, frames):
+    sizes = []
+    for spec_ in arrays:
         if type(spec_) is not list or len(spec_) != 3:
             raise ProtocolError(f"item {pos}: bad array spec {spec_!r:.60}")
         key, dtype_str, shape = spec_
@@ -686,11 +820,36 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
             nonzero *= d or 1
             if nonzero > MAX_ELEMENTS:
                 raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
-        size = wire.nbytes(frame)
-        if size != count * itemsize:
-            raise ProtocolError(f"item {pos}: array {key!r} has {size} bytes, not those of {shape} {dtype_str}")
+        sizes.append(count * itemsize)
+    if block is None:
+        for spec_, frame, want in zip(arrays, frames, sizes):
+            size = wire.nbytes(frame)
+            if size != want:
+                raise ProtocolError(
+                    f"item {pos}: array {spec_[0]!r} has {size} bytes, not those of {spec_[2]} {spec_[1]}"
+                )
+            nbytes += size
+        return Item(pos, meta, arrays, list(frames), nbytes)
+    for offset, size in zip(block[2], sizes):
+        if offset + size > block[1]:
+            raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
-    return Item(pos, meta, arrays, list(frames), nbytes)
+    return Item(pos, meta, arrays, [], nbytes, block=block)
+
+
+def _check_block(pos: int, block: Any, arrays: Any, frames: Sequence[Any]) -> None:
+    if frames:
+        raise ProtocolError(f"item {pos}: an item in shared memory carries frames")
+    if (
+        type(block) is not list
+        or len(block) != 3
+        or not all(type(v) is int and v >= 0 for v in block[:2])
+        or type(block[2]) is not list
+        or type(arrays) is not list
+        or len(block[2]) != len(arrays)
+        or not all(type(v) is int and v >= 0 for v in block[2])
+    ):
+        raise ProtocolError(f"item {pos}: bad shared-memory block {block!r:.60}")
 
 
 _META_TYPES: Dict[str, Any] = {
@@ -727,7 +886,7 @@ def encode(msg: Message, items: Sequence[Item] = ()) -> List[Any]:
     header["items"] = [item.header() for item in items]
     frames: List[Any] = [wire.pack(header)]
     for item in items:
-        frames.extend(item.frames)
+        frames.extend(item.wire_frames)
     return frames
 
 
@@ -801,9 +960,11 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
     at = 0
     for spec in specs:
         arrays = spec.get("arrays") if type(spec) is dict else None
-        if type(arrays) is not list or at + len(arrays) > len(bufs):
+        if type(arrays) is not list:
             break
-        n = len(arrays)
+        n = 0 if "b" in spec else len(arrays)  # arrays in shared memory have no frames
+        if at + n > len(bufs):
+            break
         try:
             out.items.append(check_item(spec, bufs[at : at + n]))
         except ProtocolError as exc:

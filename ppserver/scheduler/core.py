@@ -22,6 +22,8 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
+    ConsumerGone,
+    ConsumerRoute,
     End,
     EpochAccepted,
     ErrorReply,
@@ -67,6 +69,7 @@ class Scheduler:
         self.next_run = 0  # run ids: the server sets the first one (random, so a restart never reuses ids)
         self.total_delivered = 0
         self.malformed_results = 0
+        self.lost_direct = 0  # direct results a consumer reported missing (made again)
         self.departures: Counter = Counter()
         self.handed_back = 0
         self.last_beat = float("-inf")
@@ -91,6 +94,8 @@ class Scheduler:
             ev.InputsRead: self._on_inputs,
             ev.InputsEnded: self._on_inputs_ended,
             ev.ReplayRead: self._on_replay,
+            ev.CompletedReceived: self._on_completed,
+            ev.MissingReported: self._on_missing,
             ev.ReadFailed: lambda e, out: self._fail_id(
                 e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
             ),
@@ -137,6 +142,10 @@ class Scheduler:
         )
         self.workers[e.wid] = w
         log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(self.workers))
+        if self.job is not None:
+            for client in self.job.clients.values():
+                if client.route is not None:
+                    out.append(ToWorker(w.wid, client.route))
         for run in self._running():
             out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.seq_list is not None)))
             assert run.dispatch is not None
@@ -226,6 +235,11 @@ class Scheduler:
         d = self._dispatch_of(e.run, SeqDispatch)
         if d is not None:
             self._maybe_fail(e.run, d.results_received(self.workers[e.wid], e.items, e.bad), out)
+
+    def _on_completed(self, e: ev.CompletedReceived, out: List[Instruction]) -> None:
+        d = self._dispatch_of(e.run, SeqDispatch)
+        if d is not None:
+            d.completed(self.workers[e.wid], e.positions, e.nbytes)
 
     def _on_task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)
@@ -359,7 +373,14 @@ class Scheduler:
         if lane.consumer is not None and lane.consumer != e.consumer and not lane.gone:
             self._to_lane(run, lane, Superseded(run=run.run, epoch=run.epoch), out)
         lane.attach(e.consumer, e.start, e.now, run.width)
-        run.job.clients[e.consumer] = Client(e.lane, e.timeout, e.now)
+        known = run.job.clients.get(e.consumer)
+        client = run.job.clients[e.consumer] = Client(e.lane, e.timeout, e.now)
+        if e.direct and self.settings.direct:
+            client.route = ConsumerRoute(consumer=e.consumer, endpoint=e.direct, key=e.direct_key, host=e.host)
+            if known is None or known.route != client.route:
+                for wid in self.workers:
+                    out.append(ToWorker(wid, client.route))
+        lane.direct = client.route is not None
         log.info(
             "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
             run.job.who(e.lane),
@@ -423,8 +444,12 @@ class Scheduler:
     def _consumer_gone(self, consumer: bytes, why: str, out: List[Instruction]) -> None:
         """A client closed or went silent: its lanes are dropped (the rank may resume later)."""
         job = self.job
-        if job is None or job.clients.pop(consumer, None) is None:
+        client = job.clients.pop(consumer, None) if job is not None else None
+        if job is None or client is None:
             return
+        if client.route is not None:
+            for wid in self.workers:
+                out.append(ToWorker(wid, ConsumerGone(consumer=consumer)))
         for run, lane in job.lanes_of(consumer):
             if lane.gone:
                 continue
@@ -463,7 +488,16 @@ class Scheduler:
             run.dispatch = StreamDispatch(run.run, run.epoch, e.num_seqs, s)
         else:
             first = min(((lane.start * run.width + lane.rank) for lane in run.lanes if not lane.gone), default=0)
-            run.dispatch = SeqDispatch(run.run, e.num_seqs, s, wanted=run.wanted, end=run.end(), first=first)
+            run.dispatch = SeqDispatch(
+                run.run,
+                e.num_seqs,
+                s,
+                wanted=run.wanted,
+                end=run.end(),
+                first=first,
+                route=self._router(run) if s.direct else None,
+                width=run.width,
+            )
         count = "an unknown number of" if e.num_seqs is None else str(e.num_seqs)
         log.info("epoch %d started (run %d, %s input seqs)", run.epoch, run.run, count)
         for lane in run.lanes:
@@ -521,13 +555,42 @@ class Scheduler:
         found = self._lane_of(e.consumer, e.run)
         if found is None:
             return
-        lane = found[1]
+        run, lane = found
         self._on_alive(ev.ConsumerAlive(e.now, e.consumer), out)
         lane.granted = max(lane.granted, min(e.total, lane.delivered + MAX_GRANT_AHEAD))
+        if e.consumed > lane.consumed:
+            lane.consumed = min(e.consumed, lane.delivered)
+            if isinstance(run.dispatch, SeqDispatch):
+                run.dispatch.forget(lane.rank, lane.start + lane.consumed)
         if not lane.connected:
             lane.connected = True
             out.extend(lane.held)
             lane.held.clear()
+
+    def _on_missing(self, e: ev.MissingReported, out: List[Instruction]) -> None:
+        found = self._lane_of(e.consumer, e.run)
+        if found is None:
+            return
+        run, lane = found
+        if run.lane_of(e.pos) is lane and isinstance(run.dispatch, SeqDispatch) and run.dispatch.lost(e.pos):
+            self.lost_direct += 1
+            log.warning(
+                "%s of job %r did not get seq %d of epoch %d sent to it directly: made again, sent by the server",
+                run.job.who(lane.rank),
+                run.job.name,
+                e.pos,
+                run.epoch,
+            )
+
+    def _router(self, run: Run) -> Callable[[int], bytes]:
+        """Where a position's result goes directly: its lane's consumer, if that one takes direct results."""
+        lanes, width = run.lanes, run.width
+
+        def route(pos: int) -> bytes:
+            lane = lanes[pos % width]
+            return lane.consumer if lane.direct and lane.consumer is not None and not lane.gone else b""
+
+        return route
 
     def _on_alive(self, e: ev.ConsumerAlive, out: List[Instruction]) -> None:
         client = self.job.clients.get(e.consumer) if self.job is not None else None
@@ -616,6 +679,8 @@ class Scheduler:
             d = run.dispatch
             assert d is not None
             d.dispatch(self.workers, out)
+            if isinstance(d, SeqDispatch) and d.late:
+                self._send_late(run, d, out)
             self._release(run, out)
             for lane in run.lanes:
                 self._flush(run, lane, out)
@@ -629,6 +694,14 @@ class Scheduler:
                 if d.reading_done():
                     run.reading_stopped = True
                     out.append(StopReading(run.run))
+
+    def _send_late(self, run: Run, d: SeqDispatch, out: List[Instruction]) -> None:
+        """Lost direct results made again go to their consumer at once (they were released)."""
+        for item in d.late:
+            lane = run.lane_of(item.pos)
+            if lane.consumer is not None and not lane.gone:
+                out.append(ToClient(lane.consumer, Seqs(run=run.run), [item]))
+        d.late.clear()
 
     def _room(self, run: Run) -> Callable[[int], bool]:
         """Whether the output at a position may be released now (outputs no one wants always may:
@@ -704,7 +777,9 @@ class Scheduler:
             lane.delivered += len(items)
             lane.delivered_bytes += sum(i.nbytes for i in items)
             self.total_delivered += len(items)
-            out.append(ToClient(lane.consumer, Seqs(run=run.run), items))  # type: ignore[arg-type]
+            sent = [i for i in items if not i.direct]  # direct ones are at the consumer already
+            if sent:
+                out.append(ToClient(lane.consumer, Seqs(run=run.run), sent))  # type: ignore[arg-type]
 
     def _finish_lanes(self, run: Run, out: List[Instruction]) -> None:
         for lane in run.lanes:
@@ -760,6 +835,7 @@ class Scheduler:
             "workers": [w.describe(now) for w in self.workers.values()],
             "seqs_delivered_total": self.total_delivered,
             "malformed_results": self.malformed_results,
+            "lost_direct_results": self.lost_direct,
             "departures": {d.value: n for d, n in self.departures.items()},
             "handed_back": self.handed_back,
             "job": None,

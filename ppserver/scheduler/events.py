@@ -57,6 +57,15 @@ class ResultsReceived(WorkerEvent):
 
 
 @dataclass(slots=True)
+class CompletedReceived(WorkerEvent):
+    """Results the worker sent to their consumers itself: their positions and sizes."""
+
+    run: int
+    positions: List[int] = field(default_factory=list)
+    nbytes: List[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class TaskFailed(WorkerEvent):
     run: int
     pos: int
@@ -137,6 +146,9 @@ class EpochRequested(Event):
     timeout: float = 30.0
     subshard: int = 0
     subshards: int = 1
+    direct: str = ""  # the client's direct endpoint ("": results through the server)
+    direct_key: bytes = b""
+    host: str = ""
 
     @property
     def lane(self) -> int:
@@ -219,6 +231,16 @@ class CreditGranted(Event):
     consumer: bytes
     run: int
     total: int
+    consumed: int = 0
+
+
+@dataclass(slots=True)
+class MissingReported(Event):
+    """The client has waited long for the seq at `pos`: a direct result may have been lost."""
+
+    consumer: bytes
+    run: int
+    pos: int
 
 
 @dataclass(slots=True)

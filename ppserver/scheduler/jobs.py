@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Union
 
-from ppclient.protocol import Item
+from ppclient.protocol import ConsumerRoute, Item
 
 from .instructions import ToClient
 from .seqs import SeqDispatch
@@ -44,6 +44,8 @@ class Lane:
     released: int = 0  # index in the shard of the next position released (dropped ones included)
     ready: Deque[Item] = field(default_factory=deque)  # released, to send in this step
     attached_at: float = 0.0
+    direct: bool = False  # the consumer takes results straight from workers
+    consumed: int = 0  # seqs the consumer has taken (from `start`)
 
     @property
     def credit(self) -> int:
@@ -61,7 +63,7 @@ class Lane:
         self.attached_at = now
         self.gone = self.done = self.connected = False
         self.held = []
-        self.granted = self.delivered = self.delivered_bytes = 0
+        self.granted = self.delivered = self.delivered_bytes = self.consumed = 0
         self.ready = deque(item for item in self.ready if item.pos // lanes >= start)
 
 
@@ -128,6 +130,7 @@ class Client:
     rank: int
     timeout: float
     alive_at: float
+    route: Optional[ConsumerRoute] = None  # how workers reach its direct ROUTER (None: through the server)
 
 
 @dataclass

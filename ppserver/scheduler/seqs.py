@@ -9,12 +9,18 @@ idle worker, so once a seq has been charged `max_seq_retries` crashes it really 
 that kills workers, and the run fails naming it. A malformed result is dropped and its seq
 redone on another worker when there is one; `max_seq_retries` malformed results of one seq
 fail the run too, so a broken worker cannot loop forever.
+
+Direct results: a task may name the consumer its result goes to (`route`); the worker sends
+it there and tells the server only its position and size (`completed`). Its input is kept
+until the consumer has taken the seq (`forget`), so a result lost on the way (`lost`: the
+consumer reports it missing) is made again and sent through the server (`late`).
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from ppclient.protocol import BadItem, FailureKind, Item, Tasks
 
@@ -33,6 +39,8 @@ class SeqDispatch:
         wanted: Callable[[int], bool],
         end: Optional[int],
         first: int = 0,
+        route: Optional[Callable[[int], bytes]] = None,
+        width: int = 1,
     ):
         self.run = run
         self.num_seqs = num_seqs
@@ -51,6 +59,12 @@ class SeqDispatch:
         self.malformed: Dict[int, int] = {}  # malformed results of a position
         self.avoid: Dict[int, bytes] = {}  # the worker that sent a malformed result of a position
         self.next_out = first  # the next position to release
+        self.route = route  # position -> the consumer its result goes to directly (b"": the server)
+        self.width = width  # lanes: position p belongs to lane p % width
+        self.kept: Dict[int, Item] = {}  # inputs of direct results the consumer has not taken yet
+        self.kept_order: Dict[int, Deque[int]] = {}  # lane -> its kept positions, in order
+        self.relay: Set[int] = set()  # lost direct results, being made again to go through the server
+        self.late: List[Item] = []  # such results, to send to their consumer now
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: List[Item]) -> None:
@@ -130,10 +144,17 @@ class SeqDispatch:
             if self.inflight.get(item.pos) != w.wid:
                 continue  # late or duplicate: the seq was handed to another worker
             wanted = item.pos in self.pending
+            task = self.pending.get(item.pos)
             self._settle(w, item.pos)
             w.done += 1
-            if wanted:
+            if item.pos in self.relay:
+                self.relay.discard(item.pos)
+                if wanted:
+                    self.late.append(item)  # released already: it goes to its consumer at once
+            elif wanted:
                 self.results[item.pos] = item
+                if self.route is not None and task is not None:
+                    self._keep(item.pos, task)  # a relayed seq may be lost too (a reset connection)
         blamed: List[Tuple[int, str]] = [(b.pos, b.reason) for b in bad if b.pos is not None]
         if any(b.pos is None for b in bad):
             # a result that names no seq: every seq this worker holds is charged with it
@@ -159,6 +180,42 @@ class SeqDispatch:
         if not any(run == self.run for run, _ in w.tasks):
             w.isolating = False
         return None
+
+    def completed(self, w: WorkerState, positions: List[int], sizes: List[int]) -> None:
+        """Results the worker sent to their consumers: a placeholder takes each one's turn in
+        delivery order, and the input is kept until the consumer has taken the seq."""
+        for pos, size in zip(positions, sizes):
+            if self.inflight.get(pos) != w.wid:
+                continue  # late or duplicate
+            item = self.pending.get(pos)
+            self._settle(w, pos)
+            w.done += 1
+            if item is None or pos in self.relay:
+                self.relay.discard(pos)
+                continue  # dropped meanwhile, or a lost one's redo that went direct after all
+            self.results[pos] = Item(pos, {}, [], [], size, direct=True)
+            self._keep(pos, item)
+
+    def _keep(self, pos: int, task: Item) -> None:
+        self.kept[pos] = task
+        self.kept_order.setdefault(pos % self.width, deque()).append(pos)
+
+    def forget(self, lane: int, upto: int) -> None:
+        """The consumer of `lane` has taken its seqs below index `upto`: their inputs go."""
+        order = self.kept_order.get(lane)
+        while order and order[0] // self.width < upto:
+            self.kept.pop(order.popleft(), None)
+
+    def lost(self, pos: int) -> bool:
+        """A direct result its consumer never got: made again, to go through the server. False if
+        the position is not one whose direct result was released (still on its way, or unknown)."""
+        item = self.kept.get(pos)
+        if item is None or pos in self.results or pos in self.inflight or pos in self.pending:
+            return False
+        self.pending[pos] = item
+        self.relay.add(pos)
+        heapq.heappush(self.todo, pos)
+        return True
 
     def _settle(self, w: WorkerState, pos: int, keep_input: bool = False) -> None:
         del self.inflight[pos]
@@ -210,6 +267,7 @@ class SeqDispatch:
                 w = max(candidates, key=lambda w: w.free())
                 limit = min(w.free(), chunk)
             batch: List[Item] = []
+            to: List[bytes] = []
             nbytes = 0
             while self.todo and len(batch) < limit and nbytes < s.dispatch_bytes:
                 pos = self.todo[0]
@@ -222,9 +280,11 @@ class SeqDispatch:
                 self.inflight[pos] = w.wid
                 w.tasks.add((self.run, pos))
                 batch.append(item)
+                if self.route is not None:
+                    to.append(b"" if pos in self.relay else self.route(pos))
                 nbytes += item.nbytes
             if batch:
-                out.append(ToWorker(w.wid, Tasks(run=self.run), batch))
+                out.append(ToWorker(w.wid, Tasks(run=self.run, to=to if any(to) else []), batch))
         for pos in deferred:
             heapq.heappush(self.todo, pos)
 
@@ -276,6 +336,9 @@ class SeqDispatch:
         self.results.clear()
         self.todo.clear()
         self.inflight.clear()
+        self.kept.clear()
+        self.kept_order.clear()
+        self.late.clear()
 
     def queues(self) -> Dict[str, int]:
         return {
@@ -283,5 +346,6 @@ class SeqDispatch:
             "waiting_for_worker": len(self.todo),
             "in_flight": len(self.inflight),
             "reorder_buffer": len(self.results),
+            "kept_for_consumers": len(self.kept),
             "suspects": len(self.deaths),
         }

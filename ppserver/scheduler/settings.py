@@ -18,6 +18,7 @@ class Settings:
     partitions: int = 1
     preserves_num_seqs: bool = True  # stream mode: every input gives exactly one output
     fingerprint: str = ""  # the config's, handed to clients for their resume states
+    direct: bool = True  # map_seq results may go from workers to their consumers directly
     read_slack: int = 8  # inputs read beyond the workers' credit, so no worker waits for the reader
     read_step: int = 12  # the reader's window grows in steps of this many seqs (fewer wake-ups)
     max_dispatch_batch: int = 16  # tasks per message
