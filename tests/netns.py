@@ -6,6 +6,7 @@ calling process can be the client:
 
     root  198.19.x.y/30  <->  srv  198.19.x.y+1/30      (client side; x.y picked per lab)
     srv   198.18.I.1/24  <->  hI   198.18.I.2/24        (worker host I = 1, 2, ...)
+    root  198.19.u.v/30  <->  hI   198.19.u.v+1/30      (results straight to the client)
 
 All addresses come from the benchmarking range 198.18.0.0/15. Only the root end of the
 client link lives in the root namespace; its /30 is chosen so that it overlaps nothing
@@ -251,15 +252,29 @@ class Lab:
         return self
 
     def _route_hosts_to_client(self) -> None:
-        """Worker hosts reach the client (its direct results socket) through the server namespace,
-        as hosts of one cluster reach each other through a router. Labs run one at a time: the
-        root namespace's routes to 198.18.I.0/24 go through this lab's client link (and go with it)."""
-        ip("netns", "exec", self.server_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        """Each worker host gets a link of its own to the client (the root namespace), for the
+        results it sends the client directly: cutting a host's link to the server (`host_link`)
+        leaves that path up, as when a host reaches its trainer but not the server."""
+        assert self.client_net is not None
         for i, ns in enumerate(self.host_ns, start=1):
-            ip("-n", ns, "route", "add", "default", "via", self.server_ip_for(i))
-            ip("route", "replace", f"198.18.{i}.0/24", "via", self.server_client_ip, "dev", self.root_if)
+            net = self._free_client_net(salt=i)
+            root_if = f"ppd{self.token}{i}"[:15]
+            ip("link", "add", root_if, "type", "veth", "peer", "name", "to-trainer", "netns", ns)
+            ip("addr", "add", f"{net.network_address + 1}/30", "dev", root_if)
+            ip("link", "set", root_if, "up")
+            ip("-n", ns, "addr", "add", f"{net.network_address + 2}/30", "dev", "to-trainer")
+            ip("-n", ns, "link", "set", "to-trainer", "up")
+            ip("-n", ns, "route", "add", str(self.client_net), "via", str(net.network_address + 1))
+        wait_for(
+            lambda: all(
+                "LOWER_UP" in ip("-n", ns, "-o", "link", "show", "dev", "to-trainer", check=False).stdout
+                for ns in self.host_ns
+            ),
+            10.0,
+            "the worker hosts' links to the client to come up",
+        )
 
-    def _free_client_net(self) -> ipaddress.IPv4Network:
+    def _free_client_net(self, salt: int = 0) -> ipaddress.IPv4Network:
         """A /30 in 198.19.0.0/16 that overlaps no address or route of the root namespace."""
         used = []
         for args in (("-o", "-4", "addr", "show"), ("-4", "route", "show", "table", "all")):
@@ -271,7 +286,7 @@ class Lab:
                         continue
         used = [n for n in used if n.version == 4 and n.prefixlen > 0]
         base = ipaddress.ip_network("198.19.0.0/16")
-        rng = random.Random(self.token)
+        rng = random.Random(f"{self.token}-{salt}")
         for _ in range(1000):
             net = ipaddress.ip_network(f"{base.network_address + rng.randrange(1, 16384) * 4}/30")
             if not any(net.overlaps(u) for u in used):

@@ -84,8 +84,20 @@ def net(lab, tmp_path, request):
                         print(f"----- {name} (last 40 lines) -----\n" + "".join(f.readlines()[-40:]))
 
 
-def make_config(tmp_path, n: int) -> str:
-    return numpy_config(tmp_path, MAPPER, n=n, extra=SETTINGS)
+@pytest.fixture(params=["direct", "via-server"])
+def data_path(request):
+    """Every fault twice: results straight from workers to the client, and all through the server."""
+    return request.param
+
+
+def make_config(tmp_path, n: int, data_path: str) -> str:
+    return numpy_config(tmp_path, MAPPER, n=n, extra=SETTINGS + f"direct_results = {data_path == 'direct'}\n")
+
+
+def assert_path(data_path: str, *hosts: Proc) -> None:
+    """The results took the path the test is about."""
+    direct = any("sending results directly" in host.log() for host in hosts)
+    assert direct == (data_path == "direct"), data_path
 
 
 def start_host(lab: Lab, host: int, cfg: str, procs: int = 2, port: int = PORT) -> Proc:
@@ -124,7 +136,11 @@ class Progress:
 
 
 def run_epoch(
-    srv: ServerHandle, epoch: int, fault: Optional[Callable[[Progress], None]] = None, hold_frac: float = 0.9
+    srv: ServerHandle,
+    epoch: int,
+    fault: Optional[Callable[[Progress], None]] = None,
+    hold_frac: float = 0.9,
+    stats: Optional[dict] = None,
 ) -> List[dict]:
     """Consume an epoch while `fault(progress)` runs in a thread.
 
@@ -164,6 +180,8 @@ def run_epoch(
                 assert not thread.is_alive(), "the fault thread did not stop"
         if errors:
             raise errors[0]
+        if stats is not None:
+            stats["duplicates"] = it.duplicates
         return got
 
 
@@ -172,9 +190,9 @@ def lost_lines(srv: ServerHandle, pid: int) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------
-def test_worker_host_joins_mid_epoch(net, tmp_path):
+def test_worker_host_joins_mid_epoch(net, tmp_path, data_path):
     n = 1000
-    cfg = make_config(tmp_path, n)
+    cfg = make_config(tmp_path, n, data_path)
     host_a = start_host(net, 1, cfg)
     srv = net.start_server(cfg, port=PORT)
     a_pids = host_pids(host_a, 2)
@@ -195,11 +213,12 @@ def test_worker_host_joins_mid_epoch(net, tmp_path):
     assert set(a_pids) | set(joined["b_pids"]) <= set(workers), workers
     for pid in joined["b_pids"]:
         assert workers[pid]["seqs_done"] > 0, (pid, workers[pid])
+    assert_path(data_path, host_a)
 
 
-def test_link_down_then_up(net, tmp_path):
+def test_link_down_then_up(net, tmp_path, data_path):
     n = 1200
-    cfg = make_config(tmp_path, n)
+    cfg = make_config(tmp_path, n, data_path)
     host_a, host_b = start_host(net, 1, cfg), start_host(net, 2, cfg)
     srv = net.start_server(cfg, port=PORT)
     a_pids, b_pids = host_pids(host_a, 2), host_pids(host_b, 2)
@@ -232,11 +251,12 @@ def test_link_down_then_up(net, tmp_path):
     assert_same_epoch(got2, reference(cfg, 2))
     workers = workers_by_pid(srv)
     assert all(workers[pid]["seqs_done"] > 0 for pid in a_pids + b_pids), (workers, rejoin_s)
+    assert_path(data_path, host_a, host_b)
 
 
-def test_sigstop_worker_declared_dead_then_rejoins(net, tmp_path):
+def test_sigstop_worker_declared_dead_then_rejoins(net, tmp_path, data_path):
     n = 1000
-    cfg = make_config(tmp_path, n)
+    cfg = make_config(tmp_path, n, data_path)
     host_a, host_b = start_host(net, 1, cfg), start_host(net, 2, cfg)
     srv = net.start_server(cfg, port=PORT)
     a_pids, b_pids = host_pids(host_a, 2), host_pids(host_b, 2)
@@ -285,9 +305,9 @@ def test_sigstop_worker_declared_dead_then_rejoins(net, tmp_path):
     assert sorted(host_a.children()) == sorted(a_pids)
 
 
-def test_twenty_kills_during_one_epoch(net, tmp_path):
+def test_twenty_kills_during_one_epoch(net, tmp_path, data_path):
     n, kills, gap = 1800, 20, 0.25
-    cfg = make_config(tmp_path, n)
+    cfg = make_config(tmp_path, n, data_path)
     hosts = [start_host(net, 1, cfg, procs=3), start_host(net, 2, cfg, procs=3)]
     srv = net.start_server(cfg, port=PORT)
     srv.wait_pids(host_pids(hosts[0], 3) + host_pids(hosts[1], 3), REGISTER_TIMEOUT)
@@ -331,11 +351,12 @@ def test_twenty_kills_during_one_epoch(net, tmp_path):
     respawned = lambda: sum(h.log().count("exited with signal SIGKILL; respawning") for h in hosts)
     wait_for(lambda: respawned() == kills, 5.0, f"{kills} respawns")
     print("kills (pid, host, seqs consumed):", killed)
+    assert_path(data_path, *hosts)
 
 
-def test_server_restart_while_workers_wait(net, tmp_path):
+def test_server_restart_while_workers_wait(net, tmp_path, data_path):
     n = 400
-    cfg = make_config(tmp_path, n)
+    cfg = make_config(tmp_path, n, data_path)
     host_a, host_b = start_host(net, 1, cfg), start_host(net, 2, cfg)
     pids = host_pids(host_a, 2) + host_pids(host_b, 2)
     for host in (host_a, host_b):
@@ -357,3 +378,31 @@ def test_server_restart_while_workers_wait(net, tmp_path):
     assert_same_epoch(run_epoch(srv2, 2), reference(cfg, 2))
     assert sorted(host_a.children() + host_b.children()) == sorted(pids), "workers were restarted"
     assert "respawning" not in host_a.log() + host_b.log()
+    assert_path(data_path, host_a, host_b)
+
+
+def test_results_reach_the_client_but_the_server_never_hears(net, tmp_path):
+    """Host A's link to the server goes down while its link to the client stays up: its last
+    results reach the client directly but the server never hears of them. The server declares
+    its workers lost and has their seqs made again; they are killed. The client drops the seqs
+    that came twice, and the epoch is exact."""
+    n = 1000
+    cfg = make_config(tmp_path, n, "direct")
+    host_a, host_b = start_host(net, 1, cfg), start_host(net, 2, cfg)
+    srv = net.start_server(cfg, port=PORT)
+    a_pids, b_pids = host_pids(host_a, 2), host_pids(host_b, 2)
+    srv.wait_pids(a_pids + b_pids, REGISTER_TIMEOUT)
+    stats: dict = {}
+
+    def fault(progress: Progress) -> None:
+        progress.wait(n // 3)
+        net.host_link(1, up=False)
+        srv.wait_pids(a_pids, 10.0, present=False)
+        for pid in a_pids:
+            os.kill(pid, signal.SIGKILL)
+        net.host_link(1, up=True)
+
+    got = run_epoch(srv, 1, fault, stats=stats)
+    assert_same_epoch(got, reference(cfg, 1))
+    assert stats["duplicates"] > 0, stats  # what host A sent after its link to the server went down came twice
+    assert_path("direct", host_a, host_b)

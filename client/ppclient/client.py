@@ -453,6 +453,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._first = client.rank + client.subshard * client.world_size + start * self._lanes
         self._direct = client._direct is not None
         self._arrived = self._first  # without direct results: the position the next message must have
+        self.duplicates = 0  # seqs that came twice (a worker died after sending one) and were dropped
         self._alive_at = 0.0  # when the last keepalive (or anything) came from the server
         self._interval = 1.0
         self._waiting_for = ""
@@ -618,6 +619,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                     )
                 self._arrived += lanes
             elif pos < expected or (pos - self._first) % lanes or pos in self._buffer:
+                self.duplicates += 1
                 continue
             self._buffer[pos] = item
 
