@@ -1,0 +1,521 @@
+"""Shared-memory segments that carry array bytes between two processes on one host.
+
+A producer copies a seq's arrays into a block of its `Ring` and sends only a header naming
+the block (`Ref`) over ZeroMQ; the consumer maps the producer's segment once (`Mapping`)
+and turns each block into numpy arrays that are views of the shared memory: the bytes are
+copied once, into the block, and never again.
+
+Segments are anonymous memfds, never files in /dev/shm: the kernel frees one once no
+process maps it or holds its fd, so a kill -9 of either side leaves nothing behind. A
+consumer opens the producer's memfd through /proc/<pid>/fd/<fd>, which needs the same host,
+the same pid namespace and the right to look at the producer's fds; anything else raises
+ShmUnavailable and the caller sends the bytes over the socket instead.
+
+The consumer's rule: an array stays valid as long as the consumer references it (it or any
+view of it). Once every array of a block is gone, the block is released and the producer
+may reuse its memory; `release()` does that earlier, by hand, after which the block's
+arrays must not be used. A consumer that holds arrays forever never blocks a producer: the
+ring fills up, `alloc` returns None and the bytes travel over the socket.
+
+Memory ordering, kept simple: the producer fills a block before it hands the Ref to
+ZeroMQ, whose send and receive (system calls, locks) order the data before the consumer's
+first read. The consumer releases a block with one aligned 8-byte store to its state word
+(one instruction on x86-64 and arm64, never torn), which the producer loads before it
+reuses the block. This assumes the consumer's last reads of a block are visible as done
+before that store: guaranteed on x86-64 (stores are not reordered before earlier loads),
+and in practice elsewhere, since the store runs only after the arrays became garbage.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import math
+import mmap
+import os
+import stat
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .errors import Error
+
+ALIGN = 64  # blocks and the arrays packed into them start on cache lines
+SEGMENT_HEADER = 64  # magic (8 bytes) + token (8 bytes), then zeros
+BLOCK_HEADER = 64  # state word, span, nbytes, owner tag length, owner tag (32 bytes)
+MAGIC = b"ppshm\x00\x00\x01"
+OWNER_TAG_BYTES = 32  # the owner tag in shared memory is informational: the ring keeps the full owner
+MIN_SIZE = 4096
+MAX_MAPPINGS = 16  # a consumer maps few producers at once; the oldest mapping is dropped beyond this
+
+# Block states, the low byte of a block's state word; the rest of the word is the block's
+# seq, so a release through a stale Ref (the block reused since) changes nothing.
+IN_USE = 1
+RELEASED = 2
+PADDING = 3
+
+_PLAIN_KINDS = set("biufcUSmM")  # what raw bytes rebuild without running code
+
+
+class ShmUnavailable(Error):
+    """A segment (or a block in it) cannot be used here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """What a consumer needs to find a producer's segment; `to_dict()` is msgpack-able.
+
+    `token` is random per segment and also written at its start, so a descriptor whose
+    pid or fd was reused since is told from the real one.
+    """
+
+    host: str
+    pid: int
+    fd: int
+    size: int
+    token: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Descriptor:
+        """Parse a descriptor from the network; anything malformed is ShmUnavailable."""
+        try:
+            d = cls(**data)
+        except TypeError:
+            raise ShmUnavailable(f"malformed descriptor {data!r:.200}") from None
+        ints = (d.pid, d.fd, d.size, d.token)
+        if not isinstance(d.host, str) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
+            raise ShmUnavailable(f"malformed descriptor {data!r:.200}")
+        return d
+
+
+class Ref(NamedTuple):
+    """A block as a message names it (a tuple, so msgpack sends it as a list)."""
+
+    offset: int  # of the block's data, from the start of the segment
+    nbytes: int
+    seq: int
+
+
+Spec = Tuple[str, str, Sequence[int], int]  # (key, dtype str, shape, offset within the block)
+
+
+def host_id() -> str:
+    """Equal for two processes that can share segments: same host, same boot, same pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "?"
+    return f"{os.uname().nodename}/{boot}/{pidns}"
+
+
+def probe() -> Optional[str]:
+    """None if segments work in this process, else why not (for the caller to log and fall back)."""
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is not available (Linux only)"
+    try:
+        fd = os.memfd_create("ppshm-probe", os.MFD_CLOEXEC)
+    except OSError as exc:
+        return f"memfd_create failed: {exc}"
+    try:
+        os.ftruncate(fd, MIN_SIZE)
+        with mmap.mmap(fd, MIN_SIZE) as mm:
+            mm[:8] = MAGIC
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.pread(reopened, 8, 0) != MAGIC:
+                return "a memfd reopened through /proc/self/fd reads different bytes"
+        finally:
+            os.close(reopened)
+    except OSError as exc:
+        return f"memfd, mmap or /proc/self/fd do not work: {exc}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _create_segment(size: int) -> Tuple[int, mmap.mmap]:
+    fd = os.memfd_create("ppshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        try:  # commit the memory now, so a full machine fails here rather than with SIGBUS mid-write
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):  # then the pages come on first touch
+                raise
+        try:  # a consumer that truncates the segment must not make the producer's writes SIGBUS
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except (AttributeError, OSError):
+            pass
+        return fd, _mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _mmap(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE: the page tables are filled now, not by a fault on each page's first touch
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+class Block:
+    """A block handed out by a Ring: fill `data` (writable, `nbytes` long), then send `ref()`."""
+
+    __slots__ = ("_ring", "data", "nbytes", "offset", "seq")
+
+    def __init__(self, ring: Ring, offset: int, nbytes: int, seq: int, data: np.ndarray):
+        self._ring = ring
+        self.offset = offset
+        self.nbytes = nbytes
+        self.seq = seq
+        self.data = data
+
+    def ref(self) -> Ref:
+        return Ref(self.offset, self.nbytes, self.seq)
+
+    def release(self) -> None:
+        """Give the block back without a consumer (its Ref was never sent, say)."""
+        self._ring._release(self.offset - BLOCK_HEADER, self.seq)
+
+
+class Ring:
+    """A ring allocator over one segment, for the producer (one thread).
+
+    Blocks are contiguous, in allocation order; one that does not fit before the end of
+    the segment starts over at the beginning (the rest of the end becomes padding).
+    Released blocks are reclaimed from the oldest end, so a block released out of order
+    is reused once every older one is released too. The ring trusts only the state
+    words in shared memory: the layout of its blocks it keeps to itself.
+    """
+
+    def __init__(self, size: int):
+        if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SIZE:
+            raise ValueError(f"size must be an int >= {MIN_SIZE}, got {size!r}")
+        size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._fd, mm = _create_segment(size)
+        token = int.from_bytes(os.urandom(8), "little")
+        mm[:16] = MAGIC + token.to_bytes(8, "little")
+        self._mm: Optional[mmap.mmap] = mm
+        self._words: Optional[np.ndarray] = np.frombuffer(mm, np.uint64)
+        self._bytes: Optional[np.ndarray] = np.frombuffer(mm, np.uint8)
+        self.descriptor = Descriptor(host_id(), os.getpid(), self._fd, size, token)
+        self._start = SEGMENT_HEADER
+        self._end = size
+        self._head = self._tail = self._start
+        self._used = 0
+        self._seq = 0
+        # (header offset, span, seq, owner) per block from the oldest; owner None: padding
+        self._blocks: Deque[Tuple[int, int, int, Optional[bytes]]] = collections.deque()
+
+    @property
+    def capacity(self) -> int:
+        return self._end - self._start
+
+    def alloc(self, nbytes: int, owner: bytes = b"") -> Optional[Block]:
+        """A block of `nbytes` for consumer `owner`, or None when the ring has no room for it."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        words, data = self._words, self._bytes
+        if words is None or data is None:
+            raise ValueError("ring is closed")
+        if os.getpid() != self.descriptor.pid:  # a forked child would overwrite its parent's blocks
+            raise ValueError("a ring belongs to the process that created it")
+        span = BLOCK_HEADER + _round_up(nbytes)
+        self._reclaim()
+        at = self._fit(span)
+        if at is None:
+            return None
+        self._seq += 1
+        seq = self._seq
+        i = at // 8
+        words[i + 1] = span
+        words[i + 2] = nbytes
+        tag = bytes(owner[:OWNER_TAG_BYTES])
+        words[i + 3] = len(tag)
+        if tag:
+            data[at + 32 : at + 32 + len(tag)] = np.frombuffer(tag, np.uint8)
+        words[i] = (seq << 8) | IN_USE
+        self._blocks.append((at, span, seq, bytes(owner)))
+        offset = at + BLOCK_HEADER
+        return Block(self, offset, nbytes, seq, data[offset : offset + nbytes])
+
+    def _fit(self, span: int) -> Optional[int]:
+        """Where a block of `span` bytes goes (header offset), bookkeeping done; None if nowhere."""
+        if self._used == 0:
+            self._head = self._tail = self._start
+        head, tail = self._head, self._tail
+        if head > tail or self._used == 0:  # free: [head, end) and [start, tail)
+            if span <= self._end - head:
+                at = head
+            elif span <= tail - self._start:
+                pad = self._end - head
+                assert self._words is not None
+                self._words[head // 8] = PADDING
+                self._blocks.append((head, pad, 0, None))
+                self._used += pad
+                at = self._start
+            else:
+                return None
+        elif head < tail:  # free: [head, tail)
+            if span > tail - head:
+                return None
+            at = head
+        else:  # head == tail and something in use: full
+            return None
+        self._head = at + span if at + span < self._end else self._start
+        self._used += span
+        return at
+
+    def _reclaim(self) -> None:
+        """Advance the tail over released blocks and padding."""
+        words = self._words
+        blocks = self._blocks
+        while blocks and words is not None:
+            at, span, seq, owner = blocks[0]
+            if owner is not None and int(words[at // 8]) != (seq << 8) | RELEASED:
+                break
+            blocks.popleft()
+            self._used -= span
+            self._tail = at + span if at + span < self._end else self._start
+
+    def _release(self, at: int, seq: int) -> None:
+        words = self._words
+        if words is not None and int(words[at // 8]) == (seq << 8) | IN_USE:
+            words[at // 8] = (seq << 8) | RELEASED
+
+    def release_owner(self, owner: bytes) -> int:
+        """Release every block handed to `owner` (a consumer known to be gone); returns how many.
+
+        Only for consumers that are gone: one still alive would find its arrays overwritten
+        (its own late releases are harmless: they name the blocks' old seqs).
+        """
+        words = self._words
+        if words is None:
+            return 0
+        n = 0
+        for at, _span, seq, who in self._blocks:
+            if who == owner and int(words[at // 8]) == (seq << 8) | IN_USE:
+                words[at // 8] = (seq << 8) | RELEASED
+                n += 1
+        self._reclaim()
+        return n
+
+    def used(self) -> int:
+        """Bytes not reusable yet: blocks in use, released ones behind them, headers and padding."""
+        self._reclaim()
+        return self._used
+
+    def free(self) -> int:
+        """Capacity minus used(); a block of this size may still not fit (the free space can be split)."""
+        return self.capacity - self.used()
+
+    def close(self) -> None:
+        """Close the segment: consumers can no longer open it; the memory goes with the last mapping."""
+        if self._words is None:
+            return
+        self._words = self._bytes = None
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # Block.data still referenced: unmapped when that goes
+                pass
+        os.close(self._fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules may be gone already
+            pass
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def pack(ring: Ring, arrays: List[np.ndarray], owner: bytes = b"") -> Optional[Tuple[Block, List[int]]]:
+    """Copy `arrays` into one block (each at a 64-byte aligned offset, one copy each).
+
+    Returns the block and each array's offset in it, or None when the ring has no room.
+    """
+    arrays = [np.asarray(a) for a in arrays]
+    offsets: List[int] = []
+    pos = 0
+    for a in arrays:
+        if a.dtype.hasobject:
+            raise ValueError(f"cannot pack an array of dtype {a.dtype}")
+        pos = _round_up(pos)
+        offsets.append(pos)
+        pos += a.nbytes
+    block = ring.alloc(pos, owner)
+    if block is None:
+        return None
+    for a, off in zip(arrays, offsets):
+        if a.nbytes:
+            block.data[off : off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+    return block, offsets
+
+
+def _plain_dtype(dtype_str: Any) -> np.dtype:
+    if not isinstance(dtype_str, str) or len(dtype_str) > 16:
+        raise ValueError(f"bad dtype {dtype_str!r:.40}")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:
+        raise ValueError(f"bad dtype {dtype_str!r}") from None
+    if dtype.kind not in _PLAIN_KINDS or dtype.fields is not None or dtype.hasobject:
+        raise ValueError(f"refused dtype {dtype_str!r}")
+    return dtype
+
+
+# Consumer side: live blocks by id() of their owner array (removed when it dies), for release().
+_leases: Dict[int, weakref.finalize] = {}
+_mappings: collections.OrderedDict[Tuple[str, int, int, int], Mapping] = collections.OrderedDict()
+
+
+def _release_block(words: np.ndarray, index: int, seq: int, key: int, pid: int) -> None:
+    _leases.pop(key, None)
+    if os.getpid() != pid:  # a forked copy of the arrays died; the parent's are still in use
+        return
+    if int(words[index]) == (seq << 8) | IN_USE:
+        words[index] = (seq << 8) | RELEASED  # the one store the producer waits for
+
+
+class Mapping:
+    """A consumer's mapping of one producer's segment, shared by every message naming it."""
+
+    def __init__(self, descriptor: Descriptor, mm: mmap.mmap):
+        self.descriptor = descriptor
+        self._mm: Optional[mmap.mmap] = mm
+        self._words: Optional[np.ndarray] = np.frombuffer(mm, np.uint64)
+
+    @classmethod
+    def open(cls, descriptor: Union[Descriptor, Dict[str, Any]]) -> Mapping:
+        """The mapping of `descriptor`'s segment, mapped on first use; ShmUnavailable says why not."""
+        d = descriptor if isinstance(descriptor, Descriptor) else Descriptor.from_dict(descriptor)
+        key = (d.host, d.pid, d.fd, d.token)
+        m = _mappings.get(key)
+        if m is not None:
+            _mappings.move_to_end(key)
+            return m
+        m = cls(d, _map(d))
+        for old in [old for old in _mappings.values() if not os.path.exists(f"/proc/{old.descriptor.pid}")]:
+            old.close()  # its producer is gone: it sends no new blocks
+        _mappings[key] = m
+        while len(_mappings) > MAX_MAPPINGS:
+            next(iter(_mappings.values())).close()
+        return m
+
+    @staticmethod
+    def close_all() -> None:
+        """Drop every cached mapping (each unmapped once its arrays are gone)."""
+        for m in list(_mappings.values()):
+            m.close()
+
+    def arrays(self, ref: Sequence[int], specs: Sequence[Spec]) -> Dict[str, np.ndarray]:
+        """The arrays of block `ref` as writable views of the shared memory (no copy).
+
+        The block is released once every returned array (and every view of one) is gone,
+        or by `release()`; so each Ref is turned into arrays once. Bad specs raise
+        ValueError and release the block (its arrays cannot be used).
+        """
+        words, mm = self._words, self._mm
+        if words is None or mm is None:
+            raise ShmUnavailable("mapping is closed")
+        offset, nbytes, seq = (int(x) for x in ref)
+        size = self.descriptor.size
+        if offset % ALIGN or offset < SEGMENT_HEADER + BLOCK_HEADER or nbytes < 0 or offset + nbytes > size:
+            raise ShmUnavailable(f"block {offset}+{nbytes} is outside the segment of {size} bytes")
+        index = (offset - BLOCK_HEADER) // 8
+        if int(words[index]) != (seq << 8) | IN_USE or int(words[index + 2]) != nbytes:
+            raise ShmUnavailable(f"stale block reference {tuple(ref)}: released or reused since")
+        # All arrays are views of `owner`, whose base is the mmap itself, so numpy's view
+        # chains end at it: it dies (and the finalizer releases) only after the last view.
+        owner = np.frombuffer(mm, np.uint8, count=nbytes, offset=offset)
+        _leases[id(owner)] = weakref.finalize(owner, _release_block, words, index, seq, id(owner), os.getpid())
+        out: Dict[str, np.ndarray] = {}
+        for key, dtype_str, shape, off in specs:
+            dtype = _plain_dtype(dtype_str)
+            dims = tuple(int(s) for s in shape)
+            off = int(off)
+            n = dtype.itemsize * math.prod(dims)
+            if min(dims, default=0) < 0 or off < 0 or off + n > nbytes:
+                raise ValueError(f"array {key!r} {dtype_str}{list(dims)} at {off} exceeds the block's {nbytes} bytes")
+            out[key] = owner[off : off + n].view(dtype).reshape(dims)
+        return out
+
+    def close(self) -> None:
+        """Forget this mapping; it is unmapped now or, if arrays of it live, when they are gone."""
+        key = (self.descriptor.host, self.descriptor.pid, self.descriptor.fd, self.descriptor.token)
+        if _mappings.get(key) is self:
+            del _mappings[key]
+        self._words = None
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # arrays of it live: unmapped when they are gone
+                pass
+
+
+def release(arrays: Union[np.ndarray, Dict[str, np.ndarray], Sequence[np.ndarray]]) -> None:
+    """Release the blocks of `arrays` now; those arrays (and views of them) must not be used after."""
+    if isinstance(arrays, dict):
+        items: Any = arrays.values()
+    elif isinstance(arrays, np.ndarray):
+        items = [arrays]
+    else:
+        items = arrays
+    for a in items:
+        obj: Any = a
+        while isinstance(obj, np.ndarray):
+            fin = _leases.get(id(obj))
+            if fin is not None and (fin.peek() or (None,))[0] is obj:
+                fin()
+                break
+            obj = obj.base
+
+
+def _map(d: Descriptor) -> mmap.mmap:
+    here = host_id()
+    if d.host != here:
+        raise ShmUnavailable(f"segment of another host or pid namespace ({d.host}; here {here})")
+    path = f"/proc/{d.pid}/fd/{d.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise ShmUnavailable(f"{path} does not exist: the producer is gone or closed the segment") from None
+    except PermissionError as exc:
+        raise ShmUnavailable(f"no permission to open {path}: {exc.strerror}") from None
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot open {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != d.size:
+            raise ShmUnavailable(f"{path} is not the segment (stale descriptor: pid or fd reused)")
+        head = os.pread(fd, 16, 0)
+        if head[:8] != MAGIC:
+            raise ShmUnavailable(f"{path} is not a segment (stale descriptor: pid or fd reused)")
+        if int.from_bytes(head[8:16], "little") != d.token:
+            raise ShmUnavailable(f"token mismatch at {path}: another segment (stale descriptor)")
+        return _mmap(fd, d.size)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot map {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
