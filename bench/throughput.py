@@ -125,12 +125,21 @@ CASES: Dict[str, Case] = {
     "c": Case("c", "2 ms CPU/seq + x*2 (100x80 f32)", (100, 80), 1000, 200, True),
 }
 
-PIPELINES = ("ppserver", "in-process", "RETURNN")
+PIPELINES = ("ppserver", "pp-via-server", "in-process", "RETURNN")
+# pp-via-server: the same server with every result through the server's loop and no shared
+# memory (direct_results = False, shm_mb = 0), the data path before direct results
+VIA_SERVER = "direct_results = False\nshm_mb = 0\n"
 
 TARGETS = [  # (case, measure, minimum ratio ppserver / RETURNN)
-    ("a", "seqs/s", 4.0),
-    ("b", "MB/s", 2.0),
+    ("a", "seqs/s", 6.0),
+    ("b", "MB/s", 4.0),
 ]
+CPU_TARGETS = [  # (case, process, maximum CPU microseconds per delivered seq)
+    ("a", "server", 30.0),
+    ("b", "server", 150.0),
+    ("a", "client", 30.0),
+]
+ROLES = ("server", "workers", "client")
 
 
 @dataclass
@@ -148,6 +157,13 @@ class Result:
     # CPU time used outside this benchmark's processes during the timed epochs (other
     # processes, hypervisor steal), in core-seconds; None where /proc cannot be read
     other_cpu: Optional[float] = 0.0
+    cpu: Dict[str, float] = field(default_factory=dict)  # ppserver: CPU seconds per role over the timed epochs
+
+    def cpu_us(self, role: str) -> Optional[float]:
+        """CPU microseconds per delivered seq of one role (server, workers together, client)."""
+        if role not in self.cpu or not self.seqs:
+            return None
+        return self.cpu[role] / self.seqs * 1e6
 
     @property
     def ok(self) -> bool:
@@ -187,6 +203,7 @@ class Result:
             ),
             "other_cpu_core_seconds": None if self.other_cpu is None else round(self.other_cpu, 3),
             "other_cpu_fraction": self.other_cpu_frac,
+            "cpu_us_per_seq": {role: self.cpu_us(role) for role in ROLES if role in self.cpu},
             "error": self.error,
             "note": self.note,
             "check": self.check,
@@ -295,10 +312,27 @@ class InProcess:
         return None
 
 
+def _cpu_of(pid: int) -> float:
+    """utime + stime of one process, in seconds (0 if it is gone)."""
+    f = _stat_fields(str(pid))
+    return 0.0 if f is None else (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> List[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            f = _stat_fields(p)
+            if f is not None and f[1] == str(pid):
+                out.append(int(p))
+    return out
+
+
 class PPServer:
     name = "ppserver"
 
-    def __init__(self, config: str, workers: int, log_path: str):
+    def __init__(self, config: str, workers: int, log_path: str, name: str = "ppserver"):
+        self.name = name
         self.config = config
         self.workers = workers
         self.log_path = log_path
@@ -327,6 +361,16 @@ class PPServer:
 
     def epoch(self, epoch: int):
         return tally(self.client.epoch(epoch))
+
+    def cpu(self) -> Dict[str, float]:
+        """CPU seconds so far of the server, its workers (together) and this process (the client)."""
+        assert self.proc is not None
+        t = os.times()
+        return {
+            "server": _cpu_of(self.proc.pid),
+            "workers": sum(_cpu_of(pid) for pid in _children(self.proc.pid)),
+            "client": t.user + t.system,
+        }
 
     def close(self) -> Optional[str]:
         """Stop the server: SIGTERM, SIGKILL after 10 s, always reaped. Returns a note or None."""
@@ -510,9 +554,18 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
             )
         )
     server_log = os.path.join(tmpdir, f"server_{case.key}.log")
+    relay_config = os.path.join(tmpdir, f"config_{case.key}_via_server.py")
+    with open(config) as src, open(relay_config, "w") as dst:
+        dst.write(src.read() + VIA_SERVER)
+    relay_log = os.path.join(tmpdir, f"server_{case.key}_via_server.log")
+    logs = {"ppserver": server_log, "pp-via-server": relay_log}
 
     results = {p: Result(case.key, p) for p in PIPELINES}
     pipes = [InProcess(config, seqs), PPServer(config, args.workers, server_log)]
+    if args.via_server:
+        pipes.append(PPServer(relay_config, args.workers, relay_log, name="pp-via-server"))
+    else:
+        results["pp-via-server"].error = "skipped (--no-via-server)"
     if rt_reason is None:
         pipes.append(Returnn(case.burn, seqs, args.workers))
     else:
@@ -524,8 +577,8 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
         log(f"  {pipe.name} failed: {res.error}")
         traceback.print_exc(file=sys.stderr)
         shut(pipe)
-        if pipe.name == "ppserver":
-            log(f"  last lines of the server log:\n{tail(server_log)}")
+        if pipe.name in logs:
+            log(f"  last lines of the server log:\n{tail(logs[pipe.name])}")
 
     def shut(pipe) -> None:
         if pipe in live:
@@ -555,11 +608,15 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
             for pipe in order:
                 res = results[pipe.name]
                 try:
+                    roles = pipe.cpu() if isinstance(pipe, PPServer) else None
                     before = cpu_sample()
                     t0 = time.perf_counter()
                     got_n, nbytes, first, lst = pipe.epoch(epoch)
                     dt = time.perf_counter() - t0
                     after = cpu_sample()
+                    if roles is not None:
+                        for role, value in pipe.cpu().items():
+                            res.cpu[role] = res.cpu.get(role, 0.0) + value - roles[role]
                     if got_n != n:
                         raise RuntimeError(f"epoch {epoch} delivered {got_n} seqs, expected {n}")
                 except Exception as exc:
@@ -581,12 +638,13 @@ def run_case(case: Case, args, tmpdir: str, rt_reason: Optional[str]) -> List[Re
     finally:
         for pipe in list(live):
             shut(pipe)
-    if results["ppserver"].note and not results["ppserver"].error:
-        log(f"  ppserver: {results['ppserver'].note}; last lines of the server log:\n{tail(server_log)}")
+    for name, path in logs.items():
+        if results[name].note and not results[name].error:
+            log(f"  {name}: {results[name].note}; last lines of the server log:\n{tail(path)}")
 
     ref = last.get("in-process")
     if ref is not None:
-        for name, meta in (("ppserver", True), ("RETURNN", False)):
+        for name, meta in (("ppserver", True), ("pp-via-server", True), ("RETURNN", False)):
             if name in last and results[name].ok:
                 check(results[name], last[name], ref, meta=meta)
     return [results[p] for p in PIPELINES]
@@ -608,10 +666,13 @@ def ratios(rows: List[Result]) -> Dict[str, Dict[str, Optional[float]]]:
     out = {}
     for case in dict.fromkeys(r.case for r in rows):
         pp, rt, ip = by[(case, "ppserver")], by[(case, "RETURNN")], by[(case, "in-process")]
+        vs = by[(case, "pp-via-server")]
         out[case] = {
             "pp_over_returnn_seqs": ratio(pp.seqs_per_s, rt.seqs_per_s),
             "pp_over_returnn_mb": ratio(pp.mb_per_s, rt.mb_per_s),
             "pp_over_inprocess_seqs": ratio(pp.seqs_per_s, ip.seqs_per_s),
+            "pp_over_via_server_seqs": ratio(pp.seqs_per_s, vs.seqs_per_s),
+            "via_server_over_returnn_seqs": ratio(vs.seqs_per_s, rt.seqs_per_s),
         }
     return out
 
@@ -630,17 +691,41 @@ def target_verdicts(rows: List[Result], rt_reason: Optional[str]) -> List[Dict[s
             verdicts.append({"target": label, "ratio": None, "verdict": f"n/a ({why})"})
         else:
             verdicts.append({"target": label, "ratio": got, "verdict": "PASS" if got >= want else "FAIL"})
+    by = {(res.case, res.pipeline): res for res in rows}
+    for case, role, limit in CPU_TARGETS:
+        label = f"({case}) {role} CPU <= {limit:g} us/seq"
+        res = by.get((case, "ppserver"))
+        got = res.cpu_us(role) if res is not None and res.ok else None
+        if got is None:
+            verdicts.append({"target": label, "value": None, "verdict": "not run"})
+        else:
+            verdicts.append({"target": label, "value": got, "verdict": "PASS" if got <= limit else "FAIL"})
     return verdicts
 
 
 def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     r = ratios(rows)
-    cols = ["case", "pipeline", "seqs/s", "MB/s", "pp/RT seqs/s", "pp/RT MB/s", "pp/in-proc", "other CPU", "check"]
-    right = {2, 3, 4, 5, 6, 7}
+    cols = [
+        "case",
+        "pipeline",
+        "seqs/s",
+        "MB/s",
+        "pp/RT seqs/s",
+        "pp/RT MB/s",
+        "pp/in-proc",
+        "server us/seq",
+        "workers us/seq",
+        "client us/seq",
+        "other CPU",
+        "check",
+    ]
+    right = {2, 3, 4, 5, 6, 7, 8, 9, 10}
     table = []
     notes = []
+    rows_by = {(res.case, res.pipeline): res for res in rows}
     for res in rows:
-        is_pp = res.pipeline == "ppserver"
+        is_pp = res.pipeline in ("ppserver", "pp-via-server")
+        via = res.pipeline == "pp-via-server"
         rr = r[res.case]
         if res.ok:
             status = res.check or ("reference" if res.pipeline == "in-process" else "-")
@@ -657,9 +742,18 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
                 res.pipeline,
                 fmt(res.seqs_per_s, ".0f"),
                 fmt(res.mb_per_s, ".1f"),
-                fmt(rr["pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
-                fmt(rr["pp_over_returnn_mb"], ".2f", "x") if is_pp else "",
-                fmt(rr["pp_over_inprocess_seqs"], ".2f", "x") if is_pp else "",
+                fmt(rr["via_server_over_returnn_seqs" if via else "pp_over_returnn_seqs"], ".2f", "x") if is_pp else "",
+                fmt(
+                    ratio(res.mb_per_s, rows_by[(res.case, "RETURNN")].mb_per_s) if via else rr["pp_over_returnn_mb"],
+                    ".2f",
+                    "x",
+                )
+                if is_pp
+                else "",
+                fmt(ratio(res.seqs_per_s, rows_by[(res.case, "in-process")].seqs_per_s), ".2f", "x") if is_pp else "",
+                fmt(res.cpu_us("server"), ".0f"),
+                fmt(res.cpu_us("workers"), ".0f"),
+                fmt(res.cpu_us("client"), ".0f"),
                 fmt(None if res.other_cpu_frac is None else 100 * res.other_cpu_frac, ".0f", "%")
                 if res.ok and res.seconds >= MIN_ACCOUNTED_SECONDS
                 else "",
@@ -686,6 +780,9 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     print()
     print("seqs/s, MB/s: totals over the timed epochs; MB = array bytes handed to the consumer (1e6 B)")
     print("pp/RT, pp/in-proc: ppserver over RETURNN and over the in-process loop, same run")
+    print("pp-via-server: the same server with every result through its loop, no shared memory")
+    print("us/seq: CPU (user + system, /proc) per delivered seq over the timed epochs: the server process,")
+    print("        its workers together, and the client (this process, idle otherwise)")
     print("other CPU: CPU used outside this benchmark during its timed epochs (other processes, VM steal)")
     print(f"           as a share of the machine ({NCPU} cores x timed seconds); blank when the timed epochs")
     print(f"           took under {MIN_ACCOUNTED_SECONDS:g} s, too short for /proc's 10 ms ticks")
@@ -706,6 +803,10 @@ def print_report(rows: List[Result], verdicts, header: List[str]) -> None:
     print()
     print("targets:")
     for v in verdicts:
+        if "value" in v:
+            shown = "" if v["value"] is None else f"{v['value']:.0f} us  "
+            print(f"  {v['target']:<36} {shown}{v['verdict']}")
+            continue
         shown = "" if v["ratio"] is None else f"{v['ratio']:.2f}x  "
         print(f"  {v['target']:<36} {shown}{v['verdict']}")
     if notes:
@@ -733,6 +834,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
     p.add_argument("--strict", action="store_true", help="exit with 1 if a target FAILs")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (data, configs, server logs)")
+    p.add_argument(
+        "--no-via-server",
+        dest="via_server",
+        action="store_false",
+        help="skip the pp-via-server pipeline (results through the server, no shared memory)",
+    )
     args = p.parse_args(argv)
     keys = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in keys if c not in CASES]

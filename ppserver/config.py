@@ -34,6 +34,7 @@ KNOWN_KEYS = {
     "map_seq_stream_preserves_num_seqs",
     "mapper_api",
     "direct_results",
+    "shm_mb",
     "buf_size",
     "num_workers",
     "seed",
@@ -60,6 +61,7 @@ class Config:
     preserves_num_seqs: Optional[bool] = None
     mapper_api: str = "dict"  # "returnn": the mappers take and return RETURNN TensorDicts
     direct_results: bool = True  # map_seq results go from workers to clients without the server
+    shm_mb: int = 64  # shared memory per worker for its inputs and per worker for its results (0: off)
     buf_size: int = 1
     num_workers: int = 1
     seed: int = 0
@@ -197,6 +199,7 @@ def from_settings(
         preserves_num_seqs=preserves,
         mapper_api=mapper_api,
         direct_results=_bool(settings, "direct_results", True),
+        shm_mb=_int(settings, "shm_mb", 64, minimum=0),
         buf_size=_int(settings, "buf_size", 1, minimum=1),
         num_workers=_int(settings, "num_workers", 1, minimum=1),
         seed=_int(settings, "seed", 0, minimum=0),

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import zmq
 
-from ppclient import keyfiles, protocol
+from ppclient import keyfiles, protocol, shm
 from ppclient.protocol import Channel, Item, Peer
 
 log = logging.getLogger("ppserver.worker")
@@ -48,6 +48,7 @@ class Routes:
         self.routes: Dict[bytes, Route] = {}
         self.shm_descriptor: Optional[Dict[str, Any]] = None  # offered to consumers on this host
         self.host = ""
+        self.ring: Optional[shm.Ring] = None  # this worker's result segment
 
     def set(self, msg: protocol.ConsumerRoute) -> None:
         old = self.routes.get(msg.consumer)
@@ -88,10 +89,13 @@ class Routes:
         except zmq.Again:
             pass
 
-    def drop(self, consumer: bytes) -> None:
+    def drop(self, consumer: bytes, gone: bool = False) -> None:
+        """Close the connection; `gone`: the consumer is dead, so the blocks it held are free."""
         route = self.routes.pop(consumer, None)
         if route is not None:
             route.sock.close(linger=0)
+        if gone and self.ring is not None:
+            self.ring.release_owner(consumer)
 
     def clear(self) -> None:
         for consumer in list(self.routes):
@@ -133,11 +137,19 @@ class Routes:
         route = self.routes.get(consumer)
         if route is None or not route.ready:
             return False
+        blocks = []
+        wire = items
+        if route.shm and self.ring is not None:
+            packed = [protocol.to_block(item, self.ring, consumer) for item in items]
+            wire = [item for item, _ in packed]
+            blocks = [block for _, block in packed if block is not None]
         try:
             route.sock.send_multipart(
-                protocol.encode(protocol.DirectSeqs(run=run), items), copy=False, flags=zmq.NOBLOCK
+                protocol.encode(protocol.DirectSeqs(run=run), wire), copy=False, flags=zmq.NOBLOCK
             )
         except zmq.Again:
+            for block in blocks:
+                block.release()  # nobody will read them: the results go through the server
             route.fell_back += 1
             return False
         route.sent += len(items)

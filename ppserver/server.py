@@ -21,12 +21,12 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import zmq
 
 import ppclient
-from ppclient import endpoints, keyfiles, protocol
+from ppclient import endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Peer
 
 from . import reader as rd
@@ -124,6 +124,11 @@ class Server:
             Replay: lambda i: self.reader.send(rd.Replay(i.run, i.partition, i.ticket, i.positions)),
             StopReading: lambda i: self.reader.send(rd.Stop(i.run)),
         }
+        # Shared memory for the inputs of workers on this host: one segment each, used once the
+        # worker has mapped it.
+        self.host_id = shm.host_id() if cfg.shm_mb > 0 and shm.probe() is None else ""
+        self.rings: Dict[bytes, shm.Ring] = {}
+        self.shm_ready: Set[bytes] = set()
         self.malformed = _Throttled("dropped a malformed message")
         self.refused = _Throttled("refused a connection")
 
@@ -241,6 +246,8 @@ class Server:
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
+        for wid in list(self.rings):
+            self._drop_ring(wid)
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if stuck:
@@ -257,7 +264,11 @@ class Server:
 
     def _to_worker(self, instr: ToWorker) -> None:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
-        self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, instr.items)])
+        items = instr.items
+        if items and instr.wid in self.shm_ready:
+            ring = self.rings[instr.wid]
+            items = [protocol.to_block(item, ring)[0] for item in items]  # the worker frees each when done
+        self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
 
     def _to_client(self, instr: ToClient) -> None:
         self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
@@ -395,6 +406,9 @@ class Server:
         kind = type(msg)
         if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
+        if kind is protocol.ShmMapped:
+            self._on_shm_mapped(wid, msg)
+            return ev.HeartbeatReceived(now, wid)
         if kind is protocol.Completed:
             return ev.CompletedReceived(now, wid, msg.run, msg.pos, msg.nbytes)
         if kind is protocol.StreamOutputs:
@@ -427,11 +441,36 @@ class Server:
             log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
             self._send(self.workers_sock, [wid, *protocol.encode(protocol.Refuse(reason=reason))])
             return None
+        offer = None
+        if self.host_id and hello.host_id == self.host_id:
+            try:
+                ring = self.rings[wid] = shm.Ring(self.cfg.shm_mb << 20)
+                offer = ring.descriptor.to_dict()
+            except (OSError, shm.ShmUnavailable) as exc:
+                log.warning("no shared memory for worker %s: %s", wid.decode(errors="replace"), exc)
         self._send(
             self.workers_sock,
-            [wid, *protocol.encode(protocol.Welcome(templates=self.out_templates, inputs=self.in_templates))],
+            [
+                wid,
+                *protocol.encode(protocol.Welcome(templates=self.out_templates, inputs=self.in_templates, shm=offer)),
+            ],
         )
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
+
+    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> None:
+        if wid not in self.rings:
+            return
+        if msg.ok:
+            self.shm_ready.add(wid)
+        else:
+            log.warning("worker %s gets its inputs over the socket: %s", wid.decode(errors="replace"), msg.reason)
+            self._drop_ring(wid)
+
+    def _drop_ring(self, wid: bytes) -> None:
+        self.shm_ready.discard(wid)
+        ring = self.rings.pop(wid, None)
+        if ring is not None:
+            ring.close()
 
     # ---- periodic -----------------------------------------------------------------------------
     def _housekeeping(self) -> None:
@@ -439,6 +478,8 @@ class Server:
         if now - self.last_tick < TICK_S:
             return
         self.last_tick = now
+        for wid in [w for w in self.rings if w not in self.sched.workers]:
+            self._drop_ring(wid)  # the worker left: its segment goes once it unmaps it
         if self.pool is not None:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import zmq
 
-from ppclient import endpoints, protocol
+from ppclient import endpoints, protocol, shm
 from ppclient.keyfiles import ClientKeys
 from ppclient.protocol import Channel, Peer
 
@@ -93,6 +93,7 @@ class Session:
         keys: Optional[ClientKeys],
         worker_endpoint: Optional[str] = None,
         local_index: Optional[int] = None,
+        shm_mb: int = 0,
     ):
         self.ctx = ctx
         self.connect = connect
@@ -107,6 +108,10 @@ class Session:
         self.sock: Optional[zmq.Socket] = None
         self.templates: Dict[str, Any] = {}
         self.inputs: Dict[str, Any] = {}
+        # Shared memory: the host id offered in hello (when segments work here), the server's
+        # input segment once mapped.
+        self.host_id = shm.host_id() if shm_mb > 0 and shm.probe() is None else ""
+        self.input_mapping: Optional[shm.Mapping] = None
         self.identity: Optional[bytes] = None
         self.forgotten = False
         self._hb: Optional[Heartbeat] = None
@@ -167,6 +172,7 @@ class Session:
                     pid=os.getpid(),
                     local_index=self.local_index,
                     replaces=replaces,
+                    host_id=self.host_id,
                 )
             )
         )
@@ -188,6 +194,7 @@ class Session:
             if isinstance(msg, protocol.Welcome):
                 self.templates = msg.templates
                 self.inputs = msg.inputs
+                self._map_inputs(sock, msg.shm)
                 self.sock = sock
                 self.forgotten = False
                 self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -250,8 +257,24 @@ class Session:
             if isinstance(decoded.msg, protocol.Unknown):
                 self.forgotten = True
                 raise Stopped()
+            if decoded.items and any(item.block is not None for item in decoded.items):
+                decoded.bad += protocol.resolve_blocks(decoded.items, self.input_mapping)
             out.append(decoded)
         return out
+
+    def _map_inputs(self, sock: zmq.Socket, descriptor: Optional[Dict[str, Any]]) -> None:
+        if self.input_mapping is not None:
+            self.input_mapping.close()  # of an earlier registration: unmapped once its arrays are gone
+        self.input_mapping = None
+        if descriptor is None:
+            return
+        try:
+            self.input_mapping = shm.Mapping.open(descriptor)
+            reply = protocol.ShmMapped(ok=True)
+        except shm.ShmUnavailable as exc:
+            log.warning("inputs come over the socket: cannot map the server's shared memory: %s", exc)
+            reply = protocol.ShmMapped(ok=False, reason=str(exc)[:500])
+        sock.send_multipart(protocol.encode(reply))
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
-from ppclient import UsageError, endpoints, keyfiles, protocol
+from ppclient import UsageError, endpoints, keyfiles, protocol, shm
 
 from .config import Config, load_config
 from .direct import Routes
@@ -55,11 +55,17 @@ class Worker:
             keys=keys,
             worker_endpoint=worker_endpoint,
             local_index=local_index,
+            shm_mb=cfg.shm_mb,
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
+        if self.session.host_id:
+            # results for consumers on this host go through shared memory
+            self.routes.ring = shm.Ring(cfg.shm_mb << 20)
+            self.routes.shm_descriptor = self.routes.ring.descriptor.to_dict()
+            self.routes.host = self.session.host_id
         self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers, self.routes)
         self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
 
@@ -151,7 +157,7 @@ class Worker:
             self.routes.identity = self.session.identity or b""
             self.routes.set(msg)
         elif isinstance(msg, protocol.ConsumerGone):
-            self.routes.drop(msg.consumer)
+            self.routes.drop(msg.consumer, gone=True)
         elif isinstance(msg, protocol.RunClose):
             self.runs.pop(msg.run, None)
             self.seqs.drop_run(msg.run)

@@ -21,7 +21,7 @@ from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import zmq
 
-from . import endpoints, keyfiles, protocol
+from . import endpoints, keyfiles, protocol, shm
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
 from .protocol import Channel, Item, Peer
 
@@ -105,6 +105,8 @@ class Client:
         self._auth: Any = None
         self._poller: Optional[zmq.Poller] = None
         self._authorized: Tuple[bytes, ...] = ()
+        self._mappings: Dict[bytes, Any] = {}  # worker identity -> its result segment, mapped
+        self._host = ""  # shared-memory host id, once known ("": segments do not work here)
         if self.direct and self._keys is not None:
             self._authorized = tuple(keyfiles.authorized_keys(keys))  # type: ignore[arg-type]
 
@@ -180,6 +182,8 @@ class Client:
             last = sock.getsockopt(zmq.LAST_ENDPOINT)
             self._direct_endpoint = last.decode() if isinstance(last, bytes) else str(last)
             self._direct = sock
+            if shm.probe() is None:
+                self._host = shm.host_id()
             self._poller = zmq.Poller()
             self._poller.register(self._data_socket(), zmq.POLLIN)
             self._poller.register(sock, zmq.POLLIN)
@@ -188,8 +192,17 @@ class Client:
     def _welcome(self, ident: bytes, hello: protocol.DirectHello) -> None:
         """A worker connected: it may send results directly from now on."""
         assert self._direct is not None
+        mapped = False
+        if hello.shm is not None and self._host and hello.shm.get("host") == self._host:
+            try:
+                self._mappings[ident] = shm.Mapping.open(hello.shm)
+                mapped = True
+            except shm.ShmUnavailable:
+                pass  # results come in the messages
         try:
-            self._direct.send_multipart([ident, *protocol.encode(protocol.DirectWelcome(shm=False))], flags=zmq.NOBLOCK)
+            self._direct.send_multipart(
+                [ident, *protocol.encode(protocol.DirectWelcome(shm=mapped))], flags=zmq.NOBLOCK
+            )
         except zmq.ZMQError:
             pass
 
@@ -255,6 +268,7 @@ class Client:
                 subshards=self.subshards,
                 direct=self._direct_endpoint if self._direct is not None else "",
                 direct_key=self._keys.public if self._keys is not None and self._direct is not None else b"",
+                host=self._host,
             ),
             protocol.EpochAccepted,
         )
@@ -342,6 +356,8 @@ class Client:
         if isinstance(decoded.msg, protocol.DirectHello):
             self._welcome(frames[0].bytes, decoded.msg)
             return None
+        if any(item.block is not None for item in decoded.items):
+            protocol.resolve_blocks(decoded.items, self._mappings.get(frames[0].bytes))
         decoded.bad = []  # bad items: reported missing in time, made again
         return decoded
 

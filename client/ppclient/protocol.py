@@ -351,6 +351,7 @@ class Hello(Message):
     pid: int = 0
     local_index: Optional[int] = None  # set by the server's own local workers
     replaces: Optional[bytes] = None
+    host_id: str = ""  # shared-memory host id ("": none): a worker on the server's host gets its inputs so
 
 
 @dataclass(frozen=True)
@@ -362,6 +363,19 @@ class Welcome(Message):
     versioned = True
     templates: Dict[str, Any] = field(default_factory=dict)  # of the outputs: what the worker checks
     inputs: Dict[str, Any] = field(default_factory=dict)  # of the inputs: what RETURNN-API mappers get
+    shm: Optional[Dict[str, Any]] = None  # the segment the worker's inputs will come in (same host)
+
+
+@dataclass(frozen=True)
+class ShmMapped(Message):
+    """The worker mapped the segment offered in `welcome` (`ok`), or why not."""
+
+    kind = "shm_mapped"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    ok: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -686,6 +700,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         ClientClosed,
         Hello,
         Welcome,
+        ShmMapped,
         Refuse,
         Unknown,
         Heartbeat,
@@ -723,8 +738,8 @@ class Item:
     `arrays` lists `[key, dtype, shape]` per array; `frames` holds one buffer per array
     (numpy arrays, bytes or zmq.Frames), which a forwarder passes on without decoding.
     Instead of frames, the arrays may lie in a shared-memory block of the sender's segment:
-    `block` is `[offset, nbytes, [offset of each array in the block]]` (header key "b"); the
-    receiver maps it (shm.py) and fills `frames` with views. `direct` marks a result the worker
+    `block` is `[offset, nbytes, seq, [offset of each array in the block]]` (header key "b");
+    the receiver maps it (shm.py) and fills `frames` with views. `direct` marks a result the worker
     sent to its consumer itself (the server holds only its position and size).
     """
 
@@ -766,6 +781,53 @@ def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
 def item_to_seq(item: Item) -> Dict[str, Any]:
     """The seq dict of an Item (arrays are read-only views of its frames)."""
     return wire.item_to_seq(item.header(), item.frames)
+
+
+def to_block(item: Item, ring: Any, owner: bytes = b"") -> Tuple[Item, Any]:
+    """The item with its arrays copied into a block of `ring` (shm.Ring), and the block; the item
+    itself and None if the ring has no room."""
+    from . import shm
+
+    packed = shm.pack(ring, [_as_array(f) for f in item.frames], owner)
+    if packed is None:
+        return item, None
+    block, offsets = packed
+    ref = block.ref()
+    return Item(item.pos, item.meta, item.arrays, [], item.nbytes, [ref.offset, ref.nbytes, ref.seq, offsets]), block
+
+
+def _as_array(frame: Any) -> Any:
+    import numpy
+
+    if isinstance(frame, numpy.ndarray):
+        return frame
+    return numpy.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, numpy.uint8)
+
+
+def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
+    """Give items in shared memory their arrays (views of `mapping`, a shm.Mapping); the items
+    whose block cannot be used are taken out and returned as bad."""
+    from . import shm
+
+    bad: List[BadItem] = []
+    keep: List[Item] = []
+    for item in items:
+        if item.block is not None:
+            if mapping is None:
+                bad.append(BadItem(item.pos, "an item in shared memory, but no segment is mapped"))
+                continue
+            offset, nbytes, seq, offsets = item.block
+            specs = [(k, d, shape, o) for (k, d, shape), o in zip(item.arrays, offsets)]
+            try:
+                arrays = mapping.arrays((offset, nbytes, seq), specs)
+            except (shm.ShmUnavailable, ValueError) as exc:
+                bad.append(BadItem(item.pos, str(exc)))
+                continue
+            item.frames = [arrays[k] for k, _, _ in item.arrays]
+            item.block = None
+        keep.append(item)
+    items[:] = keep
+    return bad
 
 
 class BadItem(typing.NamedTuple):
@@ -830,7 +892,7 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                 )
             nbytes += size
         return Item(pos, meta, arrays, list(frames), nbytes)
-    for offset, size in zip(block[2], sizes):
+    for offset, size in zip(block[3], sizes):
         if offset + size > block[1]:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
@@ -842,12 +904,12 @@ def _check_block(pos: int, block: Any, arrays: Any, frames: Sequence[Any]) -> No
         raise ProtocolError(f"item {pos}: an item in shared memory carries frames")
     if (
         type(block) is not list
-        or len(block) != 3
-        or not all(type(v) is int and v >= 0 for v in block[:2])
-        or type(block[2]) is not list
+        or len(block) != 4
+        or not all(type(v) is int and v >= 0 for v in block[:3])
+        or type(block[3]) is not list
         or type(arrays) is not list
-        or len(block[2]) != len(arrays)
-        or not all(type(v) is int and v >= 0 for v in block[2])
+        or len(block[3]) != len(arrays)
+        or not all(type(v) is int and v >= 0 for v in block[3])
     ):
         raise ProtocolError(f"item {pos}: bad shared-memory block {block!r:.60}")
 
