@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
@@ -35,6 +35,7 @@ from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
 from .memory import keep_freed_memory
+from .monitor import Monitor
 from .scheduler import Instruction, Prepare, Read, Replay, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from .scheduler import events as ev
 from .supervisor import ProcessPool, worker_argv
@@ -56,6 +57,7 @@ class Server:
         worker_bind: Optional[str] = None,
         keys: Optional[str] = None,
         insecure: bool = False,
+        metrics: Optional[Tuple[str, int]] = None,
     ):
         self.cfg = cfg
         for option, endpoint in (("--bind", bind), ("--worker-bind", worker_bind)):
@@ -102,6 +104,14 @@ class Server:
         self.worker_address = _endpoint_of(self.workers_sock)
         self.monitors = self._monitors() if keys else []
         self.reader = rd.Reader(self.dataset)
+        self.monitor = Monitor(
+            self.sched,
+            self.reader,
+            stream=cfg.is_stream,
+            progress_interval=cfg.progress_interval,
+            metrics=metrics,
+        )
+        self.stages = self.monitor.stages  # the hooks below time each seq's stages
         self.ctl = Control(
             cfg,
             self.sched,
@@ -240,6 +250,7 @@ class Server:
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
+        self.monitor.close()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if stuck:
@@ -256,12 +267,15 @@ class Server:
 
     def _to_worker(self, instr: ToWorker) -> None:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
+        self.stages.to_worker(instr, self.sched.now)
         self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, instr.items)])
 
     def _to_client(self, instr: ToClient) -> None:
+        self.stages.to_client(instr, self.sched.now)
         self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
 
     def handle(self, event: ev.Event) -> None:
+        self.stages.on_event(event)
         self.perform(self.sched.handle(event))
 
     def _send(self, sock: zmq.Socket, frames: List[Any]) -> bool:
@@ -356,6 +370,7 @@ class Server:
                 "dataset": self.reader.describe_busy(now) or "idle",
             }
         )
+        st.update(self.monitor.status(st))
         return st
 
     # ---- reader -------------------------------------------------------------------------------
@@ -373,7 +388,9 @@ class Server:
         if ident.endswith(protocol.HEARTBEAT_SUFFIX):
             msg = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,)).msg
             if isinstance(msg, protocol.Heartbeat):
-                self.handle(ev.HeartbeatReceived(now, ident[: -len(protocol.HEARTBEAT_SUFFIX)]))
+                wid = ident[: -len(protocol.HEARTBEAT_SUFFIX)]
+                self.stages.heartbeat(wid, msg.stats)
+                self.handle(ev.HeartbeatReceived(now, wid))
             return
         try:
             decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))
@@ -440,6 +457,7 @@ class Server:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))
         self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
+        self.monitor.tick(now, self.status)
 
 
 def _endpoint_of(sock: zmq.Socket) -> str:
@@ -465,10 +483,17 @@ class _Throttled:
 
 
 def serve(
-    cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, keys: Optional[str], insecure: bool
+    cfg: Config,
+    *,
+    bind: str,
+    worker_bind: Optional[str],
+    workers: int,
+    keys: Optional[str],
+    insecure: bool,
+    metrics: Optional[Tuple[str, int]] = None,
 ) -> int:
     keep_freed_memory()
-    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure)
+    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
 
     def _stop(signum: int, frame: Any) -> None:
         server.stopping = True
@@ -476,6 +501,7 @@ def serve(
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
+        server.monitor.start()
         server.start_local_workers(workers)
         log.info(
             "serving %s on %s (workers connect to %s); %d local workers",

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
@@ -25,6 +26,7 @@ from ppclient import UsageError, endpoints, keyfiles, protocol
 from .config import Config, load_config
 from .errors import ConfigError
 from .mapper_api import Mappers, mappers_for
+from .mapper_clock import heartbeat_stats
 from .memory import keep_freed_memory
 from .runners import MapSeqRunner, OpenRun, StreamRunner
 from .session import POLL_MS, Refused, Session, Stopped
@@ -54,6 +56,7 @@ class Worker:
             keys=keys,
             worker_endpoint=worker_endpoint,
             local_index=local_index,
+            stats=lambda: heartbeat_stats(self.seqs.clock, self.streams.clock),
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
@@ -131,7 +134,9 @@ class Worker:
         """A stream waits for its next input: take messages meanwhile, stop if the session ends."""
         if self.stopping or self.session.lost():
             raise Stopped()
+        since = time.perf_counter()
         self._receive(POLL_MS)
+        self.streams.clock.paused += time.perf_counter() - since
 
     def _receive(self, timeout_ms: int) -> None:
         for decoded in self.session.receive(timeout_ms):
