@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a non-loopback --bind without keys (traffic unencrypted, peers unauthenticated)",
     )
+    s.add_argument(
+        "--metrics",
+        default=None,
+        metavar="ADDR",
+        help="serve Prometheus metrics over HTTP at HOST:PORT (:PORT: every interface), e.g. 127.0.0.1:9100",
+    )
 
     w = sub.add_parser(
         "worker",
@@ -130,6 +136,7 @@ def _serve(args) -> int:
 
     from .config import load_config
     from .errors import ConfigError
+    from .metrics import parse_address
     from .server import serve, setup_logging
 
     setup_logging()
@@ -137,6 +144,7 @@ def _serve(args) -> int:
         endpoints.check(args.bind, "--bind")
         if args.worker_bind:
             endpoints.check(args.worker_bind, "--worker-bind")
+        metrics = parse_address(args.metrics) if args.metrics is not None else None
         if args.keys:
             keyfiles.server_keys(args.keys)
         cfg = load_config(args.config)
@@ -147,7 +155,13 @@ def _serve(args) -> int:
         cfg.stream_partitions = cfg.partitions
         cfg.num_workers = max(workers, 1)
         return serve(
-            cfg, bind=args.bind, worker_bind=args.worker_bind, workers=workers, keys=args.keys, insecure=args.insecure
+            cfg,
+            bind=args.bind,
+            worker_bind=args.worker_bind,
+            workers=workers,
+            keys=args.keys,
+            insecure=args.insecure,
+            metrics=metrics,
         )
     except (ConfigError, UsageError) as exc:
         return _fail_config("serve", exc)
@@ -219,6 +233,7 @@ def format_status(st) -> str:
         f"epoch       {st.get('epoch')}  state {st.get('state')}  "
         f"delivered {st.get('seqs_delivered')}/{st.get('num_seqs') if st.get('num_seqs') is not None else '?'}"
         f"  {st.get('seqs_per_sec')} seqs/s",
+        *_progress_lines(st),
         f"queues      waiting {q.get('waiting_for_worker', 0)}  in flight {q.get('in_flight', 0)}  "
         f"reorder {q.get('reorder_buffer', 0)}  client credit {q.get('client_credit', 0)}",
         f"workers     {st.get('workers_alive')} alive",
@@ -252,6 +267,21 @@ def format_status(st) -> str:
     return "\n".join(lines)
 
 
+def _progress_lines(st) -> List[str]:
+    """Rolling rate, ETA and holdup, and the mean time per seq in each stage (see README)."""
+    from .progress import format_eta
+
+    if "rate_seqs_per_sec" not in st:
+        return []  # a server without stage timings
+    held = f"  held back by the {st['held_back_by']}" if st.get("held_back_by") else ""
+    eta = f"  ETA {format_eta(st['eta_s'])}" if st.get("eta_s") is not None else ""
+    lines = [f"progress    {st['rate_seqs_per_sec']} seqs/s (last {st.get('rate_window_s', 0):g} s){eta}{held}"]
+    stages = [f"{name} {ms:.2f}" for name, ms in (st.get("stage_ms") or {}).items() if ms is not None]
+    if stages:
+        lines.append(f"stages      ms per seq: {'  '.join(stages)}")
+    return lines
+
+
 def _keygen(args) -> int:
     from ppclient.keyfiles import keygen
 
@@ -260,17 +290,29 @@ def _keygen(args) -> int:
     return 0
 
 
+DEMO_PLAIN_EVERY_S = 1.0  # progress lines when stdout is not a terminal
+
+
 def _demo(args) -> int:
-    from ppclient import Client
+    """The server's and workers' logs go to a file, so that they never break the progress line
+    (rewritten in place on a terminal, plain lines about once a second otherwise)."""
+    import tempfile
+
+    from ppclient import Client, Error
 
     from .supervisor import stop_process
 
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_config.py")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    fd, log_path = tempfile.mkstemp(prefix="ppserver-demo-", suffix=".log")
+    with os.fdopen(fd, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
+    print(f"demo: server and worker logs go to {log_path}", flush=True)
+    show = _DemoProgress(sys.stdout.isatty())
     try:
         address = wait_ready(proc, timeout=60)
         print(f"demo: server ready at {address}", flush=True)
@@ -286,24 +328,51 @@ def _demo(args) -> int:
                 for seq in it:
                     n += 1
                     nbytes += sum(v.nbytes for k, v in seq.items() if hasattr(v, "nbytes"))
-                    if n % 20 == 0 or n == total:
-                        el = time.monotonic() - start
-                        print(
-                            f"\rdemo: epoch {epoch}: {n}/{total} seqs  {n / el:8.1f} seqs/s  "
-                            f"{nbytes / el / 1e6:7.1f} MB/s",
-                            end="",
-                            flush=True,
-                        )
+                    show.update(epoch, n, total, nbytes, time.monotonic() - start)
                 el = time.monotonic() - start
-                print(
-                    f"\rdemo: epoch {epoch}: {n} seqs in {el:.2f} s: {n / el:.1f} seqs/s, "
-                    f"{nbytes / el / 1e6:.1f} MB/s" + " " * 10,
-                    flush=True,
+                show.done(
+                    f"demo: epoch {epoch}: {n} seqs in {el:.2f} s: {n / el:.1f} seqs/s, {nbytes / el / 1e6:.1f} MB/s"
                 )
         print("demo: done", flush=True)
         return 0
+    except (RuntimeError, Error) as exc:
+        show.done("")
+        print(f"demo: error: {exc} (the server's log: {log_path})", file=sys.stderr, flush=True)
+        return 1
     finally:
         stop_process(proc, timeout=10)
+
+
+class _DemoProgress:
+    """One epoch's progress: rewritten in place on a terminal, a plain line now and then elsewhere."""
+
+    def __init__(self, tty: bool):
+        self.tty = tty
+        self.shown_at = 0.0  # elapsed seconds of the last line shown
+        self.width = 0
+
+    def update(self, epoch: int, n: int, total: int, nbytes: int, elapsed: float) -> None:
+        if self.tty and n % 20 and n != total:
+            return
+        if not self.tty and (elapsed - self.shown_at < DEMO_PLAIN_EVERY_S or n == total):
+            return
+        self.shown_at = elapsed
+        el = max(elapsed, 1e-9)
+        text = f"demo: epoch {epoch}: {n}/{total} seqs  {n / el:8.1f} seqs/s  {nbytes / el / 1e6:7.1f} MB/s"
+        if self.tty:
+            print(f"\r{text}", end="", flush=True)
+            self.width = len(text)
+        else:
+            print(text, flush=True)
+
+    def done(self, text: str) -> None:
+        """The epoch's last line (it replaces the progress line on a terminal; "": just end it)."""
+        if self.tty and self.width:
+            print(f"\r{text}{' ' * max(self.width - len(text), 0)}", flush=True)
+        elif text:
+            print(text, flush=True)
+        self.shown_at = 0.0
+        self.width = 0
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float) -> str:

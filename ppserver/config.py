@@ -44,6 +44,7 @@ KNOWN_KEYS = {
     "max_seq_retries",
     "max_message_bytes",
     "max_request_bytes",
+    "progress_interval",
 }
 
 
@@ -71,6 +72,7 @@ class Config:
     max_seq_retries: int = 3
     max_message_bytes: int = 1 << 30
     max_request_bytes: int = 16 << 20
+    progress_interval: float = 30.0  # seconds between the server's progress lines; 0: none
 
     @property
     def is_stream(self) -> bool:
@@ -208,6 +210,7 @@ def from_settings(
         max_request_bytes=_int(settings, "max_request_bytes", 16 << 20, minimum=1024),
         heartbeat_interval=_float(settings, "heartbeat_interval", 1.0),
         heartbeat_timeout=_float(settings, "heartbeat_timeout", 5.0),
+        progress_interval=_float(settings, "progress_interval", 30.0, zero=True),
     )
     if settings.get("stream_partitions") is not None:
         cfg.stream_partitions = _int(settings, "stream_partitions", 1, minimum=1)
@@ -232,10 +235,10 @@ def _bool(settings, key, default):
     return value
 
 
-def _float(settings, key, default):
+def _float(settings, key, default, *, zero=False):
     value = settings.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(key, f"must be a number > 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero else value > 0):
+        raise ConfigError(key, f"must be a number {'>=' if zero else '>'} 0, got {value!r}")
     return float(value)
 
 

@@ -30,27 +30,33 @@ class Control:
         info: Dict[str, Any],
         status: Callable[[], Dict[str, Any]],
         worker_address: Callable[[], str],
+        observe: Callable[[ev.Event], None] = lambda event: None,
     ):
         self.cfg = cfg
         self.sched = sched
         self.info = info
         self.status = status
         self.worker_address = worker_address
+        self.observe = observe  # sees each event before the scheduler does (stage timings)
         # Run ids start at a random point, so a restarted server never reuses an id a client
         # may still hold data for.
         sched.next_run = random.getrandbits(40)
+
+    def _handle(self, event: ev.Event) -> List[Instruction]:
+        self.observe(event)
+        return self.sched.handle(event)
 
     def handle(self, ident: bytes, msg: protocol.Message) -> Tuple[Optional[protocol.Message], List[Instruction]]:
         """The reply (None: none, or the scheduler's Reply instruction) and the scheduler's instructions."""
         now = time.monotonic()
         if isinstance(msg, protocol.Credit):
-            return None, self.sched.handle(ev.CreditGranted(now, ident, msg.run, msg.total, msg.consumed))
+            return None, self._handle(ev.CreditGranted(now, ident, msg.run, msg.total, msg.consumed))
         if isinstance(msg, protocol.Missing):
-            return None, self.sched.handle(ev.MissingReported(now, ident, msg.run, msg.pos))
+            return None, self._handle(ev.MissingReported(now, ident, msg.run, msg.pos))
         if isinstance(msg, protocol.ClientAlive):
-            return None, self.sched.handle(ev.ConsumerAlive(now, msg.consumer))
+            return None, self._handle(ev.ConsumerAlive(now, msg.consumer))
         if isinstance(msg, protocol.ClientClosed):
-            return None, self.sched.handle(ev.ConsumerClosed(now, msg.consumer))
+            return None, self._handle(ev.ConsumerClosed(now, msg.consumer))
         if isinstance(msg, protocol.InfoRequest):
             return protocol.InfoReply(**self.info), []
         if isinstance(msg, protocol.StatusRequest):

@@ -42,6 +42,7 @@ WAKE_EVERY = 8  # seqs handed over per wake-up of the loop, at most
 READING_POLL_MS = 10  # the loop's poll timeout while the reader reads
 IDLE_WAIT_S = 0.1
 BUSY_REPORT_S = 1.0  # how long a dataset call must take before status and keepalives mention it
+DATASET_CALLS = ("get_seq", "init_seq_order", "check_epoch_args", "is_less_than_num_seqs")
 
 EpochArgs = Tuple[int, Optional[Tuple[str, ...]], Optional[Tuple[int, ...]]]
 
@@ -95,6 +96,9 @@ class Reader(threading.Thread):
         os.set_blocking(self.wake_w, False)
         self.quit = threading.Event()
         self.busy: Optional[Tuple[str, Any, float]] = None  # the dataset call under way, its argument, since when
+        # time inside each dataset call and how many returned (written here only; status and metrics read them)
+        self.seconds: Dict[str, float] = dict.fromkeys(DATASET_CALLS, 0.0)
+        self.calls: Dict[str, int] = dict.fromkeys(DATASET_CALLS, 0)
         self.epoch_args: Optional[EpochArgs] = None  # what the dataset is set up for
         self.runs: Dict[int, Deque[int]] = {}  # runs of that epoch and the positions they asked for
         self.waiting: Deque[Prepare] = deque()  # runs of another epoch, checked, waiting for these to stop
@@ -170,11 +174,14 @@ class Reader(threading.Thread):
             pass  # wake-ups are pending already
 
     def _call(self, what: str, arg: Any, fn: Any, *args: Any) -> Any:
-        self.busy = (what, arg, time.monotonic())
+        since = time.monotonic()
+        self.busy = (what, arg, since)
         try:
             return fn(*args)
         finally:
             self.busy = None
+            self.seconds[what] += time.monotonic() - since
+            self.calls[what] += 1
 
     def run(self) -> None:
         while not self.quit.is_set():
@@ -300,6 +307,7 @@ class Reader(threading.Thread):
         self.rr += 1
         positions = self.runs[run]
         get_seq, commands, out, monotonic = self.dataset.get_seq, self.commands, self.out, time.monotonic
+        seconds, calls = self.seconds, self.calls
         counted = self.dataset.num_seqs is not None
         try:
             while positions:
@@ -311,9 +319,13 @@ class Reader(threading.Thread):
                     self.ends[run] = pos
                     self._emit(ev.InputsEnded(monotonic(), run, pos))
                     break
-                self.busy = ("get_seq", pos, monotonic())
-                item = seq_to_item(get_seq(pos), pos)
+                since = monotonic()
+                self.busy = ("get_seq", pos, since)
+                seq = get_seq(pos)
                 self.busy = None
+                seconds["get_seq"] += monotonic() - since
+                calls["get_seq"] += 1
+                item = seq_to_item(seq, pos)
                 positions.popleft()
                 out.append((run, item))
                 self.unannounced += 1

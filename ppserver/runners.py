@@ -22,6 +22,7 @@ from .apply import MappingError, apply_map_seq, run_stream, writable
 from .config import Config
 from .direct import Routes
 from .mapper_api import Mappers
+from .mapper_clock import MapperClock
 
 log = logging.getLogger("ppserver.worker")
 
@@ -74,6 +75,7 @@ class MapSeqRunner:
         self.flush_every = max(1, min(cfg.buf_size // 2, 16))
         self.done = 0
         self.messages_in = self.messages_out = 0
+        self.clock = MapperClock()
 
     def add(self, run: int, items: List[Item], to: Optional[List[bytes]] = None) -> None:
         if to and len(to) == len(items):
@@ -129,6 +131,7 @@ class MapSeqRunner:
         try:
             map_seq = self.mappers().map_seq
             assert map_seq is not None
+            self.clock.start()
             out = apply_map_seq(
                 map_seq,
                 seq,
@@ -137,6 +140,7 @@ class MapSeqRunner:
                 templates=self.templates(),
                 expected_tag=seq.get("seq_tag") if run.check_tags else None,
             )
+            self.clock.stop()
             result = protocol.seq_to_item(out, item.pos)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
@@ -205,6 +209,7 @@ class StreamRunner:
         self.parts: Dict[Tuple[int, int], _Partition] = {}
         self.rr = 0
         self.done = 0
+        self.clock = MapperClock()  # the worker adds the time its streams wait for inputs to `paused`
 
     def open(self, msg: protocol.StreamOpen, runs: Dict[int, OpenRun]) -> None:
         run = runs.get(msg.run)
@@ -271,7 +276,9 @@ class StreamRunner:
                     templates=self.templates(),
                     rng=mappers.stream_rng(part.epoch, part.index),
                 )
+            self.clock.start()
             seq = next(part.gen)
+            self.clock.stop()
             if part.closed:
                 return
             item = protocol.seq_to_item(seq, part.emitted)

@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 
@@ -35,6 +35,7 @@ from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
 from .memory import keep_freed_memory
+from .monitor import Monitor
 from .scheduler import Instruction, Prepare, Read, Replay, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from .scheduler import events as ev
 from .supervisor import ProcessPool, worker_argv
@@ -56,6 +57,7 @@ class Server:
         worker_bind: Optional[str] = None,
         keys: Optional[str] = None,
         insecure: bool = False,
+        metrics: Optional[Tuple[str, int]] = None,
     ):
         self.cfg = cfg
         for option, endpoint in (("--bind", bind), ("--worker-bind", worker_bind)):
@@ -103,12 +105,21 @@ class Server:
         self.worker_address = _endpoint_of(self.workers_sock)
         self.monitors = self._monitors() if keys else []
         self.reader = rd.Reader(self.dataset)
+        self.monitor = Monitor(
+            self.sched,
+            self.reader,
+            stream=cfg.is_stream,
+            progress_interval=cfg.progress_interval,
+            metrics=metrics,
+        )
+        self.stages = self.monitor.stages  # the hooks below time each seq's stages
         self.ctl = Control(
             cfg,
             self.sched,
             info=self._info(),
             status=self.status,
             worker_address=lambda: self.worker_address,
+            observe=self.stages.on_event,
         )
         self.stopping = False
         self.started = time.monotonic()
@@ -248,6 +259,7 @@ class Server:
             self.auth.stop()
         for wid in list(self.rings):
             self._drop_ring(wid)
+        self.monitor.close()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if stuck:
@@ -268,12 +280,15 @@ class Server:
         if items and instr.wid in self.shm_ready:
             ring = self.rings[instr.wid]
             items = [protocol.to_block(item, ring)[0] for item in items]  # the worker frees each when done
+        self.stages.to_worker(instr, self.sched.now)
         self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
 
     def _to_client(self, instr: ToClient) -> None:
+        self.stages.to_client(instr, self.sched.now)
         self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
 
     def handle(self, event: ev.Event) -> None:
+        self.stages.on_event(event)
         self.perform(self.sched.handle(event))
 
     def _send(self, sock: zmq.Socket, frames: List[Any]) -> bool:
@@ -368,6 +383,7 @@ class Server:
                 "dataset": self.reader.describe_busy(now) or "idle",
             }
         )
+        st.update(self.monitor.status(st))
         return st
 
     # ---- reader -------------------------------------------------------------------------------
@@ -385,7 +401,9 @@ class Server:
         if ident.endswith(protocol.HEARTBEAT_SUFFIX):
             msg = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,)).msg
             if isinstance(msg, protocol.Heartbeat):
-                self.handle(ev.HeartbeatReceived(now, ident[: -len(protocol.HEARTBEAT_SUFFIX)]))
+                wid = ident[: -len(protocol.HEARTBEAT_SUFFIX)]
+                self.stages.heartbeat(wid, msg.stats)
+                self.handle(ev.HeartbeatReceived(now, wid))
             return
         try:
             decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))
@@ -484,6 +502,7 @@ class Server:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))
         self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
+        self.monitor.tick(now, self.status)
 
 
 def _endpoint_of(sock: zmq.Socket) -> str:
@@ -509,10 +528,17 @@ class _Throttled:
 
 
 def serve(
-    cfg: Config, *, bind: str, worker_bind: Optional[str], workers: int, keys: Optional[str], insecure: bool
+    cfg: Config,
+    *,
+    bind: str,
+    worker_bind: Optional[str],
+    workers: int,
+    keys: Optional[str],
+    insecure: bool,
+    metrics: Optional[Tuple[str, int]] = None,
 ) -> int:
     keep_freed_memory()
-    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure)
+    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
 
     def _stop(signum: int, frame: Any) -> None:
         server.stopping = True
@@ -520,6 +546,7 @@ def serve(
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
+        server.monitor.start()
         server.start_local_workers(workers)
         log.info(
             "serving %s on %s (workers connect to %s); %d local workers",

@@ -17,7 +17,7 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import zmq
 
@@ -44,8 +44,17 @@ class Stopped(BaseException):
 class Heartbeat(threading.Thread):
     """Sends heartbeats on its own socket and watches the server's."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, interval: float, keys: Optional[ClientKeys]):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        identity: bytes,
+        interval: float,
+        keys: Optional[ClientKeys],
+        stats: Optional[Callable[[], Dict[str, Any]]] = None,
+    ):
         super().__init__(name="heartbeat", daemon=True)
+        self.stats = stats  # the worker's counters, sent with every beat
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.identity = identity + protocol.HEARTBEAT_SUFFIX
@@ -58,13 +67,13 @@ class Heartbeat(threading.Thread):
         self.forgotten = False
 
     def run(self) -> None:
-        beat = protocol.encode(protocol.Heartbeat())
         next_send = 0.0
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 if now >= next_send:
-                    self.sock.send_multipart(beat, flags=zmq.NOBLOCK)
+                    beat = protocol.Heartbeat(stats=self.stats() if self.stats is not None else None)
+                    self.sock.send_multipart(protocol.encode(beat), flags=zmq.NOBLOCK)
                     next_send = now + self.interval
                 if self.sock.poll(int(min(self.interval, 0.2) * 1000)):
                     frames = self.sock.recv_multipart()
@@ -94,6 +103,7 @@ class Session:
         worker_endpoint: Optional[str] = None,
         local_index: Optional[int] = None,
         shm_mb: int = 0,
+        stats: Optional[Callable[[], Dict[str, Any]]] = None,
     ):
         self.ctx = ctx
         self.connect = connect
@@ -103,6 +113,7 @@ class Session:
         self.keys = keys
         self.worker_endpoint = worker_endpoint
         self.local_index = local_index
+        self.stats = stats
         self.host = socket.gethostname()
         self.stopping = False
         self.sock: Optional[zmq.Socket] = None
@@ -198,7 +209,7 @@ class Session:
                 self.sock = sock
                 self.forgotten = False
                 self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._hb = Heartbeat(self.ctx, endpoint, identity, self.heartbeat_interval, self.keys)
+                self._hb = Heartbeat(self.ctx, endpoint, identity, self.heartbeat_interval, self.keys, self.stats)
                 self._hb.start()
                 log.info("registered with %s as %s", endpoint, identity.decode())
                 return True

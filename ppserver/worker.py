@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
@@ -26,6 +27,7 @@ from .config import Config, load_config
 from .direct import Routes
 from .errors import ConfigError
 from .mapper_api import Mappers, mappers_for
+from .mapper_clock import heartbeat_stats
 from .memory import keep_freed_memory
 from .runners import MapSeqRunner, OpenRun, StreamRunner
 from .session import POLL_MS, Refused, Session, Stopped
@@ -56,6 +58,7 @@ class Worker:
             worker_endpoint=worker_endpoint,
             local_index=local_index,
             shm_mb=cfg.shm_mb,
+            stats=lambda: heartbeat_stats(self.seqs.clock, self.streams.clock),
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
@@ -140,7 +143,9 @@ class Worker:
         """A stream waits for its next input: take messages meanwhile, stop if the session ends."""
         if self.stopping or self.session.lost():
             raise Stopped()
+        since = time.perf_counter()
         self._receive(POLL_MS)
+        self.streams.clock.paused += time.perf_counter() - since
 
     def _receive(self, timeout_ms: int) -> None:
         if self.routes.routes:

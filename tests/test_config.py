@@ -208,6 +208,16 @@ def test_unknown_name_is_an_error_with_a_suggestion(tmp_path, line, key, hint):
 
 
 @pytest.mark.unit
+def test_progress_interval_is_seconds_and_zero_turns_it_off():
+    assert from_settings(settings()).progress_interval == 30.0
+    assert from_settings(settings(progress_interval=0)).progress_interval == 0.0
+    assert from_settings(settings(progress_interval=2.5)).progress_interval == 2.5
+    for bad in (-1, "30", True, float("nan")):
+        err = expect_config_error("progress_interval", from_settings, settings(progress_interval=bad))
+        assert "must be a number >= 0" in str(err)
+
+
+@pytest.mark.unit
 def test_helpers_are_ignored(tmp_path):
     cfg = write_config(
         tmp_path,

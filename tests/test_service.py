@@ -412,6 +412,47 @@ def test_demo_runs_two_epochs_and_exits_0():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
     assert "seqs/s" in res.stdout and "MB/s" in res.stdout
+    # not a terminal: plain lines of its own, no carriage returns, the logs in a file
+    assert "\r" not in res.stdout and res.stderr == ""
+    assert all(line.startswith("demo: ") for line in res.stdout.splitlines()), res.stdout
+    log_path = res.stdout.splitlines()[0].split(" go to ")[1]
+    try:
+        assert "serving" in read(log_path) and "registered with" in read(log_path)
+    finally:
+        os.unlink(log_path)
+
+
+def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
+    import pty
+    import select
+
+    main, sub = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ppserver", "demo"], stdout=sub, stderr=sub, cwd=REPO)
+    os.close(sub)
+    out = b""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if select.select([main], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(main, 65536)
+                except OSError:  # the demo exited and closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=30) == 0, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main)
+    text = out.decode()
+    assert "\rdemo: epoch 1: 20/400 seqs" in text and "epoch 2: 400 seqs in" in text
+    assert "INFO" not in text and "WARNING" not in text, text[-2000:]
+    os.unlink(text.split(" go to ")[1].split()[0])
 
 
 def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):

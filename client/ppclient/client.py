@@ -542,6 +542,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         expected = self._expected
         while expected not in self._buffer:
             if self._finished():
+                if self._ungranted:
+                    self._grant(self._ungranted)
+                    self._ungranted = 0
                 self._client._inbox.pop(self.run, None)
                 raise StopIteration
             self._receive("progress")
@@ -549,8 +552,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         seq = protocol.item_to_seq(item)
         self._consumed += 1
         self._ungranted += 1
-        if self._ungranted * 2 >= self._client.window:
-            self._grant(self._ungranted)
+        if self._ungranted * 2 >= self._client.window or (self._ungranted and self._finished()):
+            self._grant(self._ungranted)  # and, at the end, tells the server how many were taken
             self._ungranted = 0
         return seq
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 4
+PROTOCOL = 5
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -400,12 +400,16 @@ class Unknown(Message):
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """On the heartbeat socket, both ways; any traffic on the task socket also counts."""
+    """On the heartbeat socket, both ways; any traffic on the task socket also counts.
+
+    `stats`: a worker's cumulative counters since it started (`map_s`: seconds inside the
+    mappers, `mapped`: seqs they returned), so the server can tell mapping from transfer time."""
 
     kind = "hb"
     channel = Channel.WORKER
     sender = (Peer.SERVER, Peer.WORKER)
     receiver = (Peer.SERVER, Peer.WORKER)
+    stats: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)

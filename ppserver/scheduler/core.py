@@ -817,7 +817,7 @@ class Scheduler:
             return f"the dataset to set up the epoch{busy}"
         if not self.workers:
             return "a worker (none is connected)"
-        if lane is not None and lane.credit <= 0:
+        if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes)):
             return "the trainer (no credit)"
         missing = [ln.rank for ln in run.lanes if ln.consumer is None and not ln.gone]
         if missing:

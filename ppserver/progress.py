@@ -1,0 +1,196 @@
+"""Rolling rates, ETAs and which side holds an epoch back, from samples of the stage timings.
+
+The server samples its counters about once a second (time passed in, as everywhere in the
+scheduler's world); the last WINDOW_S seconds give the rolling rate, the mean time per seq
+in each stage (stages.py) and so the side that holds the epoch back:
+
+- the trainer, when seqs whose turn has come wait for credit;
+- the workers, when inputs wait for a worker or results wait for a slower one;
+- the dataset, when neither waits and the reader spends its time inside the dataset.
+
+Stage times are counted when a seq leaves a stage, so a stall shows in none of them: when
+nothing was delivered lately, the scheduler's word for what the run waits for (the one
+keepalives carry) decides instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional
+
+SAMPLE_S = 1.0
+WINDOW_S = 20.0
+FLOWING_S = 3.0  # something delivered within this long: the stage times can tell
+SATURATED = 0.5  # seqs waiting on average (or the reader's busy fraction) that mark a side
+SIDES = ("trainer", "workers", "dataset")
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    delivered: int  # seqs sent to clients, all runs
+    runs: Dict[int, int]  # seqs sent per live run
+    seconds: Dict[str, float]  # per stage
+    seqs: Dict[str, int]
+
+
+class Window:
+    def __init__(self, span: float = WINDOW_S, step: float = SAMPLE_S):
+        self.span_s = span
+        self.step = step
+        self.samples: Deque[Sample] = deque()
+
+    def due(self, now: float) -> bool:
+        return not self.samples or now - self.samples[-1].t >= self.step
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
+        while len(self.samples) > 2 and self.samples[1].t <= sample.t - self.span_s:
+            self.samples.popleft()
+
+    def span(self) -> float:
+        return self.samples[-1].t - self.samples[0].t if self.samples else 0.0
+
+    def rate(self) -> Optional[float]:
+        """Seqs per second delivered over the window (None before two samples)."""
+        span = self.span()
+        if span <= 0:
+            return None
+        return (self.samples[-1].delivered - self.samples[0].delivered) / span
+
+    def run_rate(self, run: int) -> Optional[float]:
+        """Seqs per second of one run, since the window's first sample that knows it."""
+        first = next((s for s in self.samples if run in s.runs), None)
+        last = self.samples[-1] if self.samples else None
+        if first is None or last is None or last.t <= first.t:
+            return None
+        return (last.runs.get(run, first.runs[run]) - first.runs[run]) / (last.t - first.t)
+
+    def stage_ms(self) -> Dict[str, Optional[float]]:
+        """Mean milliseconds per seq in each stage over the window (None: no seq passed it)."""
+        if len(self.samples) < 2:
+            return {}
+        old, new = self.samples[0], self.samples[-1]
+        out: Dict[str, Optional[float]] = {}
+        for stage, seconds in new.seconds.items():
+            n = new.seqs[stage] - old.seqs.get(stage, 0)
+            out[stage] = round((seconds - old.seconds.get(stage, 0.0)) / n * 1e3, 3) if n > 0 else None
+        return out
+
+    def load(self, run: Optional[int] = None) -> Dict[str, float]:
+        """Seq-seconds per second in each stage over the window: how many seqs sat there on average
+        (for `read`: the fraction of the time the reader was inside the dataset). With `run`: since
+        the first sample that knows it, so that the idle time before an epoch does not count."""
+        old = next((s for s in self.samples if run in s.runs), None) if run is not None else None
+        if old is None or old is self.samples[-1]:
+            old = self.samples[0] if self.samples else None
+        if old is None or self.samples[-1].t <= old.t:
+            return {}
+        new = self.samples[-1]
+        span = new.t - old.t
+        return {stage: (s - old.seconds.get(stage, 0.0)) / span for stage, s in new.seconds.items()}
+
+    def flowing(self) -> bool:
+        """Whether seqs were delivered within the last FLOWING_S."""
+        if len(self.samples) < 2:
+            return False
+        new = self.samples[-1]
+        for s in reversed(self.samples):
+            if new.t - s.t >= FLOWING_S or s is self.samples[0]:
+                return new.delivered > s.delivered
+        return False
+
+
+def side_of(waiting_for: Optional[str]) -> Optional[str]:
+    """The side a scheduler's holdup word (see Scheduler._holdup) blames."""
+    if not waiting_for:
+        return None
+    if waiting_for.startswith("the dataset"):
+        return "dataset"
+    if waiting_for.startswith(("a worker", "the workers")):
+        return "workers"
+    return "trainer"  # no credit, or ranks that have not connected
+
+
+def held_back_by(window: Window, waiting_for: Optional[str], run: Optional[int] = None) -> Optional[str]:
+    """The side holding the live run back: from where seqs waited in the window (since `run`
+    started), else from the scheduler's word (a stall, or no side saturated). None when no run
+    is live."""
+    if waiting_for is None:
+        return None
+    if window.flowing():
+        load = window.load(run)
+        trainer = load.get("wait_trainer", 0.0)
+        workers = load.get("wait_worker", 0.0) + load.get("reorder", 0.0)
+        if trainer >= SATURATED and trainer >= workers:
+            return "trainer"
+        if workers >= SATURATED:
+            return "workers"
+        if load.get("read", 0.0) >= SATURATED:
+            return "dataset"
+    return side_of(waiting_for)
+
+
+def run_progress(st: Dict[str, Any], window: Window, running: Dict[int, int]) -> List[Dict[str, Any]]:
+    """Per running run (run id -> epoch): seqs delivered and due (over its connected ranks, from
+    the status's `ranks`), rolling rate and ETA (None when the count or the rate is not known)."""
+    out = []
+    for run, epoch in sorted(running.items()):
+        ranks = [r for r in st.get("ranks", []) if r["run"] == run]
+        done = sum(r["position"] for r in ranks)
+        sizes = [r["shard_size"] for r in ranks]
+        total = sum(sizes) if ranks and None not in sizes else None
+        rate = window.run_rate(run)
+        eta: Optional[float] = None
+        if total is not None:
+            left = sum(max(r["shard_size"] - r["position"], 0) for r in ranks if not r["done"])
+            eta = 0.0 if left == 0 else left / rate if rate else None
+        out.append(
+            {
+                "epoch": epoch,
+                "run": run,
+                "seqs_done": done,
+                "seqs_total": total,
+                "seqs_per_sec": None if rate is None else round(rate, 2),
+                "eta_s": None if eta is None else round(eta, 1),
+            }
+        )
+    return out
+
+
+def status_fields(st: Dict[str, Any], window: Window, running: Dict[int, int]) -> Dict[str, Any]:
+    """What `ppserver status` adds to the scheduler's status: rate, ETA, holdup, stage times."""
+    runs = run_progress(st, window, running)
+    last = next((r for r in runs if r["run"] == st.get("run")), None)
+    rate = window.rate()
+    return {
+        "rate_seqs_per_sec": round(rate, 2) if rate is not None else 0.0,
+        "rate_window_s": round(window.span(), 1),
+        "eta_s": last["eta_s"] if last is not None else None,
+        "held_back_by": held_back_by(window, st.get("waiting_for"), st.get("run")),
+        "stage_ms": window.stage_ms(),
+        "progress": runs,
+    }
+
+
+def format_eta(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def progress_line(run: Dict[str, Any], held_back: Optional[str]) -> str:
+    """One running epoch in one line (the server logs it every progress_interval)."""
+    total = "?" if run["seqs_total"] is None else run["seqs_total"]
+    rate = "?" if run["seqs_per_sec"] is None else f"{run['seqs_per_sec']:.1f}"
+    held = f", held back by the {held_back}" if held_back else ""
+    return (
+        f"epoch {run['epoch']} (run {run['run']}): {run['seqs_done']}/{total} seqs, {rate} seqs/s, "
+        f"ETA {format_eta(run['eta_s'])}{held}"
+    )

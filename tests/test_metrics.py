@@ -1,0 +1,239 @@
+"""Progress and metrics of a real `ppserver serve` on loopback: Prometheus metrics scraped over
+HTTP while and after an epoch runs, status fields (rolling rate, ETA, the side that holds the
+epoch back) for a slow trainer, slow workers and a slow dataset, and the progress log line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Callable, Dict, Tuple
+
+import pytest
+import zmq
+from conftest import REPO, collect, free_port, numpy_config, read, run_server, wait_for, write_config
+
+from ppserver.stages import STAGES
+
+SLOW_MAPPER = """
+import time
+def map_seq(seq, **kwargs):
+    time.sleep({delay})
+    return seq
+"""
+
+STREAM_MAPPER = """
+def map_seq_stream(seqs, **kwargs):
+    for seq in seqs:
+        yield seq
+"""
+
+# A corpus whose reads take `delay` seconds each, from a module next to the config.
+SLOW_CORPUS = """
+import time
+import numpy as np
+from ppserver.datasets import Dataset
+
+class SlowCorpus(Dataset):
+    def __init__(self, n=100, delay=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.n, self.delay = n, delay
+    def _num_corpus_seqs(self):
+        return self.n
+    def _load(self, i):
+        time.sleep(self.delay)
+        return {"data": np.full((4, 2), i, dtype="float32")}
+    def _tag(self, i):
+        return f"s{i}"
+    def _seq_len(self, i):
+        return 4
+    def _compute_data_keys(self):
+        return {"data": {"shape": [None, 2], "dtype": "float32"}}
+"""
+
+Metrics = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Metrics:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def value(m: Metrics, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delivered(m: Metrics) -> float:
+    return value(m, "ppserver_seqs_delivered_total", job="default", rank="0")
+
+
+def scrape_until(port: int, ok: Callable[[Metrics], bool], what: str) -> Metrics:
+    """Metrics are published about once a second (and mapper counts come with heartbeats)."""
+    return wait_for(lambda: (lambda m: m if ok(m) else None)(scrape(port)), 10, what, interval=0.2)
+
+
+def test_metrics_scraped_during_and_after_an_epoch(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=80, extra="buf_size = 2\n")
+    port = free_port()
+    host = socket.gethostname()
+    with run_server(cfg, workers=2, extra=["--metrics", f"127.0.0.1:{port}"]) as srv, srv.client() as c:
+        it = c.epoch(1)
+        got = [next(it) for _ in range(30)]
+        during = scrape_until(port, lambda m: delivered(m) >= 1, "a first count")
+        got += collect(it)
+        assert len(got) == 80
+        after = scrape_until(
+            port, lambda m: value(m, "ppserver_mapper_seqs_total", host=host) >= 80, "the workers' mapper counts"
+        )
+        assert delivered(during) < delivered(after) == 80
+        assert value(after, "ppserver_bytes_delivered_total", job="default", rank="0") > 0
+        for stage in STAGES:
+            assert value(after, "ppserver_stage_seqs_total", stage=stage) >= 80, stage
+            assert ("ppserver_stage_seconds_total", (("stage", stage),)) in after, stage
+        assert value(after, "ppserver_stage_seconds_total", stage="mapper") >= 80 * 0.01 * 0.9
+        assert value(after, "ppserver_stage_seconds_total", stage="transfer") > 0
+        assert value(after, "ppserver_dataset_calls_total", call="init_seq_order") == 1
+        assert value(after, "ppserver_worker_results_total", host=host) == 80
+        assert value(after, "ppserver_mapper_seconds_total", host=host) > 0
+        assert value(after, "ppserver_workers", host=host) == 2
+        assert value(after, "ppserver_epoch") == 1
+        # junk on the worker socket is dropped and counted
+        assert value(after, "ppserver_malformed_messages_total") == 0
+        ctx = zmq.Context()
+        try:
+            junk = ctx.socket(zmq.DEALER)
+            junk.linger = 0
+            junk.connect(c.status()["worker_address"])
+            junk.send_multipart([b"\xc1 not msgpack"])
+            wait_for(lambda: value(scrape(port), "ppserver_malformed_messages_total") >= 1, 10, "the malformed count")
+            junk.close(linger=0)
+        finally:
+            ctx.term()
+        for name in ("reassigned", "malformed_results", "refused_handshakes", "local_worker_respawns"):
+            assert (f"ppserver_{name}_total", ()) in after, name
+        assert collect(c.epoch(2)) and c.status()["malformed_messages"] >= 1  # still serving
+
+
+def test_metrics_in_stream_mode(tmp_path):
+    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=30)
+    port = free_port()
+    with run_server(cfg, workers=2, extra=["--metrics", f":{port}"]) as srv, srv.client() as c:
+        assert len(collect(c.epoch(1))) == 30
+        host = socket.gethostname()
+        m = scrape_until(
+            port,
+            lambda m: delivered(m) == 30 and value(m, "ppserver_mapper_seqs_total", host=host) >= 30,
+            "the epoch's counts",
+        )
+        for stage in ("wait_worker", "reorder", "wait_trainer", "mapper"):
+            assert value(m, "ppserver_stage_seqs_total", stage=stage) >= 30, stage
+
+
+@pytest.mark.parametrize("addr", ["9100", "127.0.0.1:99999", "tcp://127.0.0.1:9100", "no such host:1"])
+def test_bad_metrics_address_exits_2_with_one_line(tmp_path, addr):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
+    res = subprocess.run(
+        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0", "--metrics", addr],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "'--metrics'" in lines[0], res.stderr
+
+
+def test_metrics_port_in_use_is_one_line_and_exit_1(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0"]
+            + ["--metrics", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+    assert res.returncode == 1, res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "cannot serve metrics" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def slow_corpus_config(tmp_path, n: int, delay: float) -> str:
+    write_config(tmp_path, SLOW_CORPUS, name="slow_corpus.py")
+    return write_config(
+        tmp_path,
+        f"""
+    dataset = {{"class": "slow_corpus:SlowCorpus", "n": {n}, "delay": {delay}}}
+    def map_seq(seq, **kwargs):
+        return seq
+    buf_size = 2
+    """,
+    )
+
+
+@pytest.mark.parametrize("side", ["trainer", "workers", "dataset"])
+def test_status_shows_rate_eta_and_the_side_that_holds_the_epoch_back(tmp_path, side):
+    if side == "dataset":
+        cfg, workers, pause = slow_corpus_config(tmp_path, n=200, delay=0.03), 2, 0.0
+    elif side == "workers":
+        cfg, workers, pause = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.03), n=200), 1, 0.0
+    else:
+        cfg, workers, pause = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=200), 2, 0.03
+    with run_server(cfg, workers=workers) as srv, srv.client() as c:
+        it = c.epoch(1)
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < 3.5:
+            next(it)
+            n += 1
+            time.sleep(pause)
+        st = c.status()
+        res = subprocess.run(
+            [sys.executable, "-m", "ppserver", "status", srv.address], capture_output=True, text=True, timeout=30
+        )
+        rest = collect(it)
+    assert n + len(rest) == 200
+    assert st["held_back_by"] == side, json.dumps({k: st[k] for k in ("stage_ms", "waiting_for", "queues")})
+    assert st["rate_seqs_per_sec"] > 0 and st["rate_window_s"] >= 2
+    (run,) = st["progress"]
+    assert run["epoch"] == 1 and run["seqs_total"] == 200 and 0 < run["seqs_done"] < 200
+    assert st["eta_s"] == run["eta_s"] and 0 < st["eta_s"] < 60
+    assert set(st["stage_ms"]) == set(STAGES)
+    assert res.returncode == 0, res.stderr
+    assert f"held back by the {side}" in res.stdout and "ETA" in res.stdout and "ms per seq" in res.stdout
+
+
+def test_progress_line_in_the_server_log(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.02), n=100, extra="progress_interval = 0.5\n")
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=1, log_path=slog) as srv, srv.client() as c:
+        assert len(collect(c.epoch(1))) == 100
+        time.sleep(1.0)  # no epoch runs now: no line
+    log_lines = read(slog).splitlines()
+    lines = [ln for ln in log_lines if "seqs/s, ETA" in ln]
+    assert len(lines) >= 2, read(slog)[-2000:]
+    done = next(i for i, ln in enumerate(log_lines) if ") done: 100 seqs" in ln)
+    assert all("seqs/s, ETA" not in ln for ln in log_lines[done:])  # nothing while no epoch runs
+    assert "epoch 1 (run " in lines[-1] and "/100 seqs, " in lines[-1] and "held back by the workers" in lines[-1]
+
+    quiet = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.02), n=60, extra="progress_interval = 0\n", name="q.py")
+    qlog = str(tmp_path / "quiet.log")
+    with run_server(quiet, workers=1, log_path=qlog) as srv, srv.client() as c:
+        assert len(collect(c.epoch(1))) == 60
+    assert "seqs/s, ETA" not in read(qlog)

@@ -1,0 +1,257 @@
+"""Stage timings, rolling rates, ETAs and holdups as pure code: events and instructions in, with
+the time passed in, as the server's loop feeds them; no processes, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pytest
+
+from ppclient import protocol
+from ppserver.errors import ConfigError
+from ppserver.mapper_clock import MapperClock, heartbeat_stats
+from ppserver.metrics import families, parse_address
+from ppserver.progress import (
+    Sample,
+    Window,
+    format_eta,
+    held_back_by,
+    progress_line,
+    run_progress,
+    side_of,
+    status_fields,
+)
+from ppserver.reader import DATASET_CALLS
+from ppserver.scheduler import Scheduler, Settings, ToClient, ToWorker
+from ppserver.scheduler import events as ev
+from ppserver.stages import STAGES, StageClock
+
+pytestmark = pytest.mark.unit
+
+CONSUMER = b"client-1"
+
+
+class FakeReader:
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(DATASET_CALLS, 0.0)
+        self.calls = dict.fromkeys(DATASET_CALLS, 0)
+
+
+class Loop:
+    """What the server's loop does with the stage clock: the hook before each event, then the
+    scheduler, then a hook per instruction performed, all at the event's time."""
+
+    def __init__(self, **settings_kw: Any):
+        self.sched = Scheduler(Settings(**{"buf_size": 2, **settings_kw}))
+        self.reader = FakeReader()
+        self.clock = StageClock(self.sched, self.reader, stream=False)
+        self.out: List[Any] = []
+
+    def __call__(self, event: ev.Event) -> List[Any]:
+        self.clock.on_event(event)
+        out = self.sched.handle(event)
+        for instr in out:
+            if isinstance(instr, ToWorker):
+                self.clock.to_worker(instr, self.sched.now)
+            elif isinstance(instr, ToClient):
+                self.clock.to_client(instr, self.sched.now)
+        self.out += out
+        return out
+
+
+def item(pos: int) -> protocol.Item:
+    return protocol.seq_to_item({"data": np.zeros((4,), "float32"), "seq_tag": f"s{pos}"}, pos)
+
+
+def tasks(out: List[Any]) -> List[int]:
+    return [it.pos for i in out if isinstance(i, ToWorker) and isinstance(i.msg, protocol.Tasks) for it in i.items]
+
+
+def started(loop: Loop, num_seqs: int, credit: int) -> int:
+    out = loop(ev.WorkerJoined(0.0, b"w1", "hostA", 11))
+    out = loop(ev.EpochRequested(0.0, b"req", CONSUMER, 1, job="asr"))
+    run = next(i.msg.run for i in out if isinstance(getattr(i, "msg", None), protocol.EpochAccepted))
+    loop(ev.RunChecked(0.0, run))
+    loop(ev.CreditGranted(0.0, CONSUMER, run, credit))
+    loop(ev.RunStarted(0.0, run, 1, num_seqs))
+    return run
+
+
+def sent_to_client(out: List[Any]) -> List[int]:
+    return [it.pos for i in out if isinstance(i, ToClient) and isinstance(i.msg, protocol.Seqs) for it in i.items]
+
+
+def test_stage_times_follow_each_seq_through_the_server():
+    loop = Loop()  # one worker with room for 2 tasks
+    run = started(loop, 3, credit=1)
+    assert tasks(loop(ev.InputsRead(1.0, run, [item(0), item(1), item(2)]))) == [0, 1]
+    # results out of order: seq 1 waits for seq 0 (reorder); seq 2 waited for a free slot
+    assert tasks(loop(ev.ResultsReceived(3.0, b"w1", run, [item(1)]))) == [2]
+    assert sent_to_client(loop(ev.ResultsReceived(4.0, b"w1", run, [item(0)]))) == [0]
+    loop(ev.ResultsReceived(5.0, b"w1", run, [item(2)]))
+    loop.clock.heartbeat(b"w1", {"map_s": 0.5, "mapped": 3})
+    assert sent_to_client(loop(ev.CreditGranted(6.0, CONSUMER, run, 3))) == [1, 2]  # the trainer was slow
+    seconds, seqs = loop.clock.totals()
+    assert seconds["wait_worker"] == pytest.approx(2.0)  # seq 2: read at 1, sent at 3
+    assert seconds["reorder"] == pytest.approx(1.0)  # seq 1 arrived at 3, seq 0 at 4
+    assert seconds["wait_trainer"] == pytest.approx(3.0)  # ready at 4 and 5, credit at 6
+    assert seconds["mapper"] == pytest.approx(0.5) and seqs["mapper"] == 3
+    # task sent until result: 3 + 2 + 2 s, less 0.5 s inside the mapper
+    assert seconds["transfer"] == pytest.approx(6.5) and seqs["transfer"] == 3
+    assert all(seqs[s] == 3 for s in STAGES if s != "read")
+    assert loop.clock.delivered == {("asr", "0"): [3, 48]}
+    assert loop.clock.hosts["hostA"][:2] == [3, pytest.approx(7.0)]
+    assert loop.clock.run_delivered == {run: 3} and loop.clock.total_delivered == 3
+
+
+def test_heartbeat_stats_add_only_what_is_new_and_junk_is_ignored():
+    loop = Loop()
+    loop(ev.WorkerJoined(0.0, b"w1", "hostA", 11))
+    clock = loop.clock
+    for stats in ({"map_s": 1.0, "mapped": 10}, {"map_s": 1.5, "mapped": 12}, {"map_s": 1.5, "mapped": 12}):
+        clock.heartbeat(b"w1", stats)
+    assert clock.seconds["mapper"] == pytest.approx(1.5) and clock.seqs["mapper"] == 12
+    for junk in (None, {}, {"map_s": "x", "mapped": 1}, {"map_s": float("nan"), "mapped": 1}, {"map_s": 1.0}):
+        clock.heartbeat(b"w1", junk)
+    clock.heartbeat(b"stranger", {"map_s": 100.0, "mapped": 100})
+    assert clock.seconds["mapper"] == pytest.approx(1.5) and clock.seqs["mapper"] == 12
+    # the same identity's process counted again from zero (another process with that pid)
+    clock.heartbeat(b"w1", {"map_s": 0.25, "mapped": 1})
+    assert clock.seconds["mapper"] == pytest.approx(1.75) and clock.seqs["mapper"] == 13
+    assert clock.hosts["hostA"][2:] == [pytest.approx(1.75), 13]
+
+
+def test_mapper_clock_leaves_out_the_time_a_stream_waits_for_inputs():
+    clock = MapperClock()
+    clock.start()
+    clock.paused += 100.0  # waited for inputs inside the generator
+    clock.stop()
+    assert clock.seconds < 1.0 and clock.seqs == 1
+    assert heartbeat_stats(clock, MapperClock()) == {"map_s": round(clock.seconds, 6), "mapped": 1}
+
+
+def sample(t: float, delivered: int, **seconds: float) -> Sample:
+    secs = {s: seconds.get(s, 0.0) for s in STAGES}
+    return Sample(t, delivered, {7: delivered}, secs, {s: delivered for s in STAGES})
+
+
+def window(*samples: Sample) -> Window:
+    w = Window(span=20.0)
+    for s in samples:
+        w.add(s)
+    return w
+
+
+def test_window_rate_stage_means_and_span():
+    w = window(*(sample(t, 10 * t, wait_worker=0.1 * t) for t in range(0, 41)))
+    assert w.span() == 20.0  # older samples are dropped
+    assert w.rate() == pytest.approx(10.0) and w.run_rate(7) == pytest.approx(10.0)
+    assert w.stage_ms()["wait_worker"] == pytest.approx(10.0)  # 0.1 s per 10 seqs
+    assert w.stage_ms()["read"] == 0.0
+    assert w.run_rate(8) is None
+    assert Window().rate() is None and Window().stage_ms() == {}
+
+
+@pytest.mark.parametrize(
+    "stage, side",
+    [("wait_trainer", "trainer"), ("wait_worker", "workers"), ("reorder", "workers"), ("read", "dataset")],
+)
+def test_the_stage_where_seqs_wait_names_the_side(stage, side):
+    w = window(*(sample(t, 10 * t, **{stage: 0.9 * t}) for t in range(10)))
+    assert w.flowing()
+    assert held_back_by(w, "the workers (3 in flight)") == side
+
+
+def test_a_stall_or_no_saturated_side_falls_back_to_the_schedulers_word():
+    stalled = window(*(sample(t, 50 if t > 2 else 10 * t, wait_trainer=0.9 * t) for t in range(10)))
+    assert not stalled.flowing()
+    assert held_back_by(stalled, "the dataset (in get_seq(5) for 12.0 s)") == "dataset"
+    idle = window(*(sample(t, 10 * t) for t in range(10)))
+    assert held_back_by(idle, "a worker (none is connected)") == "workers"
+    assert held_back_by(idle, None) is None  # no live run
+    assert side_of("the trainer (no credit)") == side_of("rank(s) 1 of job 'x' to connect") == "trainer"
+    assert side_of("the dataset to set up the epoch") == "dataset" and side_of("") is None
+
+
+def ranks(*rows: Dict[str, Any]) -> Dict[str, Any]:
+    return {"ranks": [{"run": 7, "done": False, **r} for r in rows], "run": 7, "waiting_for": "the workers"}
+
+
+def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
+    w = window(*(sample(t, 10 * t) for t in range(5)))
+    st = ranks({"position": 30, "shard_size": 100}, {"position": 10, "shard_size": 100, "done": False})
+    (run,) = run_progress(st, w, {7: 3})
+    assert run == {"epoch": 3, "run": 7, "seqs_done": 40, "seqs_total": 200, "seqs_per_sec": 10.0, "eta_s": 16.0}
+    assert progress_line(run, "workers") == (
+        "epoch 3 (run 7): 40/200 seqs, 10.0 seqs/s, ETA 16 s, held back by the workers"
+    )
+    unknown = run_progress(ranks({"position": 30, "shard_size": None}), w, {7: 3})[0]
+    assert unknown["seqs_total"] is None and unknown["eta_s"] is None
+    assert "30/? seqs" in progress_line(unknown, None) and "ETA ?" in progress_line(unknown, None)
+    done = run_progress(ranks({"position": 100, "shard_size": 100, "done": True}), Window(), {7: 3})[0]
+    assert done["eta_s"] == 0.0 and done["seqs_per_sec"] is None
+    fields = status_fields(st, w, {7: 3})
+    assert fields["eta_s"] == 16.0 and fields["rate_seqs_per_sec"] == 10.0 and fields["held_back_by"] == "workers"
+    assert fields["rate_window_s"] == 4.0 and len(fields["progress"]) == 1
+    assert status_fields({"ranks": [], "run": None, "waiting_for": None}, Window(), {})["held_back_by"] is None
+
+
+@pytest.mark.parametrize("seconds, text", [(None, "?"), (4.4, "4 s"), (125, "2 min 05 s"), (7260, "2 h 01 min")])
+def test_format_eta(seconds: Optional[float], text: str):
+    assert format_eta(seconds) == text
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("127.0.0.1:9100", ("127.0.0.1", 9100)),
+        (":9100", ("0.0.0.0", 9100)),
+        ("[::1]:9100", ("::1", 9100)),
+        ("metrics-host.local:80", ("metrics-host.local", 80)),
+    ],
+)
+def test_metrics_address(text, want):
+    assert parse_address(text) == want
+
+
+@pytest.mark.parametrize("text", ["9100", "127.0.0.1", "127.0.0.1:", ":0", ":65536", "tcp://h:1", "[zz]:1", "a b:1"])
+def test_bad_metrics_address_names_the_option(text):
+    with pytest.raises(ConfigError, match="'--metrics'") as info:
+        parse_address(text)
+    assert "\n" not in str(info.value)
+
+
+def test_metric_families_name_every_stage_host_and_counter():
+    loop = Loop()
+    run = started(loop, 1, credit=5)
+    loop(ev.InputsRead(1.0, run, [item(0)]))
+    loop(ev.ResultsReceived(2.0, b"w1", run, [item(0)]))
+    st = {
+        "workers": [{"host": "hostA"}, {"host": "hostA"}],
+        "handed_back": 3,
+        "departures": {"lost": 1},
+        "malformed_results": 2,
+        "malformed_messages": 4,
+        "refused_handshakes": 5,
+        "local_worker_respawns": 6,
+        "queues": {"in_flight": 1},
+        "rate_seqs_per_sec": 1.5,
+        "held_back_by": "trainer",
+        "epoch": 1,
+        "eta_s": 3.0,
+        "version": "v",
+    }
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families(loop.clock, st) for s in f.samples}
+    assert got[("ppserver_seqs_delivered_total", (("job", "asr"), ("rank", "0")))] == 1
+    assert got[("ppserver_bytes_delivered_total", (("job", "asr"), ("rank", "0")))] == 16
+    assert {labels[0][1] for name, labels in got if name == "ppserver_stage_seconds_total"} == set(STAGES)
+    assert got[("ppserver_worker_results_total", (("host", "hostA"),))] == 1
+    assert got[("ppserver_workers", (("host", "hostA"),))] == 2
+    assert got[("ppserver_reassigned_total", ())] == 3
+    assert got[("ppserver_worker_departures_total", (("reason", "lost"),))] == 1
+    assert got[("ppserver_malformed_messages_total", ())] == 4
+    assert got[("ppserver_refused_handshakes_total", ())] == 5
+    assert got[("ppserver_held_back", (("side", "trainer"),))] == 1
+    assert got[("ppserver_held_back", (("side", "dataset"),))] == 0
+    assert got[("ppserver_eta_seconds", ())] == 3.0
