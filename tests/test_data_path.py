@@ -10,11 +10,14 @@ import sys
 import textwrap
 
 import pytest
+
+import ppclient
 from conftest import (
     REPO,
     assert_same_epoch,
     collect,
     collect_with,
+    free_port,
     numpy_config,
     read,
     reference,
@@ -155,3 +158,18 @@ def test_a_client_holding_every_seq_makes_results_fall_back_to_sockets(tmp_path)
         held = collect(c.epoch(1))
     assert_same_epoch(held, reference(cfg, 1))
     assert sum(s["data"].nbytes for s in held) > 3 * (2 << 20)  # several times what both segments hold
+
+
+def test_a_client_binds_its_result_socket_where_it_is_told(tmp_path):
+    """direct="tcp://HOST:PORT" (a port a firewall lets through): workers send there; a bad
+    value is a UsageError before anything is sent."""
+    log_path = str(tmp_path / "server.log")
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=40, extra="buf_size = 4\n")
+    port = free_port()
+    with run_server(cfg, workers=2, log_path=log_path) as srv:
+        with pytest.raises(ppclient.UsageError, match="direct"):
+            ppclient.Client(srv.address, direct="127.0.0.1:6000")
+        with srv.client(direct=f"tcp://127.0.0.1:{port}") as c:
+            got = collect(c.epoch(1))
+    assert_same_epoch(got, reference(cfg, 1))
+    assert f"at tcp://127.0.0.1:{port}" in read(log_path)

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
 
 import zmq
 
@@ -48,6 +48,11 @@ class Client:
     client takes every n-th seq of it from the i-th on; n readers taken from in turn yield the
     rank's seqs in their order. Use as a context manager or call close().
 
+    `direct`: map_seq results come straight from the workers to a socket this client binds
+    (True: a free port on the interface that reaches the server, or loopback/ipc beside a local
+    server; "tcp://HOST:PORT": that address, e.g. a port a firewall lets through; False: every
+    result through the server). Workers on this host hand over array bytes in shared memory.
+
     Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
     directory or key file, a rank not below world_size) raise UsageError here, before any
     socket exists.
@@ -65,7 +70,7 @@ class Client:
         job: str = "default",
         drop_last: bool = True,
         subshard: Tuple[int, int] = (0, 1),
-        direct: bool = True,
+        direct: Union[bool, str] = True,
     ):
         self.address = endpoints.check(address, "address")
         _int_arg("window", window, 1)
@@ -98,6 +103,7 @@ class Client:
         self._inbox: Dict[int, Deque[protocol.Decoded]] = {}
         self._alive: Optional[_Alive] = None
         # Results straight from workers (map_seq): a ROUTER they connect to.
+        self._direct_bind = endpoints.check(direct, "direct") if isinstance(direct, str) else None
         self.direct = bool(direct)
         self._direct: Optional[zmq.Socket] = None
         self._direct_endpoint = ""
@@ -167,7 +173,7 @@ class Client:
                 sock.curve_secretkey = self._keys.secret
             if self.address.startswith("ipc://"):
                 self._direct_dir = tempfile.mkdtemp(prefix="ppclient-")
-            endpoint = endpoints.direct_bind(self.address, self._direct_dir or "", "direct")
+            endpoint = self._direct_bind or endpoints.direct_bind(self.address, self._direct_dir or "", "direct")
             try:
                 sock.bind(endpoint)
             except zmq.ZMQError as exc:
@@ -180,7 +186,11 @@ class Client:
                 )
                 return None
             last = sock.getsockopt(zmq.LAST_ENDPOINT)
-            self._direct_endpoint = last.decode() if isinstance(last, bytes) else str(last)
+            bound = last.decode() if isinstance(last, bytes) else str(last)
+            if endpoints.is_wildcard(bound):  # workers connect to the address this host reaches the server from
+                server = endpoints.host_port(self.address)[0] if self.address.startswith("tcp://") else "127.0.0.1"
+                bound = f"tcp://{endpoints.local_address_toward(server)}:{endpoints.host_port(bound)[1]}"
+            self._direct_endpoint = bound
             self._direct = sock
             if shm.probe() is None:
                 self._host = shm.host_id()

@@ -26,7 +26,7 @@ connection never does.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy
 from returnn.datasets.basic import DatasetSeq
@@ -64,7 +64,7 @@ def num_outputs_entry(template: Dict[str, Any]) -> Tuple[int, int]:
 class ServerDataset(CachedDataset2):
     """This process's shard of each epoch of the ppserver at `address`, in the server's order.
 
-    `timeout`, `keys` and `drop_last` are the Client's; `prefetch` is its `window` (the seqs
+    `timeout`, `keys`, `drop_last` and `direct` are the Client's; `prefetch` is its `window` (the seqs
     the server may send ahead; RETURNN's Dataset already has an argument named `window`).
     Any other argument is RETURNN's (name, _num_shards, ...). Errors of the server (a
     ppclient.Error) reach the trainer as they are.
@@ -79,6 +79,7 @@ class ServerDataset(CachedDataset2):
         prefetch: int = 32,
         keys: Optional[str] = None,
         drop_last: bool = True,
+        direct: Union[bool, str] = True,
         **kwargs: Any,
     ):
         if kwargs.get("partition_epoch") not in (None, 1):
@@ -95,6 +96,7 @@ class ServerDataset(CachedDataset2):
         self._prefetch = prefetch
         self._keys = keys
         self._drop_last = drop_last
+        self._direct = direct
         self._info: Optional[Dict[str, Any]] = None  # {"templates": ..., "num_seqs": ...}: plain, picklable
         self._client: Optional[Client] = None
         self._client_key: Optional[Tuple[int, int, int]] = None  # (pid, shard, shards) it was made for
@@ -119,6 +121,7 @@ class ServerDataset(CachedDataset2):
             window=self._prefetch,
             keys=self._keys,
             drop_last=self._drop_last,
+            direct=self._direct,
         )
 
     def _client_for_shard(self) -> Client:

@@ -35,6 +35,7 @@ import math
 import mmap
 import os
 import stat
+import threading
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -387,6 +388,7 @@ def _plain_dtype(dtype_str: Any) -> np.dtype:
 # Consumer side: live blocks by id() of their owner array (removed when it dies), for release().
 _leases: Dict[int, weakref.finalize] = {}
 _mappings: collections.OrderedDict[Tuple[str, int, int, int], Mapping] = collections.OrderedDict()
+_mappings_lock = threading.RLock()  # clients in several threads of one process share the cache
 
 
 def _release_block(words: np.ndarray, index: int, seq: int, key: int, pid: int) -> None:
@@ -410,23 +412,25 @@ class Mapping:
         """The mapping of `descriptor`'s segment, mapped on first use; ShmUnavailable says why not."""
         d = descriptor if isinstance(descriptor, Descriptor) else Descriptor.from_dict(descriptor)
         key = (d.host, d.pid, d.fd, d.token)
-        m = _mappings.get(key)
-        if m is not None:
-            _mappings.move_to_end(key)
+        with _mappings_lock:
+            m = _mappings.get(key)
+            if m is not None:
+                _mappings.move_to_end(key)
+                return m
+            m = cls(d, _map(d))
+            for old in [old for old in _mappings.values() if not os.path.exists(f"/proc/{old.descriptor.pid}")]:
+                old.close()  # its producer is gone: it sends no new blocks
+            _mappings[key] = m
+            while len(_mappings) > MAX_MAPPINGS:
+                next(iter(_mappings.values())).close()
             return m
-        m = cls(d, _map(d))
-        for old in [old for old in _mappings.values() if not os.path.exists(f"/proc/{old.descriptor.pid}")]:
-            old.close()  # its producer is gone: it sends no new blocks
-        _mappings[key] = m
-        while len(_mappings) > MAX_MAPPINGS:
-            next(iter(_mappings.values())).close()
-        return m
 
     @staticmethod
     def close_all() -> None:
         """Drop every cached mapping (each unmapped once its arrays are gone)."""
-        for m in list(_mappings.values()):
-            m.close()
+        with _mappings_lock:
+            for m in list(_mappings.values()):
+                m.close()
 
     def arrays(self, ref: Sequence[int], specs: Sequence[Spec]) -> Dict[str, np.ndarray]:
         """The arrays of block `ref` as writable views of the shared memory (no copy).
@@ -463,8 +467,9 @@ class Mapping:
     def close(self) -> None:
         """Forget this mapping; it is unmapped now or, if arrays of it live, when they are gone."""
         key = (self.descriptor.host, self.descriptor.pid, self.descriptor.fd, self.descriptor.token)
-        if _mappings.get(key) is self:
-            del _mappings[key]
+        with _mappings_lock:
+            if _mappings.get(key) is self:
+                del _mappings[key]
         self._words = None
         mm, self._mm = self._mm, None
         if mm is not None:

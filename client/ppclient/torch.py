@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy
 import torch
@@ -158,6 +158,7 @@ class ServerDataset(IterableDataset):
         timeout: float = 30.0,
         window: int = 32,
         keys: Optional[str] = None,
+        direct: Union[bool, str] = True,
         batch_frames: Optional[int] = None,
         max_seqs: Optional[int] = None,
         bucket_window: int = 1,
@@ -179,6 +180,7 @@ class ServerDataset(IterableDataset):
             "timeout": timeout,
             "window": window,
             "keys": keys,
+            "direct": direct,
             "drop_last": drop_last,
         }
         self.batching = batch_frames is not None or max_seqs is not None
