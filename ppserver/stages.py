@@ -174,27 +174,14 @@ class StageClock:
             ring[(item.pos + salt) & MASK] = now
 
     def _results(self, e: ev.ResultsReceived) -> None:
-        sent_at, got_at, salt, now = self.sent_at, self.got_at, _salt(e.run), e.now
-        busy = 0.0
-        for item in e.items:
-            k = (item.pos + salt) & MASK
-            t = now - sent_at[k]
-            if t > 0:
-                busy += t
-            got_at[k] = now
-        self._received(e.wid, len(e.items), busy)
+        self._arrived(e.wid, e.run, [item.pos for item in e.items], e.now)
 
     def _completed(self, e: ev.CompletedReceived) -> None:
-        sent_at, got_at, size_at, salt, now = self.sent_at, self.got_at, self.size_at, _salt(e.run), e.now
-        busy = 0.0
+        """Results the worker sent to their consumers: "arrived", as far as the server can tell."""
+        self._arrived(e.wid, e.run, e.positions, e.now)
+        size_at, salt = self.size_at, _salt(e.run)
         for pos, nbytes in zip(e.positions, e.nbytes):
-            k = (pos + salt) & MASK
-            t = now - sent_at[k]
-            if t > 0:
-                busy += t
-            got_at[k] = now  # sent to its consumer: "arrived", as far as the server can tell
-            size_at[k] = nbytes
-        self._received(e.wid, len(e.positions), busy)
+            size_at[(pos + salt) & MASK] = nbytes
         run = self.sched.runs.get(e.run)
         if run is not None and self.taken:
             for pos, nbytes in zip(e.positions, e.nbytes):  # taken before the server heard of it
@@ -237,6 +224,17 @@ class StageClock:
         n = len(keys)
         step = (e.now - since) / n
         self._delivered(e.run, e.consumer, keys, nbytes, [since + step * (i + 1) for i in range(n)])
+
+    def _arrived(self, wid: bytes, run: int, positions: List[int], now: float) -> None:
+        sent_at, got_at, salt = self.sent_at, self.got_at, _salt(run)
+        busy = 0.0
+        for pos in positions:
+            k = (pos + salt) & MASK
+            t = now - sent_at[k]
+            if t > 0:
+                busy += t
+            got_at[k] = now
+        self._received(wid, len(positions), busy)
 
     def _outputs(self, e: ev.StreamOutputsReceived) -> None:
         got_at, now = self.got_at, e.now

@@ -10,8 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
-import ppclient
 from conftest import (
     REPO,
     assert_same_epoch,
@@ -25,6 +23,8 @@ from conftest import (
     wait_for,
     wait_gone,
 )
+
+import ppclient
 
 SLOW = """
 import time
