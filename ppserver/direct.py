@@ -11,6 +11,7 @@ the server, so no worker ever waits for a consumer.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -34,6 +35,7 @@ class Route:
     since: float
     ready: bool = False
     shm: bool = False
+    pid: int = 0  # the consumer's process (shared memory: its exit frees what it held)
     warned: bool = False
     sent: int = 0
     fell_back: int = 0
@@ -49,6 +51,8 @@ class Routes:
         self.shm_descriptor: Optional[Dict[str, Any]] = None  # offered to consumers on this host
         self.host = ""
         self.ring: Optional[shm.Ring] = None  # this worker's result segment
+        self.departed: Dict[bytes, int] = {}  # consumers gone, whose process still holds blocks: their pid
+        self._reaped_at = 0.0
 
     def set(self, msg: protocol.ConsumerRoute) -> None:
         old = self.routes.get(msg.consumer)
@@ -90,12 +94,25 @@ class Routes:
             pass
 
     def drop(self, consumer: bytes, gone: bool = False) -> None:
-        """Close the connection; `gone`: the consumer is dead, so the blocks it held are free."""
+        """Close the connection; `gone`: the consumer left. The blocks it held are free once its
+        process has exited (before that, arrays it yielded may still be in use: it frees each
+        itself when they are dropped)."""
         route = self.routes.pop(consumer, None)
         if route is not None:
             route.sock.close(linger=0)
         if gone and self.ring is not None:
-            self.ring.release_owner(consumer)
+            pid = route.pid if route is not None and route.shm else 0
+            if pid and os.path.exists(f"/proc/{pid}"):
+                self.departed[consumer] = pid
+            else:
+                self.ring.release_owner(consumer)
+
+    def _reap_departed(self) -> None:
+        for consumer, pid in list(self.departed.items()):
+            if not os.path.exists(f"/proc/{pid}"):
+                del self.departed[consumer]
+                if self.ring is not None:
+                    self.ring.release_owner(consumer)
 
     def clear(self) -> None:
         for consumer in list(self.routes):
@@ -104,6 +121,9 @@ class Routes:
     def poll(self) -> None:
         """Take welcomes; (re)send hellos not yet sent; log consumers that never answer."""
         now = time.monotonic()
+        if self.departed and now - self._reaped_at >= 1.0:
+            self._reaped_at = now
+            self._reap_departed()
         for route in self.routes.values():
             if route.ready:
                 continue
@@ -117,6 +137,7 @@ class Routes:
                 if isinstance(msg, protocol.DirectWelcome):
                     route.ready = True
                     route.shm = msg.shm
+                    route.pid = msg.pid
                     log.info(
                         "sending results directly to consumer %s at %s%s",
                         route.consumer.hex()[:12],
@@ -147,7 +168,7 @@ class Routes:
             route.sock.send_multipart(
                 protocol.encode(protocol.DirectSeqs(run=run), wire), copy=False, flags=zmq.NOBLOCK
             )
-        except zmq.Again:
+        except zmq.ZMQError:  # full queue (Again), or a socket in trouble
             for block in blocks:
                 block.release()  # nobody will read them: the results go through the server
             route.fell_back += 1

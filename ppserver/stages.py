@@ -211,11 +211,12 @@ class StageClock:
             lane = self.taken[key] = DirectLane(found.start, found.rank, self.sched.runs[e.run].width, 0, e.now)
         since, taken = lane.since, lane.taken
         lane.since = e.now
-        if e.consumed <= taken:
+        consumed = min(e.consumed, taken + RING)  # a client's count is not trusted with memory
+        if consumed <= taken:
             return
-        lane.taken = e.consumed
+        lane.taken = consumed
         width, salt = lane.width, _salt(e.run)
-        keys = [((lane.start + j) * width + lane.rank + salt) & MASK for j in range(taken, e.consumed)]
+        keys = [((lane.start + j) * width + lane.rank + salt) & MASK for j in range(taken, consumed)]
         size_at = self.size_at
         nbytes = 0
         for k in keys:

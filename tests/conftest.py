@@ -19,6 +19,21 @@ from ppclient import Client
 from ppserver.cli import wait_ready
 from ppserver.supervisor import stop_process
 
+
+def _dev_shm() -> set:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_in_dev_shm() -> Iterator[None]:
+    """Segments are anonymous memfds: after the whole suite (kills included), nothing new may
+    be in /dev/shm (the servers, workers, clients, RETURNN's and PyTorch's processes)."""
+    before = _dev_shm()
+    yield
+    new = sorted(_dev_shm() - before)
+    assert not new, f"left in /dev/shm: {new}"
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

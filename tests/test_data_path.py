@@ -173,3 +173,47 @@ def test_a_client_binds_its_result_socket_where_it_is_told(tmp_path):
             got = collect(c.epoch(1))
     assert_same_epoch(got, reference(cfg, 1))
     assert f"at tcp://127.0.0.1:{port}" in read(log_path)
+
+
+def test_direct_results_lost_at_the_end_of_an_epoch_are_made_again(tmp_path):
+    """The last direct seqs never reach the client (their messages are dropped on arrival, as
+    a cut link would drop them), although the server heard they were done: the client reports
+    them missing, the server still holds their inputs and sends them itself."""
+    n = 30
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=n, extra="buf_size = 2\n")
+    with run_server(cfg, workers=2) as srv, srv.client(timeout=60) as c:
+        receive = c._recv
+        dropped = []
+
+        def lossy(sock, from_server):
+            decoded = receive(sock, from_server)
+            if decoded is not None and isinstance(decoded.msg, ppclient.protocol.DirectSeqs):
+                if any(item.pos >= n - 3 for item in decoded.items) and len(dropped) < 2:
+                    dropped.append([item.pos for item in decoded.items])
+                    return None
+            return decoded
+
+        c._recv = lossy
+        got = collect(c.epoch(1))
+        status = c.status()
+        c._recv = receive
+        again = collect(c.epoch(2))
+    assert dropped, "no direct message of the last seqs was seen"
+    assert_same_epoch(got, reference(cfg, 1))
+    assert_same_epoch(again, reference(cfg, 2))
+    assert status["lost_direct_results"] >= 1
+
+
+def test_arrays_stay_valid_after_their_client_is_closed(tmp_path):
+    """A closed client's arrays in shared memory are still its own: the workers do not hand
+    their blocks to the next client while this process lives."""
+    cfg = str(tmp_path / "config.py")
+    with open(cfg, "w") as f:
+        f.write(BIG)
+    with run_server(cfg, workers=2) as srv:
+        with srv.client() as c:
+            held = collect(c.epoch(1))
+        with srv.client() as c2:
+            later = collect(c2.epoch(2))
+    assert_same_epoch(held, reference(cfg, 1))
+    assert_same_epoch(later, reference(cfg, 2))

@@ -170,6 +170,8 @@ def test_another_job_is_refused_while_the_first_lives_and_accepted_after(tmp_pat
                 with pytest.raises(ppclient.Error, match="world_size 1"):
                     wrong_world.epoch(1)
             first.close()  # the first job's last client leaves: the other job may run now
+            # (its goodbye travels on its own connection: wait until the server has heard it)
+            wait_for(lambda: other.status()["job"]["clients"] == 0, 10, "the first job's client to be gone")
             assert_same_epoch(collect(other.epoch(1)), reference(cfg, 1))
             assert other.status()["job"]["name"] == "eval"
 

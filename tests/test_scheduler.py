@@ -221,6 +221,54 @@ def test_results_leave_in_order_whatever_order_they_arrive_in():
     assert StopReading(1) in sim.out and 1 not in sim.s.runs
 
 
+def direct_sim(num_seqs: int) -> Sim:
+    """One worker, one client whose results come straight from the worker."""
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    out = sim.start(num_seqs, direct="tcp://10.0.0.2:7000")
+    routes = sent(out, protocol.ConsumerRoute, b"w1")
+    assert routes and routes[0].msg.endpoint == "tcp://10.0.0.2:7000"
+    return sim
+
+
+def completed(sim: Sim, wid: bytes, positions: Sequence[int]) -> List[Instruction]:
+    return sim(ev.CompletedReceived, wid, sim.run, list(positions), [8] * len(positions))
+
+
+def test_direct_results_are_counted_not_sent_and_their_inputs_kept_until_taken():
+    sim = direct_sim(6)
+    sim.feed(range(6))
+    assert all(t.msg.to == [CONSUMER] * len(t.items) for t in sent(sim.out, protocol.Tasks))
+    out = completed(sim, b"w1", [0, 1, 2, 3])
+    assert delivered(out) == []  # the client has them already
+    d = sim.s.runs[sim.run].dispatch
+    assert sorted(d.kept) == [0, 1, 2, 3]
+    sim(ev.CreditGranted, CONSUMER, sim.run, 100, 3)  # it took 3
+    assert sorted(d.kept) == [3]
+
+
+def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
+    sim = direct_sim(4)
+    sim.feed(range(4))
+    out = completed(sim, b"w1", [0, 1, 2, 3])
+    assert client_msgs(out, protocol.End)[0].msg == protocol.End(run=sim.run, count=4)
+    run = sim.run
+    assert run in sim.s.runs  # every seq released, not yet taken: one may still be lost
+    sim(ev.CreditGranted, CONSUMER, run, 100, 2)  # took 0 and 1; 2 never came
+    out = sim(ev.MissingReported, CONSUMER, run, 2)
+    assert tasks(out, b"w1") == [2]
+    redo = [t for t in sent(out, protocol.Tasks, b"w1")][0]
+    assert not any(redo.msg.to)  # this time through the server
+    out = sim.results(b"w1", [2])
+    assert delivered(out, CONSUMER) == [2]
+    sim.now += 1.5
+    beat = sim(ev.Tick)
+    assert client_msgs(beat, protocol.Keepalive)  # the client still hears the run live
+    out = sim(ev.CreditGranted, CONSUMER, run, 100, 4)  # all taken: the run ends
+    assert run not in sim.s.runs
+    assert sent(out, protocol.RunClose, b"w1")
+
+
 def test_late_and_duplicate_results_are_dropped():
     sim = Sim(buf_size=2, heartbeat_timeout=2.0)
     sim.join(b"slow")

@@ -211,7 +211,7 @@ class Client:
                 pass  # results come in the messages
         try:
             self._direct.send_multipart(
-                [ident, *protocol.encode(protocol.DirectWelcome(shm=mapped))], flags=zmq.NOBLOCK
+                [ident, *protocol.encode(protocol.DirectWelcome(shm=mapped, pid=os.getpid()))], flags=zmq.NOBLOCK
             )
         except zmq.ZMQError:
             pass
@@ -479,6 +479,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._first = client.rank + client.subshard * client.world_size + start * self._lanes
         self._direct = client._direct is not None
         self._arrived = self._first  # without direct results: the position the next message must have
+        self._awaited = -1  # direct results: the position waited for since _ask_at's count began
+        self._ask_at = 0.0  # when to say it is missing
         self.duplicates = 0  # seqs that came twice (a worker died after sending one) and were dropped
         self._alive_at = 0.0  # when the last keepalive (or anything) came from the server
         self._interval = 1.0
@@ -573,7 +575,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         timeout = self._client.timeout
         began = time.monotonic()
         deadline = began + timeout
-        ask = began + MISSING_AFTER * self._interval if self._direct and what == "progress" else deadline
+        ask = deadline
+        if self._direct and what == "progress":
+            if self._awaited != self._expected:  # the wait for this seq begins now, not at every message
+                self._awaited, self._ask_at = self._expected, began + MISSING_AFTER * self._interval
+            ask = self._ask_at
         while True:
             try:
                 decoded = self._client._next_message(self.run, min(deadline, ask))
@@ -583,7 +589,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 now = time.monotonic()
                 if now < deadline:
                     self._missing()
-                    ask = now + MISSING_AFTER * self._interval
+                    ask = self._ask_at = now + MISSING_AFTER * self._interval
                     continue
                 self._timed_out(what, timeout, began)
                 return

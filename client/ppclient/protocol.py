@@ -523,6 +523,7 @@ class DirectWelcome(Message):
     receiver = (Peer.WORKER,)
     versioned = True
     shm: bool = False
+    pid: int = _nonneg(0)
 
 
 @dataclass(frozen=True)

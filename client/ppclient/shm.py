@@ -50,7 +50,7 @@ BLOCK_HEADER = 64  # state word, span, nbytes, owner tag length, owner tag (32 b
 MAGIC = b"ppshm\x00\x00\x01"
 OWNER_TAG_BYTES = 32  # the owner tag in shared memory is informational: the ring keeps the full owner
 MIN_SIZE = 4096
-MAX_MAPPINGS = 16  # a consumer maps few producers at once; the oldest mapping is dropped beyond this
+MAX_MAPPINGS = 16  # mappings the cache keeps; beyond this the oldest is forgotten (still usable by its holders)
 
 # Block states, the low byte of a block's state word; the rest of the word is the block's
 # seq, so a release through a stale Ref (the block reused since) changes nothing.
@@ -418,11 +418,11 @@ class Mapping:
                 _mappings.move_to_end(key)
                 return m
             m = cls(d, _map(d))
-            for old in [old for old in _mappings.values() if not os.path.exists(f"/proc/{old.descriptor.pid}")]:
-                old.close()  # its producer is gone: it sends no new blocks
+            for old in [k for k in _mappings if not os.path.exists(f"/proc/{k[1]}")]:
+                del _mappings[old]  # its producer is gone: it sends no new blocks
             _mappings[key] = m
             while len(_mappings) > MAX_MAPPINGS:
-                next(iter(_mappings.values())).close()
+                _mappings.popitem(last=False)  # forgotten, not closed: its holders keep using it
             return m
 
     @staticmethod

@@ -203,7 +203,7 @@ class Scheduler:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
         for run in self.runs.values():
             for lane in run.lanes:
-                if lane.live and lane.connected and lane.consumer is not None:
+                if lane.consumer is not None and lane.connected and not lane.settled:
                     out.append(
                         ToClient(
                             lane.consumer,
@@ -562,6 +562,8 @@ class Scheduler:
             lane.consumed = min(e.consumed, lane.delivered)
             if isinstance(run.dispatch, SeqDispatch):
                 run.dispatch.forget(lane.rank, lane.start + lane.consumed)
+            if lane.done:
+                self._check_finished(run, out)
         if not lane.connected:
             lane.connected = True
             out.extend(lane.held)
@@ -635,8 +637,8 @@ class Scheduler:
         self._close(run, "superseded", out)
 
     def _check_finished(self, run: Run, out: List[Instruction]) -> None:
-        """A run ends when every lane has ended or left."""
-        if run.live and all(lane.done or lane.gone for lane in run.lanes):
+        """A run ends when every lane has settled: ended (its direct seqs all taken) or left."""
+        if run.live and all(lane.settled for lane in run.lanes):
             self._close(run, "done" if any(lane.done for lane in run.lanes) else "superseded", out)
 
     def _close(self, run: Run, state: str, out: List[Instruction]) -> None:

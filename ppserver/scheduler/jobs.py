@@ -55,6 +55,12 @@ class Lane:
     def live(self) -> bool:
         return self.consumer is not None and not self.gone and not self.done
 
+    @property
+    def settled(self) -> bool:
+        """Nothing is left to do for it: it left, or it ended and (direct results) its consumer
+        said it took every seq, so none can still turn out lost."""
+        return self.gone or (self.done and (not self.direct or self.consumed >= self.delivered))
+
     def attach(self, consumer: bytes, start: int, now: float, lanes: int) -> None:
         """A (new) client takes the lane over from index `start` (>= released): what was released
         for it and not yet delivered is kept, the rest before `start` is dropped."""
