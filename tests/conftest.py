@@ -35,6 +35,32 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder the servers and worker hosts the tests start run in (see in_temporary_cwd).
+PROC_CWD = REPO
+
+
+def _proc_env(cwd: str) -> Optional[dict]:
+    """The environment of a started process: outside the repository, the repository's code is
+    put first on its import path (`python -m ppserver` would otherwise not find it there)."""
+    if os.path.abspath(cwd) == REPO:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [REPO, os.path.join(REPO, "client")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def in_temporary_cwd(tmp_path_factory) -> Iterator[str]:
+    """RETURNN's processes write faulthandler_dump.<pid>.log into their cwd (a process killed hard
+    leaves it behind): a module using it runs its tests, and the servers and worker hosts they
+    start, in a temporary folder instead of the repository."""
+    path = str(tmp_path_factory.mktemp("cwd"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(path)
+        mp.setattr(sys.modules[__name__], "PROC_CWD", path)
+        yield path
 
 
 def write_config(tmp_path, body: str, name: str = "config.py") -> str:
@@ -92,7 +118,9 @@ def run_server(
         argv += ["--workers", str(workers)]
     argv += extra or []
     log_file = open(log_path, "a") if log_path else None
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=PROC_CWD, env=_proc_env(PROC_CWD)
+    )
     kids: List[int] = []
     try:
         try:
@@ -212,7 +240,13 @@ def run_worker_host(
         + (extra or [])
     )
     log_file = open(log_path, "a") if log_path else None
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, cwd=REPO)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=log_file,
+        cwd=PROC_CWD,
+        env=_proc_env(PROC_CWD),
+    )
     try:
         yield proc
     finally:

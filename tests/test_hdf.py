@@ -15,6 +15,8 @@ from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError
 from ppserver.hdf import HDFDataset
 
+pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+
 LABELS = [f"lab{i}" for i in range(10)]
 
 

@@ -20,6 +20,8 @@ from test_hdf import LABELS, write_dense
 from ppclient import DatasetError, MapperError
 from ppserver.returnn_dataset import ReturnnDataset
 
+pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+
 MAPPERS = '''
 import numpy as np
 from returnn.tensor import TensorDict

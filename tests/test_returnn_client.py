@@ -20,6 +20,8 @@ from returnn.util.basic import OptionalNotImplementedError
 import ppclient
 from ppclient.returnn import ServerDataset
 
+pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+
 # Frame-wise classes with a sparse_dim declared in map_outputs; epoch 9 fails at its 4th seq.
 CONFIG = """
 import numpy as np
@@ -72,14 +74,14 @@ def map_seq_stream(seqs, *, rng, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, in_temporary_cwd):
     cfg = write_config(tmp_path_factory.mktemp("returnn"), CONFIG)
     with run_server(cfg, workers=2) as srv:
         yield srv, cfg
 
 
 @pytest.fixture(scope="module")
-def labelled(tmp_path_factory):
+def labelled(tmp_path_factory, in_temporary_cwd):
     tmp = tmp_path_factory.mktemp("labelled")
     write_config(tmp, LABELLED_MODULE, name="labelled.py")
     cfg = write_config(tmp, LABELLED_CONFIG)
