@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, TextIO
 
 EXIT_CONFIG = 2
 
@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="run the server with local workers",
         description="Load CONFIG, open its dataset once, start local worker processes and "
-        "serve epochs. Prints 'ready ADDRESS' on stdout once it accepts requests. "
+        "serve epochs. Prints 'ready ADDRESS' on stdout once it accepts requests, and nothing else there: "
+        "the log and any other output (the config's, the dataset's) go to stderr. "
         "SIGTERM or SIGINT stops it and its workers.",
     )
     s.add_argument("config", metavar="CONFIG", help="Python config file (dataset, map_seq or map_seq_stream, ...)")
@@ -72,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run worker processes on this host for a remote server",
         description="Start N worker processes that connect to a running server (or wait for it). "
         "SIGTERM hands back their work and exits within 5 s. Exit code 2: refused by the server "
-        "(protocol or config mismatch).",
+        "(protocol or config mismatch). Prints nothing on stdout: the log and any other output go to stderr.",
     )
     w.add_argument("config", metavar="CONFIG", help="the same config file the server runs")
     w.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the server's control address")
@@ -124,6 +125,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     return {"serve": _serve, "worker": _worker, "status": _status, "keygen": _keygen, "demo": _demo}[args.command](args)
 
 
+def stdout_to_stderr() -> None:
+    """From here on, everything this process and its children write to stdout goes to stderr
+    (the log): prints of the config and of the dataset (RETURNN's among them), of the threads
+    that read it and of the processes they start. stdout carries nothing a supervisor would
+    have to parse around or drain."""
+    sys.stdout.flush()
+    try:
+        os.dup2(2, 1)  # C code and child processes writing to descriptor 1
+    except OSError:
+        return  # no stderr to send it to: leave stdout as it is
+    sys.stdout = sys.stderr  # Python code: unbuffered, in order with the log lines
+
+
+def ready_stream() -> TextIO:
+    """The real stdout, kept for the one `ready ADDRESS` line (call before stdout_to_stderr)."""
+    try:
+        return os.fdopen(os.dup(1), "w", buffering=1)  # os.dup: not inherited by child processes
+    except OSError:
+        return sys.stdout  # stdout is closed: printing `ready` fails as it did before
+
+
 def _fail_config(command: str, exc: Exception) -> int:
     """Exit 2 with one line, also for a ConfigError (e.g. a dataset's own) whose message spans lines."""
     message = " ".join(str(exc).split())
@@ -139,6 +161,8 @@ def _serve(args) -> int:
     from .metrics import parse_address
     from .server import serve, setup_logging
 
+    ready = ready_stream()
+    stdout_to_stderr()
     setup_logging()
     try:
         endpoints.check(args.bind, "--bind")
@@ -162,6 +186,7 @@ def _serve(args) -> int:
             keys=args.keys,
             insecure=args.insecure,
             metrics=metrics,
+            ready=ready,
         )
     except (ConfigError, UsageError) as exc:
         return _fail_config("serve", exc)
@@ -178,6 +203,7 @@ def _worker(args) -> int:
     from .server import setup_logging
     from .supervisor import EXIT_REFUSED, ProcessPool, worker_argv
 
+    stdout_to_stderr()  # a worker host prints nothing on stdout
     setup_logging("ppworker-host")
     try:
         endpoints.check(args.connect, "--connect")
@@ -375,8 +401,9 @@ class _DemoProgress:
         self.width = 0
 
 
-def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
-    """Read the server's stdout until its 'ready ADDRESS' line; raise if it exits or stalls."""
+def wait_ready(proc: subprocess.Popen, timeout: float, skipped: Optional[List[str]] = None) -> str:
+    """Read the server's stdout until its 'ready ADDRESS' line; raise if it exits or stalls.
+    Lines before it (a server prints none) are added to `skipped` if given."""
     import selectors
 
     assert proc.stdout is not None, "start the server with stdout=subprocess.PIPE"
@@ -392,6 +419,8 @@ def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
                 raise RuntimeError(f"server exited with code {proc.wait()} before it was ready")
             if line.startswith("ready "):
                 return line.split()[1]
+            if skipped is not None:
+                skipped.append(line)
     finally:
         sel.close()
     raise RuntimeError(f"server not ready within {timeout:g} s")

@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, TextIO, Tuple
 
 import zmq
 
@@ -536,7 +536,9 @@ def serve(
     keys: Optional[str],
     insecure: bool,
     metrics: Optional[Tuple[str, int]] = None,
+    ready: Optional[TextIO] = None,
 ) -> int:
+    """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`."""
     keep_freed_memory()
     server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
 
@@ -555,7 +557,7 @@ def serve(
             server.worker_address,
             workers,
         )
-        print(f"ready {server.address}", flush=True)
+        print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
         server.serve_forever()
     finally:
         server.shutdown()

@@ -71,9 +71,10 @@ def write_config(tmp_path, body: str, name: str = "config.py") -> str:
 
 
 class ServerProc:
-    def __init__(self, proc: subprocess.Popen, address: str):
+    def __init__(self, proc: subprocess.Popen, address: str, before_ready: List[str]):
         self.proc = proc
         self.address = address
+        self.before_ready = before_ready  # stdout lines before `ready` (there are none)
 
     def client(self, **kw) -> Client:
         kw.setdefault("timeout", 30.0)
@@ -124,7 +125,8 @@ def run_server(
     kids: List[int] = []
     try:
         try:
-            server = ServerProc(proc, wait_ready(proc, timeout=60))
+            before: List[str] = []
+            server = ServerProc(proc, wait_ready(proc, timeout=60, skipped=before), before)
         except RuntimeError as exc:
             if log_path:
                 log_file.flush()
@@ -232,8 +234,10 @@ def run_worker_host(
     extra: Optional[List[str]] = None,
     log_path: Optional[str] = None,
     prefix: Optional[List[str]] = None,
+    stdout: Optional[int] = None,
 ) -> Iterator[subprocess.Popen]:
-    """`ppserver worker` as a separate 'host' process; always stopped and reaped."""
+    """`ppserver worker` as a separate 'host' process; always stopped and reaped. Its stdout is
+    discarded unless `stdout` says otherwise (subprocess.PIPE: read it once it is stopped)."""
     argv = (
         (prefix or [])
         + [sys.executable, "-m", "ppserver", "worker", config, "--connect", connect, "--procs", str(procs)]
@@ -242,7 +246,7 @@ def run_worker_host(
     log_file = open(log_path, "a") if log_path else None
     proc = subprocess.Popen(
         argv,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL if stdout is None else stdout,
         stderr=log_file,
         cwd=PROC_CWD,
         env=_proc_env(PROC_CWD),
