@@ -112,6 +112,7 @@ class ReturnnDataset(Dataset):
         self._cached = 0
         self.rewinds = 0
         self._all_tags: Optional[set] = None
+        self._corpus: Optional[int] = None  # get_total_num_seqs(), asked once; -1: unknown
 
     def __repr__(self) -> str:
         return f"ReturnnDataset({type(self.ds).__name__})"
@@ -154,9 +155,22 @@ class ReturnnDataset(Dataset):
                     if tag not in tags:
                         raise UnknownSeqTagError(f"unknown seq tag {tag!r}")
         if seq_order is not None:
+            n = self._corpus_size()
             for idx in seq_order:
                 if not _is_int(idx) or idx < 0:
                     raise ValueError(f"seq_order entry {idx!r} is not a corpus index")
+                if n is not None and idx >= n:
+                    raise ValueError(f"seq_order entry {idx!r} out of range [0, {n})")
+
+    def _corpus_size(self) -> Optional[int]:
+        """The seqs of the whole corpus (all parts of a partition_epoch), which seq_order indexes;
+        None if the dataset cannot tell (init_seq_order or the reading then fails instead)."""
+        if self._corpus is None:
+            try:
+                self._corpus = int(self.ds.get_total_num_seqs())
+            except Exception:
+                self._corpus = -1
+        return None if self._corpus < 0 else self._corpus
 
     def _tags(self) -> Optional[set]:
         if self._all_tags is None:
