@@ -8,6 +8,8 @@ the API: ppserver's own seeding, or PostprocessingDataset's for RETURNN mappers.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -40,3 +42,37 @@ def mappers_for(cfg: Config, in_templates: Dict[str, Any]) -> Mappers:
 
         map_seq, map_seq_stream = dict_mappers(map_seq, map_seq_stream, in_templates)
     return Mappers(map_seq, map_seq_stream, cfg.mapper_api, cfg.seed, cfg.partitions)
+
+
+def missing_returnn_api_hint(cfg: Config, what: str, exc: BaseException) -> str:
+    """A hint for the failure `exc` of the config's `what` ("map_seq" or "map_seq_stream") when it
+    looks written for RETURNN's TensorDicts but runs with mapper_api "dict" (the default), so it
+    got seq dicts: it failed reaching into a dict for an attribute (`tdict.data`), returned a
+    TensorDict, or its code names TensorDict (an annotation, an isinstance check) or comes from
+    RETURNN (Sequential, LaplaceOrdering). "" otherwise."""
+    fn = getattr(cfg, what, None)
+    if cfg.mapper_api != "dict" or fn is None:
+        return ""
+    dict_attribute = isinstance(exc, AttributeError) and "'dict' object has no attribute" in str(exc)
+    if not (dict_attribute or "got TensorDict" in str(exc) or _names_tensor_dict(fn)):
+        return ""
+    return f" (is mapper_api = 'returnn' missing? This {what} looks written for RETURNN TensorDicts but gets dicts)"
+
+
+def _names_tensor_dict(fn: Any) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if type(fn).__module__.startswith("returnn."):
+        return True  # an object of RETURNN's (Sequential, LaplaceOrdering, ...)
+    call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__  # a callable object's method
+    code = getattr(call, "__code__", None)
+    if code is not None and "TensorDict" in code.co_names + code.co_freevars:
+        return True  # isinstance(x, TensorDict), TensorDict(...), an import inside the function
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    annotation = params[0].annotation if params else inspect.Parameter.empty
+    return annotation is not inspect.Parameter.empty and "TensorDict" in (
+        annotation if isinstance(annotation, str) else repr(annotation)
+    )

@@ -21,7 +21,7 @@ from ppclient.protocol import Item
 from .apply import MappingError, apply_map_seq, run_stream, writable
 from .config import Config
 from .direct import Routes
-from .mapper_api import Mappers
+from .mapper_api import Mappers, missing_returnn_api_hint
 from .mapper_clock import MapperClock
 
 log = logging.getLogger("ppserver.worker")
@@ -145,11 +145,12 @@ class MapSeqRunner:
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else seq.get("seq_tag")
-            log.error("mapper failed on seq %r: %s", tag, _failure_text(exc))
+            text = _failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq", exc)
+            log.error("mapper failed on seq %r: %s", tag, text)
             self.flush()
             self.send(
                 protocol.TaskFailed(
-                    run=run_id, pos=item.pos, seq_tag=tag, message=_failure_text(exc), traceback=traceback.format_exc()
+                    run=run_id, pos=item.pos, seq_tag=tag, message=text, traceback=traceback.format_exc()
                 )
             )
             self.drop_run(run_id)
@@ -295,14 +296,15 @@ class StreamRunner:
                 return
             self.parts.pop((part.run, part.index), None)
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else part.last_tag
-            log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, _failure_text(exc))
+            text = _failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq_stream", exc)
+            log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, text)
             self.send(
                 protocol.StreamFailed(
                     run=part.run,
                     partition=part.index,
                     incarnation=part.incarnation,
                     seq_tag=tag,
-                    message=_failure_text(exc),
+                    message=text,
                     traceback=traceback.format_exc(),
                 )
             )
