@@ -191,7 +191,11 @@ class ServerDataset(CachedDataset2):
     def get_total_num_seqs(self, *, fast: bool = False) -> int:
         num_seqs = self._describe()["num_seqs"]
         if num_seqs is None:
-            raise OptionalNotImplementedError(f"{self}: the server learns its number of seqs only by reading")
+            raise OptionalNotImplementedError(
+                f"{self}: the server does not tell the size of its corpus (its epochs may be parts of the corpus, "
+                "as with partition_epoch, its map_seq_stream may change the count, or its dataset learns the count "
+                "only by reading)"
+            )
         return int(num_seqs)
 
     # ---- reading -----------------------------------------------------------------------------
