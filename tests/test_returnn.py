@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import zipfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import collect, collect_with, read, run_server
+from conftest import children_of, collect, collect_with, read, run_server, run_worker_host
 from returnn.datasets.basic import init_dataset
+from returnn.util.basic import OptionalNotImplementedError
 from test_hdf import LABELS, write_dense
 
-from ppclient import DatasetError, MapperError
+from ppclient import DatasetError, Error, MapperError
+from ppclient.returnn import ServerDataset
 from ppserver.returnn_dataset import ReturnnDataset
 
 pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
@@ -45,6 +49,15 @@ def check_vocab(tdict, **kwargs):
     return tdict
 
 
+def scale_checked(tdict, *, epoch, seq_idx, rng, **kwargs):
+    """scale, after checking the vocabulary; in epoch 9 the 4th seq gets class indices past sparse_dim."""
+    tdict = scale(check_vocab(tdict), epoch=epoch, seq_idx=seq_idx, rng=rng)
+    if epoch == 9 and seq_idx == 3:
+        t = tdict.data["classes"]
+        t.raw_tensor = t.raw_tensor + np.int32(10)
+    return tdict
+
+
 def noisy(tdicts, *, epoch, rng, **kwargs):
     for td in tdicts:
         t = td.data["data"]
@@ -60,6 +73,10 @@ def drop_every_third(tdicts, **kwargs):
 
 def get_sub_epoch_dataset(files):
     return {"class": "HDFDataset", "files": files, "seq_ordering": "random"}
+
+
+def get_sub_epoch_dataset_laplace(files):
+    return {"class": "HDFDataset", "files": files, "seq_ordering": "laplace:.5"}
 
 
 def get_sub_epoch_dataset_unknown(files):
@@ -150,15 +167,17 @@ def _audio_zip(path):
 
 def specs(corpus):
     hdf = lambda *keys, **kw: {"class": "HDFDataset", "files": [corpus[k] for k in keys], **kw}
+    meta = lambda ordering: {
+        "class": "MetaDataset",
+        "datasets": {"x": hdf("a"), "y": hdf("a2")},
+        "data_map": {"data": ("x", "data"), "classes": ("y", "classes")},
+        "seq_ordering": ordering,
+    }
     return {
         "hdf-random": hdf("a", "b", seq_ordering="random"),
         "hdf-laplace": hdf("a", "b", seq_ordering="laplace:.5", partition_epoch=2),
-        "meta-random": {
-            "class": "MetaDataset",
-            "datasets": {"x": hdf("a"), "y": hdf("a2")},
-            "data_map": {"data": ("x", "data"), "classes": ("y", "classes")},
-            "seq_ordering": "random",
-        },
+        "meta-random": meta("random"),
+        "meta-laplace": meta("laplace:.5"),
         "oggzip-text-laplace": {
             "class": "OggZipDataset",
             "path": corpus["text"],
@@ -180,6 +199,14 @@ def specs(corpus):
             "partition_epoch": 2,
             "seq_ordering": "random",
         },
+        "dfd-laplace": {
+            "class": "DistributeFilesDataset",
+            "files": [corpus[k] for k in "abcd"],
+            "get_sub_epoch_dataset": "GET_SUB_EPOCH_DATASET_LAPLACE",  # laplace within each sub-epoch
+            "partition_epoch": 2,
+            "seq_ordering": "random",  # DistributeFilesDataset's own: the files' order
+            "use_worker_proc": False,  # the sub-epochs read in its own process (the others: in worker processes)
+        },
         "dfd-unknown": {
             "class": "DistributeFilesDataset",
             "files": [corpus[k] for k in "abcd"],
@@ -190,20 +217,23 @@ def specs(corpus):
     }
 
 
+SUB_EPOCH_FUNCTIONS = ("GET_SUB_EPOCH_DATASET_UNKNOWN", "GET_SUB_EPOCH_DATASET_LAPLACE", "GET_SUB_EPOCH_DATASET")
+
+
 def _resolve(spec):
     import tdmappers
 
     name = spec.get("get_sub_epoch_dataset")
-    if isinstance(name, str) and name.startswith("GET_SUB_EPOCH_DATASET"):
+    if name in SUB_EPOCH_FUNCTIONS:
         return {**spec, "get_sub_epoch_dataset": getattr(tdmappers, name.lower())}
     return spec
 
 
-def pp_epoch(spec, epoch, **pp_kwargs):
+def pp_epoch(spec, epoch, *, seq_list=None, seq_order=None, **pp_kwargs):
     """What RETURNN's PostprocessingDataset gives for this epoch: (tag, {key: array}, complete_frac)."""
     pp = init_dataset({"class": "PostprocessingDataset", "dataset": _resolve(spec), **pp_kwargs})
     try:
-        pp.init_seq_order(epoch=epoch)
+        pp.init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
         keys = pp.get_data_keys()
         out, i = [], 0
         while pp.is_less_than_num_seqs(i):
@@ -215,31 +245,57 @@ def pp_epoch(spec, epoch, **pp_kwargs):
         pp.finish_epoch(free_resources=True)
 
 
-def direct_epoch(spec, epoch, *, scale=False):
-    """The epoch read from the dataset itself with PostprocessingDataset's loop, tdmappers.scale's
-    arithmetic applied to "data"."""
+def pp_loop_epochs(spec, epochs, *, map_seq):
+    """PostprocessingDataset's loop run over a DistributeFilesDataset, which PostprocessingDataset
+    itself cannot wrap (RETURNN fails with KeyError: None: it asks for the data keys before an
+    epoch is set up, and DistributeFilesDataset knows them only after). These are RETURNN's own
+    functions of that loop (_iterate_dataset, _build_mapping_iter) with the TensorDict templates
+    PostprocessingDataset makes, and the same `map_seq` (rng-free, so its rng does not matter).
+    {epoch: [(tag, {key: array}, complete_frac)]}, the epochs read one after the other."""
     ds = init_dataset(_resolve(spec))
     try:
-        ds.init_seq_order(epoch=epoch)
-        keys = ds.get_data_keys()
-        out, i = [], 0
-        while ds.is_less_than_num_seqs(i):
-            ds.load_seqs(i, i + 1)
-            arrays = {k: np.array(ds.get_data(i, k)) for k in keys}
-            if scale:
-                arrays["data"] = arrays["data"] * np.float32(2) + np.float32(epoch)
-            frac = ds.get_complete_frac(i, allow_only_lr_suitable=True)
-            out.append((ds.get_tag(i), arrays, None if frac is None else float(np.float32(frac))))
-            i += 1
-        return out
+        return {epoch: _pp_loop(ds, epoch, map_seq) for epoch in epochs}
     finally:
         ds.finish_epoch(free_resources=True)
+
+
+def _pp_loop(ds, epoch, map_seq):
+    from returnn.datasets import postprocessing
+    from returnn.tensor import TensorDict
+
+    ds.init_seq_order(epoch=epoch)
+    keys = ds.get_data_keys()
+    maker = SimpleNamespace(_dataset=ds)  # all that _make_tensor_template_from_input uses
+    make = postprocessing.PostprocessingDataset._make_tensor_template_from_input
+    in_template = TensorDict({k: make(maker, k) for k in keys})
+    out_template = in_template.copy_template()
+    in_template.update(
+        {
+            "complete_frac": {"dims": (), "dtype": "float32"},
+            "seq_idx": {"dims": (), "dtype": "int32"},
+            "seq_tag": {"dims": (), "dtype": "string"},
+        },
+        auto_convert=True,
+    )
+    tdicts = postprocessing._build_mapping_iter(
+        postprocessing._iterate_dataset(ds, in_tensor_dict_template=in_template),
+        map_seq=map_seq,
+        epoch=epoch,
+        out_tensor_dict_template=out_template,
+        rng=np.random.RandomState(0),
+    )
+    out = []
+    for td in tdicts:
+        frac = td.data["complete_frac"].raw_tensor
+        arrays = {k: np.array(td.data[k].raw_tensor) for k in keys}
+        out.append((str(td.data["seq_tag"].raw_tensor), arrays, None if frac is None else float(frac)))
+    return out
 
 
 def config_text(spec, body):
     """A config serving `spec` (a RETURNN dataset dict) with the mappers of tdmappers.py."""
     dataset = repr({"class": "returnn", "dataset": spec})
-    for name in ("GET_SUB_EPOCH_DATASET_UNKNOWN", "GET_SUB_EPOCH_DATASET"):
+    for name in SUB_EPOCH_FUNCTIONS:
         dataset = dataset.replace(repr(name), f"tdmappers.{name.lower()}")
     return f"import tdmappers\nmapper_api = 'returnn'\ndataset = {dataset}\n" + textwrap.dedent(body)
 
@@ -256,22 +312,27 @@ def assert_like_returnn(got, want, *, stream=False):
         assert seq.get("complete_frac") == frac, (tag, seq.get("complete_frac"), frac)
 
 
-@pytest.mark.parametrize("name", ["hdf-random", "hdf-laplace", "meta-random", "oggzip-text-laplace",
-                                  "oggzip-audio-random", "dfd-random", "dfd-unknown"])  # fmt: skip
-def test_dataset_served_as_postprocessing_dataset_gives_it(corpus, tmp_path, name):
-    """Each dataset class, 2 epochs, a TensorDict map_seq through 2 workers."""
+@pytest.mark.parametrize(
+    "name, workers",
+    [("hdf-random", 2), ("hdf-laplace", 2), ("meta-random", 2), ("meta-laplace", 1), ("oggzip-text-laplace", 2),
+     ("oggzip-audio-random", 2), ("dfd-random", 2), ("dfd-laplace", 1), ("dfd-unknown", 2)],
+)  # fmt: skip
+def test_dataset_served_as_postprocessing_dataset_gives_it(corpus, tmp_path, name, workers):
+    """Each dataset class, 2 epochs of a random and of a laplace ordering, a TensorDict map_seq
+    through 2 workers (1 for a class's second ordering: the 2 workers are the first one's)."""
     spec = specs(corpus)[name]
     cfg = _cfg(corpus, f"cfg_{name}", config_text(spec, "map_seq = tdmappers.scale\nnum_workers = 2\n"))
     import tdmappers
 
-    with run_server(cfg, workers=2, log_path=str(tmp_path / "server.log")) as srv, srv.client() as c:
+    with run_server(cfg, workers=workers, log_path=str(tmp_path / "server.log")) as srv, srv.client() as c:
         info = c.info()
         got = {e: (collect(it), it.num_seqs) for e in (1, 2) for it in [c.epoch(e)]}
+    if name.startswith("dfd"):  # PostprocessingDataset cannot wrap it: its loop over the dataset
+        wants = pp_loop_epochs(spec, got, map_seq=tdmappers.scale)
+    else:
+        wants = {epoch: pp_epoch(spec, epoch, map_seq=tdmappers.scale) for epoch in got}
     for epoch, (seqs, num_seqs) in got.items():
-        if name.startswith("dfd"):
-            want = direct_epoch(spec, epoch, scale=True)  # PostprocessingDataset cannot wrap it (KeyError: None)
-        else:
-            want = pp_epoch(spec, epoch, map_seq=tdmappers.scale)
+        want = wants[epoch]
         assert_like_returnn(seqs, want)
         assert (num_seqs is None) == name.endswith("unknown")  # the count is known as RETURNN knows it
     if name.startswith("dfd"):
@@ -290,11 +351,88 @@ def _cfg(corpus, name, body):
     return path
 
 
-def test_tensor_dicts_carry_sparse_dims_and_vocab(corpus, tmp_path):
-    spec = specs(corpus)["hdf-random"]
-    cfg = _cfg(corpus, "cfg_vocab", config_text(spec, "map_seq = tdmappers.check_vocab\n"))
-    with run_server(cfg, workers=1) as srv, srv.client() as c:
-        assert len(collect(c.epoch(1))) == 34
+@pytest.fixture(scope="module")
+def hdf_server(corpus, in_temporary_cwd, tmp_path_factory):
+    """One server for the tests of epoch requests and of output checks: hdf-laplace (epochs are
+    halves of the corpus) and tdmappers.scale_checked, 1 worker."""
+    spec = specs(corpus)["hdf-laplace"]
+    cfg = _cfg(corpus, "cfg_shared", config_text(spec, "map_seq = tdmappers.scale_checked\n"))
+    log_path = str(tmp_path_factory.mktemp("shared") / "server.log")
+    with run_server(cfg, workers=1, log_path=log_path) as srv:
+        yield srv, spec
+
+
+def test_tensor_dicts_carry_sparse_dims_and_vocab(hdf_server):
+    import tdmappers
+
+    srv, spec = hdf_server
+    with srv.client() as c:
+        got = collect(c.epoch(1))
+    assert len(got) == 17  # half of 34 seqs
+    assert_like_returnn(got, pp_epoch(spec, 1, map_seq=tdmappers.scale_checked))
+
+
+def test_class_indices_past_sparse_dim_fail_naming_the_seq(hdf_server):
+    srv, spec = hdf_server
+    ds = init_dataset(spec)
+    ds.init_seq_order(epoch=9)
+    tag = ds.get_tag(3)  # the seq scale_checked moves past sparse_dim in epoch 9
+    with srv.client() as c:
+        with pytest.raises(MapperError, match=r"'classes' holds class indices outside \[0, 10\)") as info:
+            collect(c.epoch(9))
+    assert info.value.seq_tag == tag and repr(tag) in str(info.value)
+
+
+SEQ_LIST = ["b-1", "a-0", "a-22", "a-0"]  # from both files, one tag twice; a seq_list is served whole
+SEQ_ORDER = [33, 0, 5, 5, 20]
+
+
+def test_seq_list_and_seq_order_as_returnn(hdf_server):
+    """Through the client and through ServerDataset, the same seqs as PostprocessingDataset."""
+    import tdmappers
+
+    srv, spec = hdf_server
+    with srv.client() as c:
+        by_list = collect(c.epoch(2, seq_list=SEQ_LIST))
+        by_order = collect(c.epoch(3, seq_order=SEQ_ORDER))
+    assert [s["seq_tag"] for s in by_list] == SEQ_LIST
+    assert_like_returnn(by_list, pp_epoch(spec, 2, seq_list=SEQ_LIST, map_seq=tdmappers.scale_checked))
+    want = pp_epoch(spec, 3, seq_order=SEQ_ORDER, map_seq=tdmappers.scale_checked)
+    assert [tag for tag, _, _ in want] == ["b-10", "a-0", "a-5", "a-5", "a-20"]
+    assert_like_returnn(by_order, want)
+
+    ds = ServerDataset(srv.address, job="returnn-api")
+    try:
+        for epoch, kwargs in ((4, {"seq_list": SEQ_LIST}), (5, {"seq_order": SEQ_ORDER})):
+            ds.init_seq_order(epoch=epoch, **kwargs)
+            got, i = [], 0
+            while ds.is_less_than_num_seqs(i):
+                ds.load_seqs(i, i + 1)
+                seq = {k: ds.get_data(i, k) for k in ds.get_data_keys()}
+                frac = ds.get_complete_frac(i, allow_only_lr_suitable=True)
+                got.append({**seq, "seq_tag": ds.get_tag(i), "seq_idx": i, "complete_frac": frac})
+                i += 1
+            assert_like_returnn(got, pp_epoch(spec, epoch, **kwargs, map_seq=tdmappers.scale_checked))
+            ds.finish_epoch()
+        with pytest.raises(OptionalNotImplementedError, match="partition_epoch"):
+            ds.get_total_num_seqs()  # known to RETURNN, but the server's epochs are halves of it
+    finally:
+        ds.finish_epoch(free_resources=True)
+
+
+def test_unknown_tag_or_seq_order_past_the_corpus_is_refused_and_the_running_epoch_goes_on(hdf_server):
+    import tdmappers
+
+    srv, spec = hdf_server
+    with srv.client() as a, srv.client() as b:
+        it = a.epoch(6)
+        got = [dict(next(it)) for _ in range(3)]
+        with pytest.raises(Error, match=r"cannot start epoch 7: seq_order entry 34 out of range \[0, 34\)"):
+            b.epoch(7, seq_order=[0, 34])
+        with pytest.raises(Error, match="cannot start epoch 7: unknown seq tag 'nope'"):
+            b.epoch(7, seq_list=["a-0", "nope"])
+        got += collect(it)
+    assert_like_returnn(got, pp_epoch(spec, 6, map_seq=tdmappers.scale_checked))
 
 
 @pytest.mark.parametrize("partitions", [1, 2])
@@ -324,6 +462,66 @@ def test_map_seq_stream_with_rng_equals_returnn(corpus, tmp_path, partitions):
             random_seed_offset=5,
         )
         assert_like_returnn(got[epoch], want, stream=True)
+
+
+PRINTING = """
+import os
+print("the config prints")
+os.write(1, b"the config writes to descriptor 1\\n")
+"""
+
+
+def test_remote_worker_host_runs_returnn_mappers_and_stdout_carries_only_ready(corpus, tmp_path):
+    """`ppserver worker` on a config and mapper module in a folder of its own runs the TensorDict
+    mapper as a local worker does (the seqs RETURNN gives); the config and RETURNN print, but
+    the server's stdout is its ready line and the worker host's is empty."""
+    import tdmappers
+
+    spec = specs(corpus)["hdf-random"]
+    cfg = _cfg(corpus, "cfg_remote", PRINTING + config_text(spec, "map_seq = tdmappers.scale\n"))
+    host = tmp_path / "host"
+    host.mkdir()
+    shutil.copy(cfg, host)
+    shutil.copy(os.path.join(corpus["root"], "tdmappers.py"), host)
+    slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
+    with run_server(cfg, workers=0, log_path=slog) as srv:
+        with run_worker_host(
+            str(host / "cfg_remote.py"), srv.address, procs=1, log_path=wlog, stdout=subprocess.PIPE
+        ) as w:
+            srv.wait_workers(1)
+            assert srv.worker_pids() == children_of(w.pid)
+            with srv.client() as c:
+                got = {e: collect(c.epoch(e)) for e in (1, 2)}
+        worker_stdout = w.stdout.read()
+        w.stdout.close()
+    server_stdout = srv.proc.stdout.read()
+    srv.proc.stdout.close()
+    for epoch in (1, 2):
+        assert_like_returnn(got[epoch], pp_epoch(spec, epoch, map_seq=tdmappers.scale))
+    assert srv.before_ready == [] and server_stdout == "" and worker_stdout == b""
+    server_log, worker_log = read(slog), read(wlog)
+    for text in ("the config prints", "the config writes to descriptor 1", "parsing file"):
+        assert text in server_log, text  # "parsing file": RETURNN's HDFDataset, building the dataset
+    assert "Reinitialize dataset seq order for epoch 2" in server_log  # RETURNN, in the reader thread
+    assert "the config prints" in worker_log and "the config writes to descriptor 1" in worker_log
+
+
+def test_tensor_dict_mapper_without_mapper_api_returnn_gets_a_hint(corpus, tmp_path):
+    """The most likely first mistake: the mapper gets seq dicts, and fails reaching for `.data`."""
+    cfg = _cfg(
+        corpus,
+        "cfg_no_api",
+        f"dataset = {{'class': 'HDFDataset', 'files': [{corpus['a']!r}]}}\n"
+        "def map_seq(tdict, **kwargs):\n"
+        "    t = tdict.data['data']\n"
+        "    t.raw_tensor = t.raw_tensor * 2\n"
+        "    return tdict\n",
+    )
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        with pytest.raises(MapperError, match="is mapper_api = 'returnn' missing") as info:
+            collect(c.epoch(1))
+    assert "AttributeError: 'dict' object has no attribute 'data'" in str(info.value)
+    assert info.value.seq_tag == "a-0"
 
 
 def test_unknown_count_served_with_its_own_complete_frac(corpus, tmp_path):
@@ -381,6 +579,10 @@ def test_forward_only_dataset_replays_after_a_killed_worker(corpus, tmp_path):
         got = collect_with(it, {8: kill_owner})
     want = pp_epoch(spec, 1, map_seq_stream=Sequential(LaplaceOrdering(3), tdmappers.noisy))
     assert_like_returnn(got, want, stream=True)
+    # the restarted partition started from seq 0, which the one forward pass had passed
+    assert "re-reading epoch 1 from its start to reach seq 0 again: MetaDataset reads forward only" in read(
+        str(tmp_path / "server.log")
+    )
 
 
 def test_dataset_error_reaches_the_client_with_its_traceback(corpus, tmp_path):
@@ -472,6 +674,46 @@ def test_adapter_unknown_count(corpus):
     assert ds.get_seq(3)["seq_tag"] == ds.get_seq(3)["seq_tag"]
     with pytest.raises(IndexError):
         ds.get_seq(23)
+
+
+@pytest.mark.unit
+def test_what_makes_a_failing_dict_api_mapper_look_written_for_tensor_dicts():
+    import functools
+
+    from returnn.datasets.postprocessing import LaplaceOrdering, Sequential
+    from returnn.tensor import TensorDict
+
+    from ppserver.apply import MappingError
+    from ppserver.config import Config
+    from ppserver.mapper_api import missing_returnn_api_hint
+
+    def checks(tdict, **kwargs):
+        assert isinstance(tdict, TensorDict)
+
+    def annotated(tdict: TensorDict, **kwargs) -> TensorDict:
+        return tdict
+
+    def plain(seq, **kwargs):
+        return seq
+
+    class Mapper:
+        def __call__(self, tdict, **kwargs):
+            return TensorDict()
+
+    def hint(what, fn, exc, api="dict"):
+        cfg = Config(path="c.py", fingerprint="", dataset={}, mapper_api=api, **{what: fn})
+        return missing_returnn_api_hint(cfg, what, exc)
+
+    failed = AssertionError()
+    for fn in (checks, annotated, Mapper(), functools.partial(checks)):
+        assert "is mapper_api = 'returnn' missing?" in hint("map_seq", fn, failed), fn
+    assert "This map_seq_stream looks written" in hint("map_seq_stream", Sequential(LaplaceOrdering(3)), failed)
+    # failures that show it, whatever the mapper's code
+    assert hint("map_seq", plain, AttributeError("'dict' object has no attribute 'data'"))
+    assert hint("map_seq", plain, MappingError("map_seq must return a dict, got TensorDict"))
+    # a dict mapper failing otherwise, and RETURNN mappers under mapper_api "returnn": no hint
+    assert hint("map_seq", plain, failed) == hint("map_seq", plain, KeyError("data")) == ""
+    assert hint("map_seq", checks, failed, api="returnn") == ""
 
 
 # ---- a RETURNN training ------------------------------------------------------------------------
