@@ -164,10 +164,13 @@ def test_another_job_is_refused_while_the_first_lives_and_accepted_after(tmp_pat
         first_it = first.epoch(1)
         next(first_it)
         with ppclient.Client(srv.address, job="eval") as other:
-            with pytest.raises(ppclient.Error, match=r"job 'train'.*must wait"):
+            with pytest.raises(ppclient.Error, match=r"job 'train' is running with 1 live client .*must wait") as err:
                 other.epoch(1)
+            assert "silent for its client timeout of 5 s" in str(err.value)
             with ppclient.Client(srv.address, job="train", rank=0, world_size=4) as wrong_world:
-                with pytest.raises(ppclient.Error, match="world_size 1"):
+                with pytest.raises(
+                    ppclient.Error, match=r"job 'train' conflicts.*world_size 4, where the job has world_size 1"
+                ):
                     wrong_world.epoch(1)
             first.close()  # the first job's last client leaves: the other job may run now
             # (its goodbye travels on its own connection: wait until the server has heard it)
@@ -311,8 +314,11 @@ def test_conflicting_requests_are_refused_and_disturb_nothing(tmp_path):
                 with pytest.raises(ppclient.Error, match="another seq_list"):
                     c.epoch(1, seq_order=[3, 2, 1])
             with ppclient.Client(srv.address, rank=0, world_size=3, job="train") as c:
-                with pytest.raises(ppclient.Error, match="world_size 2"):
+                with pytest.raises(ppclient.Error, match="world_size 3, where the job has world_size 2"):
                     c.epoch(1)
+            with ppclient.Client(srv.address, rank=0, world_size=2, job="train", subshard=(1, 2)) as c:
+                with pytest.raises(ppclient.Error, match="DataLoader num_workers 2, where the job has 1 reader"):
+                    c.epoch(1)  # a DataLoader worker of a loader with another num_workers than the job's
             foreign = dict(ita.state_dict(), fingerprint="0123456789abcdef")
             with ppclient.Client(srv.address, rank=0, world_size=2, job="train") as c:
                 with pytest.raises(ppclient.Error, match="config fingerprint"):

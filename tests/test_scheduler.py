@@ -257,7 +257,7 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     sim(ev.CreditGranted, CONSUMER, run, 100, 2)  # took 0 and 1; 2 never came
     out = sim(ev.MissingReported, CONSUMER, run, 2)
     assert tasks(out, b"w1") == [2]
-    redo = [t for t in sent(out, protocol.Tasks, b"w1")][0]
+    redo = next(iter(sent(out, protocol.Tasks, b"w1")))
     assert not any(redo.msg.to)  # this time through the server
     out = sim.results(b"w1", [2])
     assert delivered(out, CONSUMER) == [2]
@@ -500,9 +500,12 @@ def test_a_slow_rank_holds_the_others_back_only_by_its_window():
 def test_another_job_is_refused_while_a_client_of_this_one_lives():
     sim = ranks_sim(2, 10)
     run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
-    assert run is None and "job 'train'" in refusal(out)
+    assert run is None and "job 'train' is running with 2 live clients" in refusal(out)
+    assert "a request of job 'eval' must wait until they are gone" in refusal(out)
+    assert "silent for their client timeout of 30 s" in refusal(out)
     run, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=4)
-    assert run is None and "world_size 2" in refusal(out)
+    assert run is None and "this request of job 'train' conflicts" in refusal(out)  # the same job, not another
+    assert "world_size 4, where the job has world_size 2" in refusal(out)
     sim(ev.ConsumerClosed, b"r0")
     sim.now = 100.0  # r1 went silent long ago (its timeout is 30 s)
     sim(ev.Tick)
@@ -1104,7 +1107,8 @@ def test_subshards_split_a_rank_and_drop_last_follows_the_ranks():
         merged = [p for group in zip_longest(*lanes) for p in group if p is not None]  # a DataLoader's turns
         assert merged == list(range(rank, 22, world))  # the rank's shard, in order; 22: drop_last of 2 ranks
     _, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=2, subshard=0, subshards=3)
-    assert "subshards 2" in refusal(out)
+    assert "3 readers per rank, i.e. DataLoader num_workers 3, where the job has 2 readers per rank" in refusal(out)
+    assert "subshard" not in refusal(out)
 
 
 @pytest.mark.parametrize("world, drop_last", [(1, True), (2, True), (2, False)])

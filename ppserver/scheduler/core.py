@@ -298,15 +298,36 @@ class Scheduler:
         if not 0 <= e.rank < e.world_size:
             return f"rank {e.rank} is not below world_size {e.world_size}"
         if not 0 <= e.subshard < e.subshards:
-            return f"subshard {e.subshard} is not below subshards {e.subshards}"
+            return f"reader {e.subshard} of a rank is not below its number of readers {e.subshards}"
         job = self.job
-        if job is None or not (set(job.clients) - {e.consumer}):
+        others = [client for consumer, client in job.clients.items() if consumer != e.consumer] if job else []
+        if job is None or not others:
             return None  # no job, or one whose clients are all gone: this request starts a new one
         if e.job_key != job.key:
+            clients = f"{len(others)} live client{'s' if len(others) != 1 else ''}"
+            one = len(others) == 1
+            timeout = max(c.timeout for c in others)
+            gone = f"closed, or silent for {'its' if one else 'their'} client timeout of {timeout:g} s"
+            if e.job != job.name:
+                return (
+                    f"job {job.name!r} is running with {clients} (world_size {job.world}, "
+                    f"drop_last {job.drop_last}, {_readers(job.subshards)}); a request of job {e.job!r} must "
+                    f"wait until {'it is' if one else 'they are'} gone ({gone})"
+                )
+            mine = {"world_size": job.world, "drop_last": job.drop_last, "readers": job.subshards}
+            asked = {"world_size": e.world_size, "drop_last": e.drop_last, "readers": e.subshards}
+            conflicts = [
+                f"{_readers(asked[k])}, where the job has {_readers(mine[k])}"
+                if k == "readers"
+                else f"{k} {asked[k]}, where the job has {k} {mine[k]}"
+                for k in mine
+                if mine[k] != asked[k]
+            ]
             return (
-                f"job {job.name!r} (world_size {job.world}, drop_last {job.drop_last}, subshards {job.subshards}) "
-                f"is running with {len(job.clients)} live clients; a request of job {e.job!r} (world_size "
-                f"{e.world_size}, drop_last {e.drop_last}, subshards {e.subshards}) must wait until they are gone"
+                f"this request of job {job.name!r} conflicts with the job's {clients}: "
+                f"{'; '.join(conflicts)}. Every rank of a job must use the same world_size, drop_last and "
+                f"DataLoader num_workers; the job keeps its settings until {'that client is' if one else 'they are'} "
+                f"gone ({gone})"
             )
         main = self._main_run(job, e.epoch)
         if main is not None:
@@ -346,7 +367,7 @@ class Scheduler:
             for run in list(job.runs.values()):
                 self._supersede(run, e.epoch, out)
         self.job = Job(e.job, e.world_size, e.drop_last, e.subshards)
-        log.info("job %r: world_size %d, drop_last %s, subshards %d", e.job, e.world_size, e.drop_last, e.subshards)
+        log.info("job %r: world_size %d, drop_last %s, %s", e.job, e.world_size, e.drop_last, _readers(e.subshards))
         return self.job
 
     @staticmethod
@@ -911,6 +932,13 @@ class Scheduler:
             }
         )
         return st
+
+
+def _readers(n: int) -> str:
+    """A rank's number of readers, in the words of a PyTorch user."""
+    if n == 1:
+        return "1 reader per rank, i.e. DataLoader num_workers 0 or 1"
+    return f"{n} readers per rank, i.e. DataLoader num_workers {n}"
 
 
 def _describe_exit(rc: int) -> str:
