@@ -218,7 +218,8 @@ class Client:
 
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
-        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol."""
+        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, and the
+        config fingerprint (what a resume state is checked against)."""
         reply = self._request(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
@@ -229,6 +230,7 @@ class Client:
             "buf_size": reply.buf_size,
             "version": reply.version,
             "protocol": protocol.PROTOCOL,
+            "fingerprint": reply.fingerprint,
         }
 
     def status(self) -> Dict[str, Any]:
