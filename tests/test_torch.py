@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import threading
 import warnings
 from typing import Any, Dict, List
@@ -15,6 +17,7 @@ stateful = pytest.importorskip("torchdata.stateful_dataloader")
 from conftest import assert_same_epoch, numpy_config, reference, run_server  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from ppclient.errors import UsageError  # noqa: E402
 from ppclient.torch import ServerDataset, collate_padded, cut  # noqa: E402
 
 MAPPER = """
@@ -84,6 +87,61 @@ def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
         assert torch.equal(got["data"], exp["data"]) and torch.equal(got["data:lengths"], exp["data:lengths"])
     tags = sorted(t for b in straight for t in b["seq_tag"])
     assert tags == sorted(s["seq_tag"] for s in want)  # every seq once
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, workers):
+    srv, cfg = server
+    want = {e: reference(cfg, e) for e in (1, 2, 3)}
+
+    def loader(state=None):
+        ds = ServerDataset(srv.address, job=f"t6-{workers}")
+        ld = stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+        if state is not None:
+            ld.load_state_dict(copy.deepcopy(state))  # as from a checkpoint
+        return ds, ld
+
+    ds, ld = loader()
+    ds.set_epoch(1)
+    assert_same_epoch([as_numpy(s) for s in ld], want[1])
+    at_end = ld.state_dict()  # a checkpoint after epoch 1
+    ds.set_epoch(2)
+    it = iter(ld)
+    first = [as_numpy(next(it)) for _ in range(5)]
+    mid = ld.state_dict()  # a checkpoint in the middle of epoch 2
+    assert_same_epoch(first + [as_numpy(s) for s in it], want[2])
+
+    # the training loop resumes as it runs: set_epoch, then iterate (the state loads lazily, after it)
+    ds, ld = loader(at_end)
+    ds.set_epoch(2)
+    assert_same_epoch([as_numpy(s) for s in ld], want[2])  # epoch 2, not epoch 1 again
+    ds, ld = loader(mid)
+    ds.set_epoch(2)
+    assert_same_epoch(first + [as_numpy(s) for s in ld], want[2])  # the rest of epoch 2
+    ds, ld = loader(mid)
+    assert ds.epoch == 1 and ds.state_dict()["epoch"] == 1  # nothing loaded yet: the loader loads lazily
+    assert_same_epoch(first + [as_numpy(s) for s in ld], want[2])  # without set_epoch: the state's epoch
+    ds, ld = loader(mid)
+    ds.set_epoch(3)  # the rest of epoch 2 would be lost
+    with pytest.raises(UsageError, match=r"in the middle of epoch 2, but set_epoch\(3\) was called"):
+        list(ld)
+    ds, ld = loader(at_end)
+    assert_same_epoch([as_numpy(s) for s in ld], want[1])  # without set_epoch, epoch 1 again...
+    assert_same_epoch([as_numpy(s) for s in ld], want[1])  # ...as the uninterrupted loader would
+    ds.set_epoch(3)
+    assert_same_epoch([as_numpy(s) for s in ld], want[3])
+
+
+@pytest.mark.parametrize("cls", [DataLoader, stateful.StatefulDataLoader])
+def test_set_epoch_reaches_persistent_workers(server, cls):
+    srv, cfg = server
+    ds = ServerDataset(srv.address, job=f"t7-{cls.__name__}")
+    loader = cls(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    for epoch in (1, 2, 3):
+        ds.set_epoch(epoch)
+        assert_same_epoch([as_numpy(s) for s in loader], reference(cfg, epoch))
+    del loader  # its workers stop
+    gc.collect()
 
 
 def test_batches_are_padded_with_lengths_and_respect_the_caps(server):

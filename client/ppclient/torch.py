@@ -15,9 +15,12 @@ RANK and WORLD_SIZE environment variables, else 0 and 1; each rank reads its str
 Under a DataLoader with k workers, worker w reads every k-th seq of the rank's shard from
 its w-th on (a subshard), so a loader that takes from its workers in turn (batch_size=None)
 yields the rank's seqs in their epoch order; with batching (`batch_frames`), each worker
-batches its own subshard. `state_dict()`/`load_state_dict()` follow the stateful protocol
+batches its own subshard. `set_epoch` reaches persistent DataLoader workers too (the epoch
+lives in shared memory). `state_dict()`/`load_state_dict()` follow the stateful protocol
 of torchdata's StatefulDataLoader: per worker, the epoch and the position in its subshard,
-so a resumed loader delivers exactly what the interrupted one would have delivered next.
+so a resumed loader delivers exactly what the interrupted one would have delivered next; a
+state applies to its own epoch (after a state from an epoch's end, set_epoch's next epoch
+begins).
 
 Arrays become tensors with `torch.from_numpy`, sharing the received frames (writable with
 pyzmq 27 and later; with older pyzmq a frame is read-only and is copied once, to spare
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import numpy
 import torch
@@ -138,6 +141,13 @@ def cut(
     return out
 
 
+class _Plan(NamedTuple):
+    epoch: int
+    resume: Optional[Dict[str, Any]] = None  # an EpochIterator state (plus the batching's) to start from
+    finished: bool = False  # the state was taken at the epoch's end
+    refusal: Optional[str] = None  # why the state cannot apply (raised when the first item is asked for)
+
+
 class ServerDataset(IterableDataset):
     """One ppserver epoch per iteration (`set_epoch(n)` picks it), this rank's shard of it.
 
@@ -171,11 +181,16 @@ class ServerDataset(IterableDataset):
                 raise UsageError(f"{name} must be an int >= 1 or None, got {value!r}")
         if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 1:
             raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
         self.address = address
         self.job = job
-        self.epoch = epoch
         self._fixed = (rank, world_size)
-        self.rank, self.world_size = self._resolve()
+        rank, world_size = self._resolve()
+        # What set_epoch sets, in shared memory: DataLoader workers (persistent ones too, which keep
+        # their copy of the dataset from one epoch to the next) read it when an iteration begins.
+        # [epoch, 1 once set_epoch was called, rank, world_size]
+        self._shared = torch.tensor([epoch, 0, rank, world_size], dtype=torch.int64).share_memory_()
         self.client_options: Dict[str, Any] = {
             "timeout": timeout,
             "window": window,
@@ -189,10 +204,10 @@ class ServerDataset(IterableDataset):
         self.bucket_window = bucket_window
         self.length_key = length_key
         self.pin_memory = pin_memory
-        self._resume: Optional[Dict[str, Any]] = None  # where the next iteration starts (a loaded state)
+        self._loaded: Optional[Dict[str, Any]] = None  # a state to start the next iteration from
         self._stream: Optional[_Stream] = None
         self._client: Optional[Client] = None
-        self._client_key: Optional[Tuple[int, int, int]] = None
+        self._client_key: Optional[Tuple[int, ...]] = None
 
     def _resolve(self) -> Tuple[int, int]:
         rank, world = self._fixed
@@ -202,26 +217,89 @@ class ServerDataset(IterableDataset):
             world = found[1] if world is None else world
         return rank, world
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (set it with `set_epoch`)."""
+        return self._plan(self._loaded, apply=False).epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.set_epoch(value)
+
+    @property
+    def rank(self) -> int:
+        return int(self._shared[2])
+
+    @property
+    def world_size(self) -> int:
+        return int(self._shared[3])
+
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration reads (call it before each epoch, as with DistributedSampler)."""
-        self.epoch = epoch
-        self.rank, self.world_size = self._resolve()  # torch.distributed may be initialised by now
-        self._resume = None
+        """The epoch the next iteration reads (call it before each epoch, as with DistributedSampler).
+
+        It reaches DataLoader workers also with `persistent_workers=True`. A loaded state (e.g.
+        `loader.load_state_dict(...)`, which loads lazily, when the next iteration begins) applies
+        to its own epoch: the usual loop `ds.set_epoch(epoch); for batch in loader: ...` goes on
+        with the rest of the state's epoch, or, after a state taken at an epoch's end, with the
+        next epoch from its start. A state taken in the middle of another epoch is refused
+        (UsageError) when the iteration begins.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
+        rank, world = self._resolve()  # torch.distributed may be initialised by now
+        self._shared.copy_(torch.tensor([epoch, 1, rank, world], dtype=torch.int64))
+
+    def _plan(self, state: Optional[Dict[str, Any]], apply: bool = True) -> _Plan:
+        """Where an iteration that starts from `state` (a loaded state, or None) begins.
+
+        The epoch is set_epoch's, if it was called, else the state's, else the one given at
+        construction. A state from the end of an epoch yields nothing more (a StatefulDataLoader
+        restored as finished then begins a new iteration, which reads set_epoch's epoch). A state
+        from the middle of another epoch than set_epoch's is refused when the first item is asked
+        for (the rest of that epoch would be lost); the refusal waits because a loader with
+        workers may restore its workers' last states, which need not say they had finished, and
+        then discard that iteration as finished without taking from it. `apply`: the iteration
+        begins; without set_epoch, the state's epoch then stays the dataset's (in shared memory,
+        for every DataLoader worker and the main process).
+        """
+        epoch, explicit = int(self._shared[0]), bool(self._shared[1])
+        if state is None:
+            return _Plan(epoch)
+        saved = int(state["epoch"])
+        if state.get("finished"):  # this reader's part of the epoch was all yielded: nothing more from this
+            # iteration (a loader restored as finished starts a new iteration, which reads set_epoch's epoch)
+            return _Plan(saved if not explicit else epoch, finished=True)
+        if explicit and saved != epoch:
+            refusal = None
+            if state.get("resume") is not None:
+                refusal = (
+                    f"the loaded state is in the middle of epoch {saved}, but set_epoch({epoch}) was called: "
+                    f"call set_epoch({saved}) to finish epoch {saved} from where the state is, or load no state "
+                    f"to read epoch {epoch} from its start"
+                )
+            return _Plan(epoch, refusal=refusal)
+        if apply and not explicit:
+            self._shared[0] = saved
+        return _Plan(saved, state.get("resume"), bool(state.get("finished")))
 
     # ---- the stateful protocol (torchdata.stateful_dataloader) --------------------------------
     def state_dict(self) -> Dict[str, Any]:
         if self._stream is not None:
             return self._stream.state_dict()
-        return {"epoch": self.epoch, "resume": self._resume}
+        if self._loaded is not None:
+            return self._loaded
+        return {"epoch": self.epoch, "resume": None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.epoch = state["epoch"]
-        self._resume = state.get("resume")
+        """Start the next iteration where the state says (see `set_epoch` for which epoch applies)."""
+        if not isinstance(state, dict) or not isinstance(state.get("epoch"), int):
+            raise UsageError(f"state must be a dict from ServerDataset.state_dict(), got {state!r:.100}")
+        self._loaded = state
         self._stream = None
 
     # ---- iteration -----------------------------------------------------------------------
     def _client_for(self, part: int, parts: int) -> Client:
-        key = (os.getpid(), part, parts)
+        key = (os.getpid(), part, parts, self.rank, self.world_size)
         if self._client is None or self._client_key != key:  # a client made in another process is not ours
             self._client = Client(
                 self.address,
@@ -237,7 +315,8 @@ class ServerDataset(IterableDataset):
     def __iter__(self) -> _Stream:
         info = get_worker_info()
         part, parts = (info.id, info.num_workers) if info is not None else (0, 1)
-        self._stream = _Stream(self, part, parts, self.epoch, self._resume)
+        state, self._loaded = self._loaded, None
+        self._stream = _Stream(self, part, parts, self._plan(state))
         return self._stream
 
     def close(self) -> None:
@@ -260,38 +339,47 @@ class _Stream(Iterator[Any]):
     the same way, and those batches skipped).
     """
 
-    def __init__(self, ds: ServerDataset, part: int, parts: int, epoch: int, resume: Optional[Dict[str, Any]]):
+    def __init__(self, ds: ServerDataset, part: int, parts: int, plan: _Plan):
         self.ds = ds
         self.part, self.parts = part, parts
-        self.epoch = epoch
-        self.resume = resume  # an EpochIterator state (plus "skip") to start from
+        self.epoch = plan.epoch
+        self.resume = plan.resume  # an EpochIterator state (plus "skip") to start from
+        self.refusal = plan.refusal
         self.it: Optional[EpochIterator] = None
         self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
         self.skip = 0  # batches of the current window already yielded
         self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
         self.queue: List[List[Dict[str, Any]]] = []  # batches of the current window still to yield
         self.window_size = 0
-        self.finished = False
+        self.finished = plan.finished
 
     def state_dict(self) -> Dict[str, Any]:
-        if self.finished:
+        it = self.it
+        if self.finished or (
+            it is not None and it.num_seqs is not None and self.position >= it.start + it.num_seqs
+        ):  # (everything yielded, though the end may not have been asked for)
             return {"epoch": self.epoch, "resume": None, "finished": True}
-        if self.it is None:
+        if it is None:
             return {"epoch": self.epoch, "resume": self.resume}
-        state = self.it.state_dict()
+        state = it.state_dict()
         state.update(position=self.position, skip=self.skip)
         return {"epoch": self.epoch, "resume": state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.epoch = state["epoch"]
-        self.resume = state.get("resume")
-        self.finished = bool(state.get("finished"))
+        plan = self.ds._plan(state)
+        self.epoch, self.resume, self.finished, self.refusal = plan.epoch, plan.resume, plan.finished, plan.refusal
         self.it = None
 
     def _open(self) -> EpochIterator:
         client = self.ds._client_for(self.part, self.parts)
         resume = self.resume
-        if resume is not None and list(resume.get("subshard", [0, 1])) == [self.part, self.parts]:
+        if resume is not None:
+            saved = list(resume.get("subshard", [0, 1]))
+            if saved != [self.part, self.parts]:
+                raise UsageError(
+                    f"the state was saved by reader {saved[0]} of {saved[1]} of the rank (DataLoader num_workers "
+                    f"{saved[1]}); this is reader {self.part} of {self.parts}: resume with the same num_workers"
+                )
             it = client.epoch(state=resume)
             self.skip = int(resume.get("skip", 0))
         else:
@@ -305,6 +393,8 @@ class _Stream(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
+        if self.refusal is not None:
+            raise UsageError(self.refusal)
         if self.finished:
             raise StopIteration
         it = self.it if self.it is not None else self._open()
