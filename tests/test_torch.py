@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
-from conftest import assert_same_epoch, numpy_config, reference, run_server  # noqa: E402
+from conftest import assert_same_epoch, numpy_config, reference, run_server, write_config  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from ppclient.errors import UsageError  # noqa: E402
@@ -160,6 +160,32 @@ def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
             assert not b["data"][i, length:].any()  # padding is zeros
         order += b["seq_tag"]
     assert order == list(want)  # without buckets, batches keep the epoch order
+
+
+STRINGS = """
+import numpy as np
+_r = np.random.RandomState(3)
+SEQS = [
+    {"data": _r.randn(5 + i, 4).astype("float32"), "orth": np.array(f"words {i}"), "chars": np.array(list(f"ab{i}"))}
+    for i in range(9)
+]
+dataset = {"class": "NumpyDataset", "seqs": SEQS}
+def map_seq(seq, **kwargs):
+    return seq
+"""
+
+
+def test_string_keys_come_as_str_or_lists_of_str_also_in_batches(tmp_path):
+    cfg = write_config(tmp_path, STRINGS)
+    with run_server(cfg, workers=1) as srv:
+        seqs = list(DataLoader(ServerDataset(srv.address, job="t8"), batch_size=None))
+        batches = list(DataLoader(ServerDataset(srv.address, job="t8", max_seqs=4), batch_size=None))
+    assert [s["orth"] for s in seqs] == [f"words {i}" for i in range(9)]
+    assert [s["chars"] for s in seqs] == [["a", "b", str(i)] for i in range(9)]
+    assert isinstance(seqs[0]["data"], torch.Tensor)
+    assert [b["orth"] for b in batches] == [[f"words {i}" for i in range(j, min(j + 4, 9))] for j in (0, 4, 8)]
+    assert batches[0]["chars"][1] == ["a", "b", "1"]
+    assert batches[0]["data"].shape == (4, 8, 4) and batches[0]["data:lengths"].tolist() == [5, 6, 7, 8]
 
 
 def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():

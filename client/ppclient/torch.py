@@ -60,32 +60,45 @@ def rank_and_world() -> Tuple[int, int]:
         ) from None
 
 
+TENSOR_KINDS = "biufc"  # numpy dtype kinds a tensor can hold (bool, ints, floats, complex)
+
+
 def to_tensors(seq: Dict[str, Any]) -> Dict[str, Any]:
-    """Arrays as tensors sharing their memory; meta entries stay Python values."""
+    """Arrays as tensors sharing their memory; meta entries stay Python values, and so do arrays
+    a tensor cannot hold: strings (the server's "string" dtype, e.g. a transcription) become a
+    str, or a list of str, as `seq_tag` is."""
     out: Dict[str, Any] = {}
     for key, value in seq.items():
-        if isinstance(value, numpy.ndarray):
-            out[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
-        else:
+        if not isinstance(value, numpy.ndarray):
             out[key] = value
+        elif value.dtype.kind not in TENSOR_KINDS:
+            out[key] = value.tolist()
+        else:
+            out[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
     return out
 
 
 def _length(seq: Dict[str, Any], key: Optional[str]) -> int:
-    """Frames of a seq: its `key`'s first axis, or the longest first axis of its arrays."""
+    """Frames of a seq: its `key`'s first axis, or the longest first axis of its tensors."""
     if key is not None:
         return int(seq[key].shape[0])
-    return max((int(v.shape[0]) for k, v in seq.items() if k not in META_KEYS and v.ndim), default=1)
+    return max(
+        (int(v.shape[0]) for k, v in seq.items() if k not in META_KEYS and isinstance(v, torch.Tensor) and v.ndim),
+        default=1,
+    )
 
 
 def collate_padded(seqs: List[Dict[str, Any]], pin_memory: bool = False) -> Dict[str, Any]:
-    """Seqs (tensor dicts) as one batch: every array key padded with zeros to the longest along
-    its first axis, with `key + ":lengths"` (int64); 0-d arrays stacked; meta entries as lists
-    (`seq_idx`, `complete_frac` as tensors)."""
+    """Seqs (tensor dicts) as one batch: every tensor key padded with zeros to the longest along
+    its first axis, with `key + ":lengths"` (int64); 0-d tensors stacked; other values (strings)
+    and meta entries as lists (`seq_idx`, `complete_frac` as tensors)."""
     batch: Dict[str, Any] = {}
     first = seqs[0]
     for key, value in first.items():
         if key in META_KEYS:
+            continue
+        if not isinstance(value, torch.Tensor):
+            batch[key] = [s[key] for s in seqs]
             continue
         tensors = [s[key] for s in seqs]
         if value.dim() == 0:
