@@ -15,8 +15,10 @@ torch = pytest.importorskip("torch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
 from conftest import assert_same_epoch, numpy_config, reference, run_server, write_config  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
 
+import ppclient.torch  # noqa: E402
+from ppclient.client import EpochIterator  # noqa: E402
 from ppclient.errors import UsageError  # noqa: E402
 from ppclient.torch import ServerDataset, collate_padded, cut  # noqa: E402
 
@@ -39,14 +41,27 @@ def server(tmp_path_factory):
         yield srv, cfg
 
 
-def test_seqs_come_as_tensors_without_a_copy_or_warning(server):
+def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
     srv, cfg = server
+    received: List[Dict[str, Any]] = []
+    take = EpochIterator.__next__
+
+    def recorded(it):
+        seq = take(it)
+        received.append(seq)
+        return seq
+
+    monkeypatch.setattr(EpochIterator, "__next__", recorded)
     ds = ServerDataset(srv.address, job="t1", epoch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PyTorch's "non-writable array" warning would fail the test
         got = list(DataLoader(ds, batch_size=None))
     assert all(isinstance(s["data"], torch.Tensor) and s["data"].dtype == torch.float32 for s in got)
     assert_same_epoch([as_numpy(s) for s in got], reference(cfg, 2))
+    assert len(received) == len(got)
+    for seq, arrays in zip(got, received):
+        for key in ("data", "classes"):  # each tensor is the received array's memory: no copy
+            assert arrays[key].flags.writeable and seq[key].data_ptr() == arrays[key].ctypes.data, key
 
 
 @pytest.mark.parametrize("world, workers", [(1, 2), (1, 3), (2, 2)])
@@ -160,6 +175,31 @@ def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
             assert not b["data"][i, length:].any()  # padding is zeros
         order += b["seq_tag"]
     assert order == list(want)  # without buckets, batches keep the epoch order
+
+
+def test_pin_memory_pins_in_the_main_process_only(server, monkeypatch):
+    srv, cfg = server
+    pinned_here: List[str] = []
+
+    def pin(tensor, *args, **kwargs):  # what pinning does on a machine with an accelerator, in effect
+        if get_worker_info() is not None:
+            raise RuntimeError("pinned in a DataLoader worker")  # reaches the test through the loader
+        pinned_here.append("x")
+        return tensor
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(ppclient.torch, "_can_pin", lambda: True)
+    want = sorted(s["seq_tag"] for s in reference(cfg, 5))
+    for opts, pins in (({}, 2 * 37), ({"max_seqs": 4}, 4 * 10)):  # data, classes (and their lengths per batch)
+        ds = ServerDataset(srv.address, job="t9", epoch=5, pin_memory=True, **opts)
+        got = list(DataLoader(ds, batch_size=None))  # num_workers=0: the dataset pins, here
+        assert len(pinned_here) == pins
+        pinned_here.clear()
+        # forked workers pin nothing: the batches would come to this process copied, unpinned
+        forked = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        assert not pinned_here
+        for items in (got, forked):
+            assert sorted(t for b in items for t in (b["seq_tag"] if opts else [b["seq_tag"]])) == want
 
 
 STRINGS = """

@@ -24,14 +24,18 @@ begins).
 
 Arrays become tensors with `torch.from_numpy`, sharing the received frames (writable with
 pyzmq 27 and later; with older pyzmq a frame is read-only and is copied once, to spare
-PyTorch's warning about non-writable arrays).
+PyTorch's warning about non-writable arrays). That is no copy where the dataset is iterated;
+from DataLoader workers, PyTorch moves each tensor into shared memory once (a copy) to pass
+it to the main process. Pinning belongs in the main process: `DataLoader(pin_memory=True)`
+pins the seqs and batches (dicts of tensors) there; `ServerDataset(pin_memory=True)` pins
+only when the dataset is iterated in the main process (num_workers=0).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import numpy
 import torch
@@ -43,7 +47,7 @@ from .wire import META_KEYS
 
 log = logging.getLogger("ppclient.torch")
 
-__all__ = ["ServerDataset", "collate_padded", "rank_and_world"]
+__all__ = ["ServerDataset", "collate_padded", "pinned", "rank_and_world"]
 
 
 def rank_and_world() -> Tuple[int, int]:
@@ -111,11 +115,7 @@ def collate_padded(seqs: List[Dict[str, Any]], pin_memory: bool = False) -> Dict
         batch[key] = padded
         batch[key + ":lengths"] = lengths
     if pin_memory:
-        if torch.cuda.is_available():
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        elif not getattr(collate_padded, "_warned", False):
-            collate_padded._warned = True  # type: ignore[attr-defined]
-            log.warning("pin_memory=True but no accelerator is available: batches are not pinned")
+        batch = pinned(batch)
     batch["seq_tag"] = [s.get("seq_tag") for s in seqs]
     batch["seq_idx"] = torch.tensor([int(s.get("seq_idx", -1)) for s in seqs], dtype=torch.int64)
     batch["complete_frac"] = torch.tensor([float(s.get("complete_frac", 0.0)) for s in seqs], dtype=torch.float64)
@@ -358,6 +358,14 @@ class _Stream(Iterator[Any]):
         self.epoch = plan.epoch
         self.resume = plan.resume  # an EpochIterator state (plus "skip") to start from
         self.refusal = plan.refusal
+        # pinned memory survives only in the process that uses the tensors: the main one
+        self.pin = ds.pin_memory and parts == 1 and get_worker_info() is None
+        if ds.pin_memory and not self.pin:
+            _warn_once(
+                "pin in a worker",
+                "ServerDataset(pin_memory=True) pins nothing in a DataLoader worker (the batches are copied to "
+                "the main process, unpinned): pass pin_memory=True to the DataLoader, which pins in the main process",
+            )
         self.it: Optional[EpochIterator] = None
         self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
         self.skip = 0  # batches of the current window already yielded
@@ -424,9 +432,9 @@ class _Stream(Iterator[Any]):
         if not ds.batching:
             seq = to_tensors(next(it))
             self.position += 1
-            return _pinned(seq) if ds.pin_memory else seq
+            return pinned(seq) if self.pin else seq
         if ds.bucket_window == 1:
-            return collate_padded(self._greedy(it), pin_memory=ds.pin_memory)
+            return collate_padded(self._greedy(it), pin_memory=self.pin)
         if not self.queue:
             window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
             if not window:
@@ -438,7 +446,7 @@ class _Stream(Iterator[Any]):
         if not self.queue:  # the window is all yielded: a resume starts after it
             self.position += self.window_size
             self.skip = self.window_size = 0
-        return collate_padded(batch, pin_memory=ds.pin_memory)
+        return collate_padded(batch, pin_memory=self.pin)
 
     def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
         """The next batch, cut as the seqs come; the seq that does not fit waits for the next one."""
@@ -459,8 +467,26 @@ class _Stream(Iterator[Any]):
         return batch
 
 
-def _pinned(seq: Dict[str, Any]) -> Dict[str, Any]:
-    if not torch.cuda.is_available():
+def _can_pin() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
+    return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
+
+
+_warned: Set[str] = set()
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(message)
+
+
+def pinned(seq: Dict[str, Any]) -> Dict[str, Any]:
+    """The tensors of a seq or batch in pinned memory (where an accelerator exists). Pin in the
+    process that moves them to the device: memory pinned in a DataLoader worker is copied into
+    ordinary shared memory on its way to the main process."""
+    if not _can_pin():
+        _warn_once("no accelerator", "pin_memory=True but no accelerator is available: nothing is pinned")
         return seq
     return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in seq.items()}
 
