@@ -238,6 +238,15 @@ def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
     assert batch["data"].shape == (2, 4, 3) and batch["data:lengths"].tolist() == [2, 4]
 
 
+def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
+    srv, _ = server
+    assert len(DataLoader(ServerDataset(srv.address), batch_size=None)) == 37  # e.g. for an LR schedule
+    assert [len(ServerDataset(srv.address, rank=r, world_size=2)) for r in (0, 1)] == [18, 18]
+    assert [len(ServerDataset(srv.address, rank=r, world_size=2, drop_last=False)) for r in (0, 1)] == [19, 18]
+    with pytest.raises(TypeError, match=r"batches.*not known in advance"):
+        len(DataLoader(ServerDataset(srv.address, max_seqs=4), batch_size=None))
+
+
 def test_rank_and_world_come_from_the_environment(monkeypatch, server):
     srv, _ = server
     monkeypatch.setenv("RANK", "1")

@@ -218,6 +218,7 @@ class ServerDataset(IterableDataset):
         self.length_key = length_key
         self.pin_memory = pin_memory
         self._loaded: Optional[Dict[str, Any]] = None  # a state to start the next iteration from
+        self._num_seqs: Optional[int] = None  # seqs per epoch, once asked for (len())
         self._stream: Optional[_Stream] = None
         self._client: Optional[Client] = None
         self._client_key: Optional[Tuple[int, ...]] = None
@@ -309,6 +310,30 @@ class ServerDataset(IterableDataset):
             raise UsageError(f"state must be a dict from ServerDataset.state_dict(), got {state!r:.100}")
         self._loaded = state
         self._stream = None
+
+    def __len__(self) -> int:
+        """Seqs this rank gets in an epoch, so that `len(DataLoader(ds, batch_size=None))` works
+        (an LR schedule, a progress bar); the server is asked once. TypeError (as for any iterable
+        without a length) when it is not known in advance: with batching, or when the server
+        does not know the count of an epoch before reading it."""
+        if self.batching:
+            raise TypeError(
+                "len() of a ServerDataset that batches (batch_frames/max_seqs) is not known in advance: the "
+                "number of batches depends on the seqs' lengths and on the DataLoader's num_workers (each "
+                "worker batches its own part of the shard)"
+            )
+        if self._num_seqs is None:
+            opts = self.client_options
+            with Client(self.address, timeout=opts["timeout"], keys=opts["keys"], direct=False) as client:
+                self._num_seqs = client.info()["num_seqs"]
+            if self._num_seqs is None:
+                raise TypeError(
+                    "len() of this ServerDataset is not known in advance: the server learns an epoch's number "
+                    "of seqs only by reading it (a map_seq_stream mapper that may change the count, or "
+                    "partition_epoch)"
+                )
+        n, rank, world = self._num_seqs, self.rank, self.world_size
+        return n // world if self.client_options["drop_last"] else max(0, -(-(n - rank) // world))
 
     # ---- iteration -----------------------------------------------------------------------
     def _client_for(self, part: int, parts: int) -> Client:
