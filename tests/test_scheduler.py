@@ -426,7 +426,9 @@ def test_empty_epoch_ends_at_once():
 
 
 # ---- jobs and ranks -----------------------------------------------------------------------------------
-def ranks_sim(world: int, num_seqs: int, drop_last: bool = True, credit: int = 100, timeout: float = 30.0, **kw) -> Sim:
+def ranks_sim(
+    world: int, num_seqs: Optional[int], drop_last: bool = True, credit: int = 100, timeout: float = 30.0, **kw
+) -> Sim:
     """W ranks of job "train" on one 2-worker scheduler, all of them started on epoch 1."""
     sim = Sim(**{"buf_size": 4, **kw})
     sim.join(b"w1")
@@ -1084,6 +1086,45 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
         assert got == shard[start : start + len(got)], (consumer, got)  # its slice of the shard, in order
         if cluster.session.get(rank) == consumer:
             assert start + len(got) == len(shard), (consumer, "the last client of the rank got to the end")
+
+
+def agreed(out: Sequence[Instruction]) -> Dict[bytes, List[Tuple[int, int]]]:
+    """(batch index, size) answered to each consumer."""
+    got: Dict[bytes, List[Tuple[int, int]]] = {}
+    for i in client_msgs(out, protocol.BatchAgreed):
+        got.setdefault(i.consumer, []).append((i.msg.index, i.msg.size))
+    return got
+
+
+def test_readers_batching_by_frames_agree_on_the_smallest_size_proposed():
+    sim = ranks_sim(2, 9, drop_last=False)  # rank 0 gets 5 seqs, rank 1 gets 4
+    run = sim.run
+    assert sim(ev.BatchSizeProposed, b"r0", run, 0, 3) == []  # rank 1 has not proposed yet
+    sim.now = 1.0
+    out = sim(ev.Tick)
+    (alive,) = [i.msg for i in client_msgs(out, protocol.Keepalive) if i.consumer == b"r0"]
+    assert "batch 0" in alive.waiting_for and "rank 1" in alive.waiting_for
+    out = sim(ev.BatchSizeProposed, b"r1", run, 0, 2)
+    assert agreed(out) == {b"r0": [(0, 2)], b"r1": [(0, 2)]}  # both take 2 seqs
+    out = sim(ev.BatchSizeProposed, b"r1", run, 0, 2)  # asked again (e.g. after a resume): the same answer
+    assert agreed(out) == {b"r1": [(0, 2)]}
+    sim(ev.BatchSizeProposed, b"r0", run, 1, 3)
+    out = sim(ev.BatchSizeProposed, b"r1", run, 1, 2)
+    assert agreed(out) == {b"r0": [(1, 2)], b"r1": [(1, 2)]}
+    # rank 1's 4 seqs are used up (the shard sizes are known): rank 0 need not wait for it
+    out = sim(ev.BatchSizeProposed, b"r0", run, 2, 1)
+    assert agreed(out) == {b"r0": [(2, 1)]}
+    finish(sim, run)
+    assert sim.s.runs == {}
+    out = sim(ev.BatchSizeProposed, b"r0", run, 3, 0)  # after the run has ended: still answered
+    assert agreed(out) == {b"r0": [(3, 0)]}
+
+    # the count unknown until the epoch is read: a reader says it has no seqs left
+    sim = ranks_sim(2, None, drop_last=False)
+    run = sim.run
+    sim(ev.BatchSizeProposed, b"r0", run, 0, 3)
+    assert agreed(sim(ev.BatchSizeProposed, b"r1", run, 0, 0)) == {b"r0": [(0, 3)], b"r1": [(0, 3)]}
+    assert agreed(sim(ev.BatchSizeProposed, b"r0", run, 1, 2)) == {b"r0": [(1, 2)]}  # rank 1 is out
 
 
 def test_subshards_split_a_rank_and_drop_last_follows_the_ranks():

@@ -159,6 +159,40 @@ def test_set_epoch_reaches_persistent_workers(server, cls):
     gc.collect()
 
 
+@pytest.mark.parametrize("workers, bucket", [(0, 1), (2, 5)])
+def test_ranks_batching_by_frames_agree_on_every_batch_size(server, workers, bucket):
+    # cut alone, the two shards of epoch 7 make 7 and 8 batches of at most 150 frames (DDP would hang)
+    srv, cfg = server
+    want = reference(cfg, 7)
+    got: Dict[int, List[Dict[str, Any]]] = {}
+
+    def rank_main(rank: int) -> None:
+        ds = ServerDataset(
+            srv.address, job=f"t11-{workers}", rank=rank, world_size=2, epoch=7, batch_frames=150, bucket_window=bucket
+        )
+        got[rank] = list(DataLoader(ds, batch_size=None, num_workers=workers))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and sorted(got) == [0, 1]
+    sizes = [[len(b["seq_tag"]) for b in got[rank]] for rank in range(2)]
+    assert sizes[0] == sizes[1]  # as many batches, and as many seqs in each: the ranks stay in step
+    length = {s["seq_tag"]: s["data"].shape[0] for s in want}
+    for rank in range(2):
+        for b in got[rank]:
+            n, t = b["data"].shape[:2]
+            assert n * t <= 150 or n == 1
+            assert b["data:lengths"].tolist() == [length[tag] for tag in b["seq_tag"]]
+        tags = [tag for b in got[rank] for tag in b["seq_tag"]]
+        shard = [s["seq_tag"] for s in want[rank:36:2]]
+        assert sorted(tags) == sorted(shard)  # each seq of the shard once
+        if (workers, bucket) == (0, 1):
+            assert tags == shard  # in epoch order
+
+
 def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
     srv, cfg = server
     want = {s["seq_tag"]: s for s in reference(cfg, 4)}

@@ -372,9 +372,15 @@ class _Stream(Iterator[Any]):
     """One iteration of a ServerDataset. Opens its epoch lazily, so a loaded state applies first.
 
     Its state is where a resume starts: the position (in this reader's part of the shard) of
-    the first seq not yet yielded, or, with `bucket_window` N, of the first seq of the current
-    window of N plus the batches of it already yielded (the window is cut again on resume,
-    the same way, and those batches skipped).
+    the first seq not yet yielded and the index of the next batch, or, with `bucket_window` N,
+    those of the current window of N plus the batches of it already yielded (the window is cut
+    again on resume, the same way, and those batches skipped).
+
+    With `batch_frames`, the size of each batch is agreed among all readers of the job (every
+    rank's DataLoader workers): each proposes as many of its next seqs as fit the caps, and
+    batch i of every reader takes the smallest proposal (`EpochIterator.agree`). So every
+    reader cuts the same number of batches (equal steps for DDP ranks, with drop_last) and all
+    stay at the same place in their shards.
     """
 
     def __init__(self, ds: ServerDataset, part: int, parts: int, plan: _Plan):
@@ -393,11 +399,15 @@ class _Stream(Iterator[Any]):
             )
         self.it: Optional[EpochIterator] = None
         self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
+        self.batch = 0  # index of the next batch in the epoch (or of the current window's first)
         self.skip = 0  # batches of the current window already yielded
         self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
-        self.queue: List[List[Dict[str, Any]]] = []  # batches of the current window still to yield
+        self.ended = False  # the shard's seqs have all been received
+        self.window: List[Dict[str, Any]] = []  # the current window's seqs not yet yielded, by length
         self.window_size = 0
         self.finished = plan.finished
+        # batches cut by frames are agreed among the job's readers (alone, a reader needs no one)
+        self.agree = ds.batch_frames is not None and ds.world_size * parts > 1
 
     def state_dict(self) -> Dict[str, Any]:
         it = self.it
@@ -408,7 +418,7 @@ class _Stream(Iterator[Any]):
         if it is None:
             return {"epoch": self.epoch, "resume": self.resume}
         state = it.state_dict()
-        state.update(position=self.position, skip=self.skip)
+        state.update(position=self.position, batch=self.batch - self.skip, skip=self.skip)
         return {"epoch": self.epoch, "resume": state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -428,9 +438,10 @@ class _Stream(Iterator[Any]):
                 )
             it = client.epoch(state=resume)
             self.skip = int(resume.get("skip", 0))
+            self.batch = int(resume.get("batch", 0))
         else:
             it = client.epoch(self.epoch)
-            self.skip = 0
+            self.skip = self.batch = 0
         self.position = it.start
         self.it = it
         return it
@@ -460,35 +471,60 @@ class _Stream(Iterator[Any]):
             return pinned(seq) if self.pin else seq
         if ds.bucket_window == 1:
             return collate_padded(self._greedy(it), pin_memory=self.pin)
-        if not self.queue:
-            window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
-            if not window:
-                raise StopIteration
-            self.window_size = len(window)
-            self.queue = cut(window, ds.batch_frames, ds.max_seqs, ds.length_key, sort=True)[self.skip :]
-        batch = self.queue.pop(0)
-        self.skip += 1
-        if not self.queue:  # the window is all yielded: a resume starts after it
-            self.position += self.window_size
-            self.skip = self.window_size = 0
-        return collate_padded(batch, pin_memory=self.pin)
+        return collate_padded(self._bucketed(it), pin_memory=self.pin)
 
-    def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
-        """The next batch, cut as the seqs come; the seq that does not fit waits for the next one."""
-        ds = self.ds
-        while True:
+    def _receive(self, it: EpochIterator) -> bool:
+        """One more seq into `pending`; False at the end of the shard."""
+        if not self.ended:
             try:
                 self.pending.append(to_tensors(next(it)))
+                return True
             except StopIteration:
-                if not self.pending:
-                    raise
-                batch, self.pending = self.pending, []
-                break
-            parts = cut(self.pending, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
-            if len(parts) > 1:
-                batch, self.pending = parts[0], [s for p in parts[1:] for s in p]
-                break
+                self.ended = True
+        return False
+
+    def _cut(self, seqs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
+        ds = self.ds
+        return cut(seqs, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
+
+    def _take_batch(self, it: EpochIterator, seqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The next batch from the front of `seqs` (removed from it): as many seqs as fit the caps,
+        or, with batch_frames, as many as every reader of the job agreed on for this batch."""
+        fits = len(self._cut(seqs)[0]) if seqs else 0
+        size = fits
+        if self.agree:
+            size = it.agree(self.batch, fits, wait=fits > 0)  # (no seqs left: none of the job's batches wait)
+        if size == 0 or not seqs:
+            raise StopIteration
+        self.batch += 1
+        batch = seqs[:size]
+        del seqs[:size]
+        return batch
+
+    def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
+        """The next batch, cut as the seqs come; the seqs that do not fit wait for the next one."""
+        while len(self._cut(self.pending)) < 2 and self._receive(it):
+            pass  # until the first batch is complete (the next seq does not fit) or the shard ends
+        batch = self._take_batch(it, self.pending)
         self.position += len(batch)
+        return batch
+
+    def _bucketed(self, it: EpochIterator) -> List[Dict[str, Any]]:
+        """The next batch of the current window of `bucket_window` seqs, sorted by length (stably);
+        a resumed window is cut again the same way, and its first `skip` batches dropped."""
+        ds = self.ds
+        if not self.window:
+            self.window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
+            self.window_size = len(self.window)
+            lengths = [_length(seq, ds.length_key) for seq in self.window]
+            self.window = [self.window[i] for i in sorted(range(len(self.window)), key=lambda i: lengths[i])]
+            for _ in range(self.skip):
+                self._take_batch(it, self.window)
+        batch = self._take_batch(it, self.window)
+        self.skip += 1
+        if not self.window:  # the window is all yielded: a resume starts after it
+            self.position += self.window_size
+            self.skip = self.window_size = 0
         return batch
 
 

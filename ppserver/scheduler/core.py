@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
+    BatchAgreed,
     ConsumerGone,
     ConsumerRoute,
     End,
@@ -43,7 +44,7 @@ from ppclient.protocol import (
 
 from . import events as ev
 from .instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
-from .jobs import Client, Job, Lane, Run
+from .jobs import Agreement, Client, Job, Lane, Run
 from .seqs import SeqDispatch
 from .settings import Failure, Settings
 from .streams import StreamDispatch
@@ -101,6 +102,7 @@ class Scheduler:
             ),
             ev.RunFailedElsewhere: lambda e, out: self._fail_id(e.run, Failure(FailureKind.SERVER, e.message), out),
             ev.CreditGranted: self._on_credit,
+            ev.BatchSizeProposed: self._on_batch_size,
             ev.ConsumerAlive: self._on_alive,
             ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out),
         }
@@ -201,20 +203,28 @@ class Scheduler:
         self.last_beat = e.now
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
+        told = set()
         for run in self.runs.values():
             for lane in run.lanes:
                 if lane.consumer is not None and lane.connected and not lane.settled:
-                    out.append(
-                        ToClient(
-                            lane.consumer,
-                            Keepalive(
-                                run=run.run,
-                                interval=self.settings.heartbeat_interval,
-                                workers=len(self.workers),
-                                waiting_for=self._holdup(run, lane),
-                            ),
-                        )
-                    )
+                    told.add((lane.consumer, run.run))
+                    out.append(ToClient(lane.consumer, self._keepalive(run.run, self._holdup(run, lane))))
+        # readers waiting for a batch size, also those whose run has ended (their last batches)
+        job = self.job
+        if job is None:
+            return
+        for agreement in job.agreements.values():
+            for index, waiting in agreement.waiting.items():
+                for consumer, run_id in waiting:
+                    if (consumer, run_id) not in told:
+                        told.add((consumer, run_id))
+                        text = self._agreement_holdup(job, agreement, index)
+                        out.append(ToClient(consumer, self._keepalive(run_id, text)))
+
+    def _keepalive(self, run: int, waiting_for: str) -> Keepalive:
+        return Keepalive(
+            run=run, interval=self.settings.heartbeat_interval, workers=len(self.workers), waiting_for=waiting_for
+        )
 
     # ---- worker messages ----------------------------------------------------------------------
     def _dispatch_of(self, run_id: int, kind: type) -> Optional[Any]:
@@ -402,6 +412,7 @@ class Scheduler:
                 for wid in self.workers:
                     out.append(ToWorker(wid, client.route))
         lane.direct = client.route is not None
+        run.job.reader(run, e.lane, e.consumer)
         log.info(
             "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
             run.job.who(e.lane),
@@ -605,6 +616,30 @@ class Scheduler:
                 run.epoch,
             )
 
+    def _on_batch_size(self, e: ev.BatchSizeProposed, out: List[Instruction]) -> None:
+        job = self.job
+        where = job.readers.get((e.run, e.consumer)) if job is not None else None
+        if job is None or where is None:
+            return  # not a reader of this job (e.g. of a job since replaced): it times out, saying why
+        epoch, lane = where
+        self._on_alive(ev.ConsumerAlive(e.now, e.consumer), out)
+        agreement = job.agreement(epoch)
+        for run in job.runs.values():
+            if agreement.end is None and run.epoch == epoch:
+                agreement.end = run.end()
+        self._agreed(agreement.propose(e.index, lane, e.size, (e.consumer, e.run)), out)
+
+    @staticmethod
+    def _agreed(answers: List[Tuple[bytes, int, int, int]], out: List[Instruction]) -> None:
+        for consumer, run, index, size in answers:
+            out.append(ToClient(consumer, BatchAgreed(run=run, index=index, size=size)))
+
+    @staticmethod
+    def _agreement_holdup(job: Job, agreement: Agreement, index: int) -> str:
+        missing = agreement.missing(index)
+        who = ", ".join(job.who(lane) for lane in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        return f"{who} of job {job.name!r} to propose the size of batch {index}"
+
     def _router(self, run: Run) -> Callable[[int], bytes]:
         """Where a position's result goes directly: its lane's consumer, if that one takes direct results."""
         lanes, width = run.lanes, run.width
@@ -676,6 +711,10 @@ class Scheduler:
             )
         run.state = state
         run.ended = self.now
+        agreement = run.job.agreements.get(run.epoch)
+        if agreement is not None and agreement.end is None and run.end() is not None:
+            agreement.end = run.end()  # readers whose shard is used up need not propose their next batch
+            self._agreed(agreement.settle(), out)
         self.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
         for lane in run.lanes:
@@ -838,6 +877,11 @@ class Scheduler:
         if run.dispatch is None:
             busy = f" ({self.reader_busy})" if self.reader_busy else ""
             return f"the dataset to set up the epoch{busy}"
+        agreement = run.job.agreements.get(run.epoch)
+        if lane is not None and agreement is not None:
+            for index, waiting in agreement.waiting.items():
+                if (lane.consumer, run.run) in waiting:
+                    return self._agreement_holdup(run.job, agreement, index)
         if not self.workers:
             return "a worker (none is connected)"
         if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes)):
