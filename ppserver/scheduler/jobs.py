@@ -153,6 +153,8 @@ class Agreement:
     proposals: Dict[int, Dict[int, int]] = field(default_factory=dict)  # batch -> lane -> size
     waiting: Dict[int, Set[Tuple[bytes, int]]] = field(default_factory=dict)  # batch -> (consumer, run) to answer
     out_at: Dict[int, int] = field(default_factory=dict)  # lane -> the first batch it had no seqs for
+    agreed_upto: int = 0  # batches 0 .. agreed_upto - 1 are all agreed...
+    taken: int = 0  # ...and take this many seqs of every shard
 
     def propose(self, index: int, lane: int, size: int, who: Tuple[bytes, int]) -> List[Tuple[bytes, int, int, int]]:
         """Record a proposal; the answers now due: (consumer, run, batch, size)."""
@@ -172,12 +174,15 @@ class Agreement:
                 continue
             agreed = self.sizes[index] = min((n for n in self.proposals.pop(index).values() if n > 0), default=0)
             answers += [(consumer, run, index, agreed) for consumer, run in self.waiting.pop(index, ())]
+            while self.agreed_upto in self.sizes:
+                self.taken += self.sizes[self.agreed_upto]
+                self.agreed_upto += 1
         return answers
 
     def missing(self, index: int) -> List[int]:
         """The lanes that have not proposed batch `index` yet and may have seqs for it."""
         proposed = self.proposals.get(index, {})
-        before = sum(self.sizes[i] for i in range(index)) if all(i in self.sizes for i in range(index)) else None
+        before = self.taken if self.agreed_upto == index else None  # seqs of every shard before the batch
         return [
             lane
             for lane in range(self.lanes)
