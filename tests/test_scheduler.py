@@ -1118,6 +1118,8 @@ def test_readers_batching_by_frames_agree_on_the_smallest_size_proposed():
     assert sim.s.runs == {}
     out = sim(ev.BatchSizeProposed, b"r0", run, 3, 0)  # after the run has ended: still answered
     assert agreed(out) == {b"r0": [(3, 0)]}
+    run2, _ = sim.request(1, consumer=b"r0", job="train", rank=0, world_size=2, drop_last=False)
+    assert run2 != run and 1 not in sim.s.job.agreements  # the epoch read again from its start: cut anew
 
     # the count unknown until the epoch is read: a reader says it has no seqs left
     sim = ranks_sim(2, None, drop_last=False)

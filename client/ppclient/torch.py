@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .client import Client, EpochIterator
-from .errors import UsageError
+from .errors import Error, UsageError
 from .wire import META_KEYS
 
 log = logging.getLogger("ppclient.torch")
@@ -494,6 +494,11 @@ class _Stream(Iterator[Any]):
         size = fits
         if self.agree:
             size = it.agree(self.batch, fits, wait=fits > 0)  # (no seqs left: none of the job's batches wait)
+            if fits and size > fits:
+                raise Error(
+                    f"epoch {self.epoch}: batch {self.batch} was agreed with {size} seqs, but only {fits} fit this "
+                    "reader's batch_frames/max_seqs: the job's batches of this epoch were cut with other settings"
+                )
         if size == 0 or not seqs:
             raise StopIteration
         self.batch += 1

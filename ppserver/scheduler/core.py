@@ -427,6 +427,9 @@ class Scheduler:
             self._to_lane(run, lane, self._started(run, lane), out)
 
     def _new_run(self, job: Job, e: ev.EpochRequested, *, solo: Optional[int], out: List[Instruction]) -> Run:
+        agreement = job.agreements.get(e.epoch)
+        if solo is None and e.start == 0 and agreement is not None and not agreement.waiting:
+            del job.agreements[e.epoch]  # the epoch is read again from its start: its batches are cut anew
         self.next_run += 1
         run = Run(
             run=self.next_run,
