@@ -53,6 +53,8 @@ class Control:
             return None, self._handle(ev.CreditGranted(now, ident, msg.run, msg.total, msg.consumed))
         if isinstance(msg, protocol.Missing):
             return None, self._handle(ev.MissingReported(now, ident, msg.run, msg.pos))
+        if isinstance(msg, protocol.BatchSize):
+            return None, self._handle(ev.BatchSizeProposed(now, ident, msg.run, msg.index, msg.size))
         if isinstance(msg, protocol.ClientAlive):
             return None, self._handle(ev.ConsumerAlive(now, msg.consumer))
         if isinstance(msg, protocol.ClientClosed):

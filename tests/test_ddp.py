@@ -65,7 +65,8 @@ def test_ddp_training_survives_a_killed_rank_and_sees_each_seq_once(tmp_path):
         logs = {r: open(os.path.join(workdir, f"rank{r}.log")).read()[-2000:] for r in range(2)}
         assert codes == [0, 0], (codes, logs)
     last = [int(out.split()[1]) for out in outs]
-    assert last[0] == last[1] == 10  # 20 seqs per rank (41 // 2), 2 per step
+    assert last[0] == last[1] >= 10  # equally many steps (batches of 1 or 2 of the 20 seqs per rank)
+    sizes = []
     for rank in range(2):
         before, after = (
             [json.loads(line) for line in open(os.path.join(workdir, f"seen.rank{rank}.{label}.jsonl"))]
@@ -75,7 +76,9 @@ def test_ddp_training_survives_a_killed_rank_and_sees_each_seq_once(tmp_path):
         # after step 5, before its checkpoint); steps after it were seen again, as in any
         # checkpointed training, and count once
         resumed_at = after[0]["step"] - 1
-        assert resumed_at == 4 and [e["step"] for e in after] == list(range(5, 11))
-        seen = [tag for e in before if e["step"] <= resumed_at for tag in e["tags"]]
-        seen += [tag for e in after for tag in e["tags"]]
+        assert resumed_at == 4 and [e["step"] for e in after] == list(range(5, last[rank] + 1))
+        steps = [e for e in before if e["step"] <= resumed_at] + after
+        seen = [tag for e in steps for tag in e["tags"]]
         assert seen == want[rank:40:2], rank  # the rank's shard of the unsharded epoch, none lost or repeated
+        sizes.append([len(e["tags"]) for e in steps])
+    assert sizes[0] == sizes[1]  # every step, as many seqs on each rank

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -16,7 +17,6 @@ import threading
 import time
 from typing import Dict, List
 
-import numpy as np
 import pytest
 from conftest import REPO, assert_same_epoch, collect, numpy_config, reference, run_server, wait_for
 
@@ -128,8 +128,9 @@ def test_a_rank_ahead_by_an_epoch_does_not_disturb_the_others(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER, n=40, ordering="random", extra="buf_size = 2\n")
     want1, want2 = reference(cfg, 1), reference(cfg, 2)
     with run_server(cfg, workers=2) as srv:
+        # rank 1 has a window of 2: its last seqs of epoch 1 are still on the server when rank 0 moves on
         fast = ppclient.Client(srv.address, rank=0, world_size=2, job="train")
-        slow = ppclient.Client(srv.address, rank=1, world_size=2, job="train")
+        slow = ppclient.Client(srv.address, rank=1, world_size=2, job="train", window=2)
         try:
             it0, it1 = fast.epoch(1), slow.epoch(1)
             got1 = {0: [], 1: []}
@@ -143,7 +144,13 @@ def test_a_rank_ahead_by_an_epoch_does_not_disturb_the_others(tmp_path):
 
             t = threading.Thread(target=next_epoch)
             t.start()
-            time.sleep(0.5)
+
+            def ranks() -> Dict[int, dict]:
+                return {r["rank"]: r for r in slow.status()["ranks"]}
+
+            wait_for(lambda: ranks().get(0, {}).get("epoch") == 2, 30, "rank 0 to read epoch 2")
+            behind = ranks()[1]
+            assert behind["epoch"] == 1 and behind["position"] < 20  # not all of its shard was sent yet
             got1[1] += collect(it1)
             got2_1 = collect(slow.epoch(2))
             t.join(timeout=60)
@@ -164,10 +171,13 @@ def test_another_job_is_refused_while_the_first_lives_and_accepted_after(tmp_pat
         first_it = first.epoch(1)
         next(first_it)
         with ppclient.Client(srv.address, job="eval") as other:
-            with pytest.raises(ppclient.Error, match=r"job 'train'.*must wait"):
+            with pytest.raises(ppclient.Error, match=r"job 'train' is running with 1 live client .*must wait") as err:
                 other.epoch(1)
+            assert "silent for its client timeout of 5 s" in str(err.value)
             with ppclient.Client(srv.address, job="train", rank=0, world_size=4) as wrong_world:
-                with pytest.raises(ppclient.Error, match="world_size 1"):
+                with pytest.raises(
+                    ppclient.Error, match=r"job 'train' conflicts.*world_size 4, where the job has world_size 1"
+                ):
                     wrong_world.epoch(1)
             first.close()  # the first job's last client leaves: the other job may run now
             # (its goodbye travels on its own connection: wait until the server has heard it)
@@ -210,8 +220,7 @@ def _try_epoch(client: ppclient.Client):
 
 
 RANK_SCRIPT = """
-import json, os, sys
-import numpy as np
+import json, os, pickle, sys
 import ppclient
 address, rank, world, stop_after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 out, use_state = sys.argv[5], sys.argv[6] == "1"
@@ -221,7 +230,8 @@ state = json.load(open(state_path)) if use_state and os.path.exists(state_path) 
 it = c.epoch(1, state=state) if state else c.epoch(1)
 n = 0
 for seq in it:
-    np.save(f"{out}-{seq['seq_idx']}.npy", seq["data"])
+    with open(f"{out}-{seq['seq_idx']}.pkl", "wb") as f:
+        pickle.dump(dict(seq), f)  # every array and meta entry, as received
     with open(state_path + ".tmp", "w") as f:
         json.dump(it.state_dict(), f)  # a checkpoint after every step
     os.replace(state_path + ".tmp", state_path)
@@ -271,7 +281,8 @@ def test_a_killed_rank_resumes_its_shard_while_the_other_runs(tmp_path, how):
                 assert len(it) == 30 - 11
                 rest = collect(it)
             for seq in rest:
-                np.save(f"{out}-{seq['seq_idx']}.npy", seq["data"])
+                with open(f"{out}-{seq['seq_idx']}.pkl", "wb") as f:
+                    pickle.dump(seq, f)
         else:
             done = _run_rank(srv.address, 1, 2, -1, out, use_state=True)
             assert done.returncode == 0 and done.stdout.split() == ["done", "30"], done.stderr
@@ -279,8 +290,11 @@ def test_a_killed_rank_resumes_its_shard_while_the_other_runs(tmp_path, how):
         assert not t.is_alive()
     assert_same_epoch(other["got"], shard(want, 0, 2))
     mine = shard(want, 1, 2)
-    for seq in mine:
-        assert np.array_equal(np.load(f"{out}-{seq['seq_idx']}.npy"), seq["data"]), seq["seq_idx"]
+    got = []
+    for seq in mine:  # what the killed rank got before and after its restart: all keys, all meta
+        with open(f"{out}-{seq['seq_idx']}.pkl", "rb") as f:
+            got.append(pickle.load(f))
+    assert_same_epoch(got, mine)
 
 
 def test_resume_in_stream_mode_replays_and_skips(tmp_path):
@@ -297,6 +311,45 @@ def test_resume_in_stream_mode_replays_and_skips(tmp_path):
     assert_same_epoch(first + rest, want)
 
 
+def test_a_rank_resumes_in_stream_mode_while_the_other_runs(tmp_path):
+    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=120, extra="stream_partitions = 3\nbuf_size = 2\n")
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=2) as srv:
+        a = ppclient.Client(srv.address, rank=0, world_size=2, job="train", window=4)
+        b = ppclient.Client(srv.address, rank=1, world_size=2, job="train", window=4)
+        try:
+            ita, itb = a.epoch(1), b.epoch(1)
+            got0, got1 = [], []
+            for _ in range(5):  # in step, as DDP ranks read
+                got0.append(next(ita))
+                got1.append(next(itb))
+            state = itb.state_dict()
+            b.close()  # rank 1 crashes after 5 seqs
+            got0 += [next(ita) for _ in range(5)]  # rank 0 goes on
+            rest: Dict[str, List[dict]] = {}
+            resumed = threading.Event()
+
+            def rank1() -> None:
+                it = b2.epoch(state=state)
+                resumed.set()
+                rest["got"] = collect(it)
+
+            with ppclient.Client(srv.address, rank=1, world_size=2, job="train") as b2:  # rank 1 comes back
+                t = threading.Thread(target=rank1)
+                t.start()
+                assert resumed.wait(timeout=30)
+                ranks = a.status()["ranks"]
+                assert [r["done"] for r in ranks if r["rank"] == 0] == [False]  # while rank 0 still reads
+                got0 += collect(ita)
+                t.join(timeout=60)
+                assert not t.is_alive()
+        finally:
+            a.close()
+    assert state["position"] == 5
+    assert_same_epoch(got0, shard(want, 0, 2))
+    assert_same_epoch(got1 + rest["got"], shard(want, 1, 2))
+
+
 def test_conflicting_requests_are_refused_and_disturb_nothing(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER, n=30, extra="buf_size = 2\n")
     with run_server(cfg, workers=2) as srv:
@@ -311,8 +364,11 @@ def test_conflicting_requests_are_refused_and_disturb_nothing(tmp_path):
                 with pytest.raises(ppclient.Error, match="another seq_list"):
                     c.epoch(1, seq_order=[3, 2, 1])
             with ppclient.Client(srv.address, rank=0, world_size=3, job="train") as c:
-                with pytest.raises(ppclient.Error, match="world_size 2"):
+                with pytest.raises(ppclient.Error, match="world_size 3, where the job has world_size 2"):
                     c.epoch(1)
+            with ppclient.Client(srv.address, rank=0, world_size=2, job="train", subshard=(1, 2)) as c:
+                with pytest.raises(ppclient.Error, match="DataLoader num_workers 2, where the job has 1 reader"):
+                    c.epoch(1)  # a DataLoader worker of a loader with another num_workers than the job's
             foreign = dict(ita.state_dict(), fingerprint="0123456789abcdef")
             with ppclient.Client(srv.address, rank=0, world_size=2, job="train") as c:
                 with pytest.raises(ppclient.Error, match="config fingerprint"):
@@ -354,7 +410,8 @@ def test_status_shows_the_job_and_its_ranks(tmp_path):
             )
     assert res.returncode == 0, res.stderr
     assert re.search(r"^job +'train' +world_size 2 +drop_last True +2 live clients +epochs 1$", res.stdout, re.M)
-    # position: the index in the shard up to which seqs were sent (the client buffers its window)
+    # position: the index in the shard up to which seqs were sent (the client buffers its window);
+    # the rate: seqs sent to the rank per second since it began
     for rank, least in ((0, 3), (1, 2)):
-        m = re.search(rf"^  rank {rank} +epoch 1 \(run \d+\) +position (\d+)/15 ", res.stdout, re.M)
-        assert m and int(m.group(1)) >= least, res.stdout
+        m = re.search(rf"^  rank {rank} +epoch 1 \(run \d+\) +position (\d+)/15 +([\d.]+) seqs/s", res.stdout, re.M)
+        assert m and int(m.group(1)) >= least and float(m.group(2)) > 0, res.stdout

@@ -426,7 +426,9 @@ def test_empty_epoch_ends_at_once():
 
 
 # ---- jobs and ranks -----------------------------------------------------------------------------------
-def ranks_sim(world: int, num_seqs: int, drop_last: bool = True, credit: int = 100, timeout: float = 30.0, **kw) -> Sim:
+def ranks_sim(
+    world: int, num_seqs: Optional[int], drop_last: bool = True, credit: int = 100, timeout: float = 30.0, **kw
+) -> Sim:
     """W ranks of job "train" on one 2-worker scheduler, all of them started on epoch 1."""
     sim = Sim(**{"buf_size": 4, **kw})
     sim.join(b"w1")
@@ -500,9 +502,12 @@ def test_a_slow_rank_holds_the_others_back_only_by_its_window():
 def test_another_job_is_refused_while_a_client_of_this_one_lives():
     sim = ranks_sim(2, 10)
     run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
-    assert run is None and "job 'train'" in refusal(out)
+    assert run is None and "job 'train' is running with 2 live clients" in refusal(out)
+    assert "a request of job 'eval' must wait until they are gone" in refusal(out)
+    assert "silent for their client timeout of 30 s" in refusal(out)
     run, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=4)
-    assert run is None and "world_size 2" in refusal(out)
+    assert run is None and "this request of job 'train' conflicts" in refusal(out)  # the same job, not another
+    assert "world_size 4, where the job has world_size 2" in refusal(out)
     sim(ev.ConsumerClosed, b"r0")
     sim.now = 100.0  # r1 went silent long ago (its timeout is 30 s)
     sim(ev.Tick)
@@ -1083,6 +1088,47 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
             assert start + len(got) == len(shard), (consumer, "the last client of the rank got to the end")
 
 
+def agreed(out: Sequence[Instruction]) -> Dict[bytes, List[Tuple[int, int]]]:
+    """(batch index, size) answered to each consumer."""
+    got: Dict[bytes, List[Tuple[int, int]]] = {}
+    for i in client_msgs(out, protocol.BatchAgreed):
+        got.setdefault(i.consumer, []).append((i.msg.index, i.msg.size))
+    return got
+
+
+def test_readers_batching_by_frames_agree_on_the_smallest_size_proposed():
+    sim = ranks_sim(2, 9, drop_last=False)  # rank 0 gets 5 seqs, rank 1 gets 4
+    run = sim.run
+    assert sim(ev.BatchSizeProposed, b"r0", run, 0, 3) == []  # rank 1 has not proposed yet
+    sim.now = 1.0
+    out = sim(ev.Tick)
+    (alive,) = [i.msg for i in client_msgs(out, protocol.Keepalive) if i.consumer == b"r0"]
+    assert "batch 0" in alive.waiting_for and "rank 1" in alive.waiting_for
+    out = sim(ev.BatchSizeProposed, b"r1", run, 0, 2)
+    assert agreed(out) == {b"r0": [(0, 2)], b"r1": [(0, 2)]}  # both take 2 seqs
+    out = sim(ev.BatchSizeProposed, b"r1", run, 0, 2)  # asked again (e.g. after a resume): the same answer
+    assert agreed(out) == {b"r1": [(0, 2)]}
+    sim(ev.BatchSizeProposed, b"r0", run, 1, 3)
+    out = sim(ev.BatchSizeProposed, b"r1", run, 1, 2)
+    assert agreed(out) == {b"r0": [(1, 2)], b"r1": [(1, 2)]}
+    # rank 1's 4 seqs are used up (the shard sizes are known): rank 0 need not wait for it
+    out = sim(ev.BatchSizeProposed, b"r0", run, 2, 1)
+    assert agreed(out) == {b"r0": [(2, 1)]}
+    finish(sim, run)
+    assert sim.s.runs == {}
+    out = sim(ev.BatchSizeProposed, b"r0", run, 3, 0)  # after the run has ended: still answered
+    assert agreed(out) == {b"r0": [(3, 0)]}
+    run2, _ = sim.request(1, consumer=b"r0", job="train", rank=0, world_size=2, drop_last=False)
+    assert run2 != run and 1 not in sim.s.job.agreements  # the epoch read again from its start: cut anew
+
+    # the count unknown until the epoch is read: a reader says it has no seqs left
+    sim = ranks_sim(2, None, drop_last=False)
+    run = sim.run
+    sim(ev.BatchSizeProposed, b"r0", run, 0, 3)
+    assert agreed(sim(ev.BatchSizeProposed, b"r1", run, 0, 0)) == {b"r0": [(0, 3)], b"r1": [(0, 3)]}
+    assert agreed(sim(ev.BatchSizeProposed, b"r0", run, 1, 2)) == {b"r0": [(1, 2)]}  # rank 1 is out
+
+
 def test_subshards_split_a_rank_and_drop_last_follows_the_ranks():
     sim = Sim(buf_size=4)
     sim.join(b"w1")
@@ -1104,7 +1150,8 @@ def test_subshards_split_a_rank_and_drop_last_follows_the_ranks():
         merged = [p for group in zip_longest(*lanes) for p in group if p is not None]  # a DataLoader's turns
         assert merged == list(range(rank, 22, world))  # the rank's shard, in order; 22: drop_last of 2 ranks
     _, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=2, subshard=0, subshards=3)
-    assert "subshards 2" in refusal(out)
+    assert "3 readers per rank, i.e. DataLoader num_workers 3, where the job has 2 readers per rank" in refusal(out)
+    assert "subshard" not in refusal(out)
 
 
 @pytest.mark.parametrize("world, drop_last", [(1, True), (2, True), (2, False)])

@@ -77,6 +77,7 @@ def test_epoch_in_order_matches_reference(tmp_path):
         it = c.epoch(1)
         assert len(it) == 60
         got = collect(it)
+        assert info["fingerprint"] and it.state_dict()["fingerprint"] == info["fingerprint"]
     assert [s["seq_idx"] for s in got] == list(range(60))
     assert [s["seq_tag"] for s in got] == [f"seq-{i}" for i in range(60)]
     fracs = [s["complete_frac"] for s in got]

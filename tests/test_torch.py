@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import threading
 import warnings
 from typing import Any, Dict, List
@@ -12,9 +14,12 @@ import pytest
 torch = pytest.importorskip("torch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
-from conftest import assert_same_epoch, numpy_config, reference, run_server  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from conftest import assert_same_epoch, numpy_config, reference, run_server, write_config  # noqa: E402
+from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
 
+import ppclient.torch  # noqa: E402
+from ppclient.client import EpochIterator  # noqa: E402
+from ppclient.errors import UsageError  # noqa: E402
 from ppclient.torch import ServerDataset, collate_padded, cut  # noqa: E402
 
 MAPPER = """
@@ -36,14 +41,27 @@ def server(tmp_path_factory):
         yield srv, cfg
 
 
-def test_seqs_come_as_tensors_without_a_copy_or_warning(server):
+def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
     srv, cfg = server
+    received: List[Dict[str, Any]] = []
+    take = EpochIterator.__next__
+
+    def recorded(it):
+        seq = take(it)
+        received.append(seq)
+        return seq
+
+    monkeypatch.setattr(EpochIterator, "__next__", recorded)
     ds = ServerDataset(srv.address, job="t1", epoch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PyTorch's "non-writable array" warning would fail the test
         got = list(DataLoader(ds, batch_size=None))
     assert all(isinstance(s["data"], torch.Tensor) and s["data"].dtype == torch.float32 for s in got)
     assert_same_epoch([as_numpy(s) for s in got], reference(cfg, 2))
+    assert len(received) == len(got)
+    for seq, arrays in zip(got, received):
+        for key in ("data", "classes"):  # each tensor is the received array's memory: no copy
+            assert arrays[key].flags.writeable and seq[key].data_ptr() == arrays[key].ctypes.data, key
 
 
 @pytest.mark.parametrize("world, workers", [(1, 2), (1, 3), (2, 2)])
@@ -86,6 +104,95 @@ def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
     assert tags == sorted(s["seq_tag"] for s in want)  # every seq once
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, workers):
+    srv, cfg = server
+    want = {e: reference(cfg, e) for e in (1, 2, 3)}
+
+    def loader(state=None):
+        ds = ServerDataset(srv.address, job=f"t6-{workers}")
+        ld = stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+        if state is not None:
+            ld.load_state_dict(copy.deepcopy(state))  # as from a checkpoint
+        return ds, ld
+
+    ds, ld = loader()
+    ds.set_epoch(1)
+    assert_same_epoch([as_numpy(s) for s in ld], want[1])
+    at_end = ld.state_dict()  # a checkpoint after epoch 1
+    ds.set_epoch(2)
+    it = iter(ld)
+    first = [as_numpy(next(it)) for _ in range(5)]
+    mid = ld.state_dict()  # a checkpoint in the middle of epoch 2
+    assert_same_epoch(first + [as_numpy(s) for s in it], want[2])
+
+    # the training loop resumes as it runs: set_epoch, then iterate (the state loads lazily, after it)
+    ds, ld = loader(at_end)
+    ds.set_epoch(2)
+    assert_same_epoch([as_numpy(s) for s in ld], want[2])  # epoch 2, not epoch 1 again
+    ds, ld = loader(mid)
+    ds.set_epoch(2)
+    assert_same_epoch(first + [as_numpy(s) for s in ld], want[2])  # the rest of epoch 2
+    ds, ld = loader(mid)
+    assert ds.epoch == 1 and ds.state_dict()["epoch"] == 1  # nothing loaded yet: the loader loads lazily
+    assert_same_epoch(first + [as_numpy(s) for s in ld], want[2])  # without set_epoch: the state's epoch
+    ds, ld = loader(mid)
+    ds.set_epoch(3)  # the rest of epoch 2 would be lost
+    with pytest.raises(UsageError, match=r"in the middle of epoch 2, but set_epoch\(3\) was called"):
+        list(ld)
+    ds, ld = loader(at_end)
+    assert_same_epoch([as_numpy(s) for s in ld], want[1])  # without set_epoch, epoch 1 again...
+    assert_same_epoch([as_numpy(s) for s in ld], want[1])  # ...as the uninterrupted loader would
+    ds.set_epoch(3)
+    assert_same_epoch([as_numpy(s) for s in ld], want[3])
+
+
+@pytest.mark.parametrize("cls", [DataLoader, stateful.StatefulDataLoader])
+def test_set_epoch_reaches_persistent_workers(server, cls):
+    srv, cfg = server
+    ds = ServerDataset(srv.address, job=f"t7-{cls.__name__}")
+    loader = cls(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    for epoch in (1, 2, 3):
+        ds.set_epoch(epoch)
+        assert_same_epoch([as_numpy(s) for s in loader], reference(cfg, epoch))
+    del loader  # its workers stop
+    gc.collect()
+
+
+@pytest.mark.parametrize("workers, bucket", [(0, 1), (2, 5)])
+def test_ranks_batching_by_frames_agree_on_every_batch_size(server, workers, bucket):
+    # cut alone, the two shards of epoch 7 make 7 and 8 batches of at most 150 frames (DDP would hang)
+    srv, cfg = server
+    want = reference(cfg, 7)
+    got: Dict[int, List[Dict[str, Any]]] = {}
+
+    def rank_main(rank: int) -> None:
+        ds = ServerDataset(
+            srv.address, job=f"t11-{workers}", rank=rank, world_size=2, epoch=7, batch_frames=150, bucket_window=bucket
+        )
+        got[rank] = list(DataLoader(ds, batch_size=None, num_workers=workers))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and sorted(got) == [0, 1]
+    sizes = [[len(b["seq_tag"]) for b in got[rank]] for rank in range(2)]
+    assert sizes[0] == sizes[1]  # as many batches, and as many seqs in each: the ranks stay in step
+    length = {s["seq_tag"]: s["data"].shape[0] for s in want}
+    for rank in range(2):
+        for b in got[rank]:
+            n, t = b["data"].shape[:2]
+            assert n * t <= 150 or n == 1
+            assert b["data:lengths"].tolist() == [length[tag] for tag in b["seq_tag"]]
+        tags = [tag for b in got[rank] for tag in b["seq_tag"]]
+        shard = [s["seq_tag"] for s in want[rank:36:2]]
+        assert sorted(tags) == sorted(shard)  # each seq of the shard once
+        if (workers, bucket) == (0, 1):
+            assert tags == shard  # in epoch order
+
+
 def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
     srv, cfg = server
     want = {s["seq_tag"]: s for s in reference(cfg, 4)}
@@ -104,6 +211,57 @@ def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
     assert order == list(want)  # without buckets, batches keep the epoch order
 
 
+def test_pin_memory_pins_in_the_main_process_only(server, monkeypatch):
+    srv, cfg = server
+    pinned_here: List[str] = []
+
+    def pin(tensor, *args, **kwargs):  # what pinning does on a machine with an accelerator, in effect
+        if get_worker_info() is not None:
+            raise RuntimeError("pinned in a DataLoader worker")  # reaches the test through the loader
+        pinned_here.append("x")
+        return tensor
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(ppclient.torch, "_can_pin", lambda: True)
+    want = sorted(s["seq_tag"] for s in reference(cfg, 5))
+    for opts, pins in (({}, 2 * 37), ({"max_seqs": 4}, 4 * 10)):  # data, classes (and their lengths per batch)
+        ds = ServerDataset(srv.address, job="t9", epoch=5, pin_memory=True, **opts)
+        got = list(DataLoader(ds, batch_size=None))  # num_workers=0: the dataset pins, here
+        assert len(pinned_here) == pins
+        pinned_here.clear()
+        # forked workers pin nothing: the batches would come to this process copied, unpinned
+        forked = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        assert not pinned_here
+        for items in (got, forked):
+            assert sorted(t for b in items for t in (b["seq_tag"] if opts else [b["seq_tag"]])) == want
+
+
+STRINGS = """
+import numpy as np
+_r = np.random.RandomState(3)
+SEQS = [
+    {"data": _r.randn(5 + i, 4).astype("float32"), "orth": np.array(f"words {i}"), "chars": np.array(list(f"ab{i}"))}
+    for i in range(9)
+]
+dataset = {"class": "NumpyDataset", "seqs": SEQS}
+def map_seq(seq, **kwargs):
+    return seq
+"""
+
+
+def test_string_keys_come_as_str_or_lists_of_str_also_in_batches(tmp_path):
+    cfg = write_config(tmp_path, STRINGS)
+    with run_server(cfg, workers=1) as srv:
+        seqs = list(DataLoader(ServerDataset(srv.address, job="t8"), batch_size=None))
+        batches = list(DataLoader(ServerDataset(srv.address, job="t8", max_seqs=4), batch_size=None))
+    assert [s["orth"] for s in seqs] == [f"words {i}" for i in range(9)]
+    assert [s["chars"] for s in seqs] == [["a", "b", str(i)] for i in range(9)]
+    assert isinstance(seqs[0]["data"], torch.Tensor)
+    assert [b["orth"] for b in batches] == [[f"words {i}" for i in range(j, min(j + 4, 9))] for j in (0, 4, 8)]
+    assert batches[0]["chars"][1] == ["a", "b", "1"]
+    assert batches[0]["data"].shape == (4, 8, 4) and batches[0]["data:lengths"].tolist() == [5, 6, 7, 8]
+
+
 def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
     seqs = [{"data": torch.zeros(n, 2)} for n in (5, 1, 30, 3, 2)]
     lengths = [[s["data"].shape[0] for s in b] for b in cut(seqs, 10, None, None, sort=True)]
@@ -112,6 +270,15 @@ def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
     assert lengths == [[5, 1], [30], [3, 2]]
     batch = collate_padded([{"data": torch.ones(2, 3), "seq_tag": "a"}, {"data": torch.ones(4, 3), "seq_tag": "b"}])
     assert batch["data"].shape == (2, 4, 3) and batch["data:lengths"].tolist() == [2, 4]
+
+
+def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
+    srv, _ = server
+    assert len(DataLoader(ServerDataset(srv.address), batch_size=None)) == 37  # e.g. for an LR schedule
+    assert [len(ServerDataset(srv.address, rank=r, world_size=2)) for r in (0, 1)] == [18, 18]
+    assert [len(ServerDataset(srv.address, rank=r, world_size=2, drop_last=False)) for r in (0, 1)] == [19, 18]
+    with pytest.raises(TypeError, match=r"batches.*not known in advance"):
+        len(DataLoader(ServerDataset(srv.address, max_seqs=4), batch_size=None))
 
 
 def test_rank_and_world_come_from_the_environment(monkeypatch, server):

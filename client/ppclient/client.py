@@ -218,7 +218,8 @@ class Client:
 
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
-        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol."""
+        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, and the
+        config fingerprint (what a resume state is checked against)."""
         reply = self._request(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
@@ -229,6 +230,7 @@ class Client:
             "buf_size": reply.buf_size,
             "version": reply.version,
             "protocol": protocol.PROTOCOL,
+            "fingerprint": reply.fingerprint,
         }
 
     def status(self) -> Dict[str, Any]:
@@ -487,6 +489,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._waiting_for = ""
         self._workers = 0
         self._started = False
+        self._agreed: Dict[int, int] = {}  # batch sizes the server answered, by batch index
 
     def __len__(self) -> int:
         """Seqs this iterator yields in all (from its start), if the server knows it in advance."""
@@ -515,6 +518,26 @@ class EpochIterator(Iterator[Dict[str, Any]]):
 
     def __iter__(self) -> EpochIterator:
         return self
+
+    def agree(self, index: int, size: int, wait: bool = True) -> int:
+        """The size of batch `index` (of the epoch, from 0) for every reader of the job: this reader
+        proposes `size` seqs (as many of its next ones as fit its batch; 0: it has none left), and
+        the server answers with the smallest size proposed by a reader with seqs left, once every
+        such reader has proposed. Used by readers that batch by frames (ppclient.torch), so that
+        all of them take the same number of seqs per batch and cut the same number of batches.
+        `wait=False`: only propose (a reader with no seqs left need not hear the answer)."""
+        if self._error is not None:
+            raise self._error
+        _int_arg("index", index, 0)
+        _int_arg("size", size, 0)
+        self._sock.send_multipart(
+            [protocol.DELIMITER, *protocol.encode(protocol.BatchSize(run=self.run, index=index, size=size))]
+        )
+        if not wait:
+            return size
+        while index not in self._agreed:
+            self._receive(f"batch {index}")
+        return self._agreed.pop(index)
 
     def _grant(self, n: int) -> None:
         """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
@@ -633,6 +656,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             if msg.failure == protocol.FailureKind.REQUEST.value:
                 self._raise(Error(f"cannot start epoch {self.epoch}: {msg.message}"))
             self._raise(Error(f"epoch {self.epoch} failed on the server: {msg.message}"))
+        elif isinstance(msg, protocol.BatchAgreed):
+            self._agreed[msg.index] = msg.size
         elif isinstance(msg, protocol.Superseded):
             self._done = True
             self._raise(
@@ -679,6 +704,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 Error(
                     f"epoch {self.epoch} did not start within {timeout:g} s although the server at "
                     f"{address} is alive{waiting}"
+                )
+            )
+        if what.startswith("batch "):
+            self._raise(
+                Error(
+                    f"epoch {self.epoch}: the size of {what} was not agreed within {timeout:g} s although the "
+                    f"server at {address} is alive (every reader of the job must cut its batches){waiting}"
                 )
             )
         self._raise(

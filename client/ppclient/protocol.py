@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 5
+PROTOCOL = 6
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -312,6 +312,34 @@ class Superseded(Message):
     receiver = (Peer.CLIENT,)
     run: int = _nonneg()
     epoch: int = _nonneg()  # the epoch that replaced it
+
+
+@dataclass(frozen=True)
+class BatchSize(Message):
+    """A reader that batches by frames proposes how many seqs its batch number `index` of the
+    epoch (counted from 0) takes: as many as fit its cap (0: it has no seqs left)."""
+
+    kind = "batch_size"
+    channel = Channel.DATA
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    index: int = _nonneg()
+    size: int = _nonneg()
+
+
+@dataclass(frozen=True)
+class BatchAgreed(Message):
+    """Batch `index` of every reader of the job's epoch takes `size` seqs: the smallest size any
+    reader with seqs left proposed (0: none has any)."""
+
+    kind = "batch_agreed"
+    channel = Channel.DATA
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    run: int = _nonneg()
+    index: int = _nonneg()
+    size: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -701,6 +729,8 @@ MESSAGES: Dict[str, Type[Message]] = {
         End,
         RunFailed,
         Superseded,
+        BatchSize,
+        BatchAgreed,
         ClientAlive,
         ClientClosed,
         Hello,

@@ -15,32 +15,39 @@ RANK and WORLD_SIZE environment variables, else 0 and 1; each rank reads its str
 Under a DataLoader with k workers, worker w reads every k-th seq of the rank's shard from
 its w-th on (a subshard), so a loader that takes from its workers in turn (batch_size=None)
 yields the rank's seqs in their epoch order; with batching (`batch_frames`), each worker
-batches its own subshard. `state_dict()`/`load_state_dict()` follow the stateful protocol
+batches its own subshard. `set_epoch` reaches persistent DataLoader workers too (the epoch
+lives in shared memory). `state_dict()`/`load_state_dict()` follow the stateful protocol
 of torchdata's StatefulDataLoader: per worker, the epoch and the position in its subshard,
-so a resumed loader delivers exactly what the interrupted one would have delivered next.
+so a resumed loader delivers exactly what the interrupted one would have delivered next; a
+state applies to its own epoch (after a state from an epoch's end, set_epoch's next epoch
+begins).
 
 Arrays become tensors with `torch.from_numpy`, sharing the received frames (writable with
 pyzmq 27 and later; with older pyzmq a frame is read-only and is copied once, to spare
-PyTorch's warning about non-writable arrays).
+PyTorch's warning about non-writable arrays). That is no copy where the dataset is iterated;
+from DataLoader workers, PyTorch moves each tensor into shared memory once (a copy) to pass
+it to the main process. Pinning belongs in the main process: `DataLoader(pin_memory=True)`
+pins the seqs and batches (dicts of tensors) there; `ServerDataset(pin_memory=True)` pins
+only when the dataset is iterated in the main process (num_workers=0).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import numpy
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .client import Client, EpochIterator
-from .errors import UsageError
+from .errors import Error, UsageError
 from .wire import META_KEYS
 
 log = logging.getLogger("ppclient.torch")
 
-__all__ = ["ServerDataset", "collate_padded", "rank_and_world"]
+__all__ = ["ServerDataset", "collate_padded", "pinned", "rank_and_world"]
 
 
 def rank_and_world() -> Tuple[int, int]:
@@ -57,32 +64,45 @@ def rank_and_world() -> Tuple[int, int]:
         ) from None
 
 
+TENSOR_KINDS = "biufc"  # numpy dtype kinds a tensor can hold (bool, ints, floats, complex)
+
+
 def to_tensors(seq: Dict[str, Any]) -> Dict[str, Any]:
-    """Arrays as tensors sharing their memory; meta entries stay Python values."""
+    """Arrays as tensors sharing their memory; meta entries stay Python values, and so do arrays
+    a tensor cannot hold: strings (the server's "string" dtype, e.g. a transcription) become a
+    str, or a list of str, as `seq_tag` is."""
     out: Dict[str, Any] = {}
     for key, value in seq.items():
-        if isinstance(value, numpy.ndarray):
-            out[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
-        else:
+        if not isinstance(value, numpy.ndarray):
             out[key] = value
+        elif value.dtype.kind not in TENSOR_KINDS:
+            out[key] = value.tolist()
+        else:
+            out[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
     return out
 
 
 def _length(seq: Dict[str, Any], key: Optional[str]) -> int:
-    """Frames of a seq: its `key`'s first axis, or the longest first axis of its arrays."""
+    """Frames of a seq: its `key`'s first axis, or the longest first axis of its tensors."""
     if key is not None:
         return int(seq[key].shape[0])
-    return max((int(v.shape[0]) for k, v in seq.items() if k not in META_KEYS and v.ndim), default=1)
+    return max(
+        (int(v.shape[0]) for k, v in seq.items() if k not in META_KEYS and isinstance(v, torch.Tensor) and v.ndim),
+        default=1,
+    )
 
 
 def collate_padded(seqs: List[Dict[str, Any]], pin_memory: bool = False) -> Dict[str, Any]:
-    """Seqs (tensor dicts) as one batch: every array key padded with zeros to the longest along
-    its first axis, with `key + ":lengths"` (int64); 0-d arrays stacked; meta entries as lists
-    (`seq_idx`, `complete_frac` as tensors)."""
+    """Seqs (tensor dicts) as one batch: every tensor key padded with zeros to the longest along
+    its first axis, with `key + ":lengths"` (int64); 0-d tensors stacked; other values (strings)
+    and meta entries as lists (`seq_idx`, `complete_frac` as tensors)."""
     batch: Dict[str, Any] = {}
     first = seqs[0]
     for key, value in first.items():
         if key in META_KEYS:
+            continue
+        if not isinstance(value, torch.Tensor):
+            batch[key] = [s[key] for s in seqs]
             continue
         tensors = [s[key] for s in seqs]
         if value.dim() == 0:
@@ -95,11 +115,7 @@ def collate_padded(seqs: List[Dict[str, Any]], pin_memory: bool = False) -> Dict
         batch[key] = padded
         batch[key + ":lengths"] = lengths
     if pin_memory:
-        if torch.cuda.is_available():
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        elif not getattr(collate_padded, "_warned", False):
-            collate_padded._warned = True  # type: ignore[attr-defined]
-            log.warning("pin_memory=True but no accelerator is available: batches are not pinned")
+        batch = pinned(batch)
     batch["seq_tag"] = [s.get("seq_tag") for s in seqs]
     batch["seq_idx"] = torch.tensor([int(s.get("seq_idx", -1)) for s in seqs], dtype=torch.int64)
     batch["complete_frac"] = torch.tensor([float(s.get("complete_frac", 0.0)) for s in seqs], dtype=torch.float64)
@@ -138,6 +154,13 @@ def cut(
     return out
 
 
+class _Plan(NamedTuple):
+    epoch: int
+    resume: Optional[Dict[str, Any]] = None  # an EpochIterator state (plus the batching's) to start from
+    finished: bool = False  # the state was taken at the epoch's end
+    refusal: Optional[str] = None  # why the state cannot apply (raised when the first item is asked for)
+
+
 class ServerDataset(IterableDataset):
     """One ppserver epoch per iteration (`set_epoch(n)` picks it), this rank's shard of it.
 
@@ -171,11 +194,16 @@ class ServerDataset(IterableDataset):
                 raise UsageError(f"{name} must be an int >= 1 or None, got {value!r}")
         if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 1:
             raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
         self.address = address
         self.job = job
-        self.epoch = epoch
         self._fixed = (rank, world_size)
-        self.rank, self.world_size = self._resolve()
+        rank, world_size = self._resolve()
+        # What set_epoch sets, in shared memory: DataLoader workers (persistent ones too, which keep
+        # their copy of the dataset from one epoch to the next) read it when an iteration begins.
+        # [epoch, 1 once set_epoch was called, rank, world_size]
+        self._shared = torch.tensor([epoch, 0, rank, world_size], dtype=torch.int64).share_memory_()
         self.client_options: Dict[str, Any] = {
             "timeout": timeout,
             "window": window,
@@ -189,10 +217,11 @@ class ServerDataset(IterableDataset):
         self.bucket_window = bucket_window
         self.length_key = length_key
         self.pin_memory = pin_memory
-        self._resume: Optional[Dict[str, Any]] = None  # where the next iteration starts (a loaded state)
+        self._loaded: Optional[Dict[str, Any]] = None  # a state to start the next iteration from
+        self._num_seqs: Optional[int] = None  # seqs per epoch, once asked for (len())
         self._stream: Optional[_Stream] = None
         self._client: Optional[Client] = None
-        self._client_key: Optional[Tuple[int, int, int]] = None
+        self._client_key: Optional[Tuple[int, ...]] = None
 
     def _resolve(self) -> Tuple[int, int]:
         rank, world = self._fixed
@@ -202,26 +231,113 @@ class ServerDataset(IterableDataset):
             world = found[1] if world is None else world
         return rank, world
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (set it with `set_epoch`)."""
+        return self._plan(self._loaded, apply=False).epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.set_epoch(value)
+
+    @property
+    def rank(self) -> int:
+        return int(self._shared[2])
+
+    @property
+    def world_size(self) -> int:
+        return int(self._shared[3])
+
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration reads (call it before each epoch, as with DistributedSampler)."""
-        self.epoch = epoch
-        self.rank, self.world_size = self._resolve()  # torch.distributed may be initialised by now
-        self._resume = None
+        """The epoch the next iteration reads (call it before each epoch, as with DistributedSampler).
+
+        It reaches DataLoader workers also with `persistent_workers=True`. A loaded state (e.g.
+        `loader.load_state_dict(...)`, which loads lazily, when the next iteration begins) applies
+        to its own epoch: the usual loop `ds.set_epoch(epoch); for batch in loader: ...` goes on
+        with the rest of the state's epoch, or, after a state taken at an epoch's end, with the
+        next epoch from its start. A state taken in the middle of another epoch is refused
+        (UsageError) when the iteration begins.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
+        rank, world = self._resolve()  # torch.distributed may be initialised by now
+        self._shared.copy_(torch.tensor([epoch, 1, rank, world], dtype=torch.int64))
+
+    def _plan(self, state: Optional[Dict[str, Any]], apply: bool = True) -> _Plan:
+        """Where an iteration that starts from `state` (a loaded state, or None) begins.
+
+        The epoch is set_epoch's, if it was called, else the state's, else the one given at
+        construction. A state from the end of an epoch yields nothing more (a StatefulDataLoader
+        restored as finished then begins a new iteration, which reads set_epoch's epoch). A state
+        from the middle of another epoch than set_epoch's is refused when the first item is asked
+        for (the rest of that epoch would be lost); the refusal waits because a loader with
+        workers may restore its workers' last states, which need not say they had finished, and
+        then discard that iteration as finished without taking from it. `apply`: the iteration
+        begins; without set_epoch, the state's epoch then stays the dataset's (in shared memory,
+        for every DataLoader worker and the main process).
+        """
+        epoch, explicit = int(self._shared[0]), bool(self._shared[1])
+        if state is None:
+            return _Plan(epoch)
+        saved = int(state["epoch"])
+        if state.get("finished"):  # this reader's part of the epoch was all yielded: nothing more from this
+            # iteration (a loader restored as finished starts a new iteration, which reads set_epoch's epoch)
+            return _Plan(saved if not explicit else epoch, finished=True)
+        if explicit and saved != epoch:
+            refusal = None
+            if state.get("resume") is not None:
+                refusal = (
+                    f"the loaded state is in the middle of epoch {saved}, but set_epoch({epoch}) was called: "
+                    f"call set_epoch({saved}) to finish epoch {saved} from where the state is, or load no state "
+                    f"to read epoch {epoch} from its start"
+                )
+            return _Plan(epoch, refusal=refusal)
+        if apply and not explicit:
+            self._shared[0] = saved
+        return _Plan(saved, state.get("resume"), bool(state.get("finished")))
 
     # ---- the stateful protocol (torchdata.stateful_dataloader) --------------------------------
     def state_dict(self) -> Dict[str, Any]:
         if self._stream is not None:
             return self._stream.state_dict()
-        return {"epoch": self.epoch, "resume": self._resume}
+        if self._loaded is not None:
+            return self._loaded
+        return {"epoch": self.epoch, "resume": None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.epoch = state["epoch"]
-        self._resume = state.get("resume")
+        """Start the next iteration where the state says (see `set_epoch` for which epoch applies)."""
+        if not isinstance(state, dict) or not isinstance(state.get("epoch"), int):
+            raise UsageError(f"state must be a dict from ServerDataset.state_dict(), got {state!r:.100}")
+        self._loaded = state
         self._stream = None
+
+    def __len__(self) -> int:
+        """Seqs this rank gets in an epoch, so that `len(DataLoader(ds, batch_size=None))` works
+        (an LR schedule, a progress bar); the server is asked once. TypeError (as for any iterable
+        without a length) when it is not known in advance: with batching, or when the server
+        does not know the count of an epoch before reading it."""
+        if self.batching:
+            raise TypeError(
+                "len() of a ServerDataset that batches (batch_frames/max_seqs) is not known in advance: the "
+                "number of batches depends on the seqs' lengths and on the DataLoader's num_workers (each "
+                "worker batches its own part of the shard)"
+            )
+        if self._num_seqs is None:
+            opts = self.client_options
+            with Client(self.address, timeout=opts["timeout"], keys=opts["keys"], direct=False) as client:
+                self._num_seqs = client.info()["num_seqs"]
+            if self._num_seqs is None:
+                raise TypeError(
+                    "len() of this ServerDataset is not known in advance: the server learns an epoch's number "
+                    "of seqs only by reading it (a map_seq_stream mapper that may change the count, or "
+                    "partition_epoch)"
+                )
+        n, rank, world = self._num_seqs, self.rank, self.world_size
+        return n // world if self.client_options["drop_last"] else max(0, -(-(n - rank) // world))
 
     # ---- iteration -----------------------------------------------------------------------
     def _client_for(self, part: int, parts: int) -> Client:
-        key = (os.getpid(), part, parts)
+        key = (os.getpid(), part, parts, self.rank, self.world_size)
         if self._client is None or self._client_key != key:  # a client made in another process is not ours
             self._client = Client(
                 self.address,
@@ -237,7 +353,8 @@ class ServerDataset(IterableDataset):
     def __iter__(self) -> _Stream:
         info = get_worker_info()
         part, parts = (info.id, info.num_workers) if info is not None else (0, 1)
-        self._stream = _Stream(self, part, parts, self.epoch, self._resume)
+        state, self._loaded = self._loaded, None
+        self._stream = _Stream(self, part, parts, self._plan(state))
         return self._stream
 
     def close(self) -> None:
@@ -255,48 +372,76 @@ class _Stream(Iterator[Any]):
     """One iteration of a ServerDataset. Opens its epoch lazily, so a loaded state applies first.
 
     Its state is where a resume starts: the position (in this reader's part of the shard) of
-    the first seq not yet yielded, or, with `bucket_window` N, of the first seq of the current
-    window of N plus the batches of it already yielded (the window is cut again on resume,
-    the same way, and those batches skipped).
+    the first seq not yet yielded and the index of the next batch, or, with `bucket_window` N,
+    those of the current window of N plus the batches of it already yielded (the window is cut
+    again on resume, the same way, and those batches skipped).
+
+    With `batch_frames`, the size of each batch is agreed among all readers of the job (every
+    rank's DataLoader workers): each proposes as many of its next seqs as fit the caps, and
+    batch i of every reader takes the smallest proposal (`EpochIterator.agree`). So every
+    reader cuts the same number of batches (equal steps for DDP ranks, with drop_last) and all
+    stay at the same place in their shards.
     """
 
-    def __init__(self, ds: ServerDataset, part: int, parts: int, epoch: int, resume: Optional[Dict[str, Any]]):
+    def __init__(self, ds: ServerDataset, part: int, parts: int, plan: _Plan):
         self.ds = ds
         self.part, self.parts = part, parts
-        self.epoch = epoch
-        self.resume = resume  # an EpochIterator state (plus "skip") to start from
+        self.epoch = plan.epoch
+        self.resume = plan.resume  # an EpochIterator state (plus "skip") to start from
+        self.refusal = plan.refusal
+        # pinned memory survives only in the process that uses the tensors: the main one
+        self.pin = ds.pin_memory and parts == 1 and get_worker_info() is None
+        if ds.pin_memory and not self.pin:
+            _warn_once(
+                "pin in a worker",
+                "ServerDataset(pin_memory=True) pins nothing in a DataLoader worker (the batches are copied to "
+                "the main process, unpinned): pass pin_memory=True to the DataLoader, which pins in the main process",
+            )
         self.it: Optional[EpochIterator] = None
         self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
+        self.batch = 0  # index of the next batch in the epoch (or of the current window's first)
         self.skip = 0  # batches of the current window already yielded
         self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
-        self.queue: List[List[Dict[str, Any]]] = []  # batches of the current window still to yield
+        self.ended = False  # the shard's seqs have all been received
+        self.window: List[Dict[str, Any]] = []  # the current window's seqs not yet yielded, by length
         self.window_size = 0
-        self.finished = False
+        self.finished = plan.finished
+        # batches cut by frames are agreed among the job's readers (alone, a reader needs no one)
+        self.agree = ds.batch_frames is not None and ds.world_size * parts > 1
 
     def state_dict(self) -> Dict[str, Any]:
-        if self.finished:
+        it = self.it
+        if self.finished or (
+            it is not None and it.num_seqs is not None and self.position >= it.start + it.num_seqs
+        ):  # (everything yielded, though the end may not have been asked for)
             return {"epoch": self.epoch, "resume": None, "finished": True}
-        if self.it is None:
+        if it is None:
             return {"epoch": self.epoch, "resume": self.resume}
-        state = self.it.state_dict()
-        state.update(position=self.position, skip=self.skip)
+        state = it.state_dict()
+        state.update(position=self.position, batch=self.batch - self.skip, skip=self.skip)
         return {"epoch": self.epoch, "resume": state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.epoch = state["epoch"]
-        self.resume = state.get("resume")
-        self.finished = bool(state.get("finished"))
+        plan = self.ds._plan(state)
+        self.epoch, self.resume, self.finished, self.refusal = plan.epoch, plan.resume, plan.finished, plan.refusal
         self.it = None
 
     def _open(self) -> EpochIterator:
         client = self.ds._client_for(self.part, self.parts)
         resume = self.resume
-        if resume is not None and list(resume.get("subshard", [0, 1])) == [self.part, self.parts]:
+        if resume is not None:
+            saved = list(resume.get("subshard", [0, 1]))
+            if saved != [self.part, self.parts]:
+                raise UsageError(
+                    f"the state was saved by reader {saved[0]} of {saved[1]} of the rank (DataLoader num_workers "
+                    f"{saved[1]}); this is reader {self.part} of {self.parts}: resume with the same num_workers"
+                )
             it = client.epoch(state=resume)
             self.skip = int(resume.get("skip", 0))
+            self.batch = int(resume.get("batch", 0))
         else:
             it = client.epoch(self.epoch)
-            self.skip = 0
+            self.skip = self.batch = 0
         self.position = it.start
         self.it = it
         return it
@@ -305,6 +450,8 @@ class _Stream(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
+        if self.refusal is not None:
+            raise UsageError(self.refusal)
         if self.finished:
             raise StopIteration
         it = self.it if self.it is not None else self._open()
@@ -321,43 +468,91 @@ class _Stream(Iterator[Any]):
         if not ds.batching:
             seq = to_tensors(next(it))
             self.position += 1
-            return _pinned(seq) if ds.pin_memory else seq
+            return pinned(seq) if self.pin else seq
         if ds.bucket_window == 1:
-            return collate_padded(self._greedy(it), pin_memory=ds.pin_memory)
-        if not self.queue:
-            window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
-            if not window:
-                raise StopIteration
-            self.window_size = len(window)
-            self.queue = cut(window, ds.batch_frames, ds.max_seqs, ds.length_key, sort=True)[self.skip :]
-        batch = self.queue.pop(0)
-        self.skip += 1
-        if not self.queue:  # the window is all yielded: a resume starts after it
-            self.position += self.window_size
-            self.skip = self.window_size = 0
-        return collate_padded(batch, pin_memory=ds.pin_memory)
+            return collate_padded(self._greedy(it), pin_memory=self.pin)
+        return collate_padded(self._bucketed(it), pin_memory=self.pin)
 
-    def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
-        """The next batch, cut as the seqs come; the seq that does not fit waits for the next one."""
-        ds = self.ds
-        while True:
+    def _receive(self, it: EpochIterator) -> bool:
+        """One more seq into `pending`; False at the end of the shard."""
+        if not self.ended:
             try:
                 self.pending.append(to_tensors(next(it)))
+                return True
             except StopIteration:
-                if not self.pending:
-                    raise
-                batch, self.pending = self.pending, []
-                break
-            parts = cut(self.pending, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
-            if len(parts) > 1:
-                batch, self.pending = parts[0], [s for p in parts[1:] for s in p]
-                break
+                self.ended = True
+        return False
+
+    def _cut(self, seqs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
+        ds = self.ds
+        return cut(seqs, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
+
+    def _take_batch(self, it: EpochIterator, seqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The next batch from the front of `seqs` (removed from it): as many seqs as fit the caps,
+        or, with batch_frames, as many as every reader of the job agreed on for this batch."""
+        fits = len(self._cut(seqs)[0]) if seqs else 0
+        size = fits
+        if self.agree:
+            size = it.agree(self.batch, fits, wait=fits > 0)  # (no seqs left: none of the job's batches wait)
+            if fits and size > fits:
+                raise Error(
+                    f"epoch {self.epoch}: batch {self.batch} was agreed with {size} seqs, but only {fits} fit this "
+                    "reader's batch_frames/max_seqs: the job's batches of this epoch were cut with other settings"
+                )
+        if size == 0 or not seqs:
+            raise StopIteration
+        self.batch += 1
+        batch = seqs[:size]
+        del seqs[:size]
+        return batch
+
+    def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
+        """The next batch, cut as the seqs come; the seqs that do not fit wait for the next one."""
+        while len(self._cut(self.pending)) < 2 and self._receive(it):
+            pass  # until the first batch is complete (the next seq does not fit) or the shard ends
+        batch = self._take_batch(it, self.pending)
         self.position += len(batch)
         return batch
 
+    def _bucketed(self, it: EpochIterator) -> List[Dict[str, Any]]:
+        """The next batch of the current window of `bucket_window` seqs, sorted by length (stably);
+        a resumed window is cut again the same way, and its first `skip` batches dropped."""
+        ds = self.ds
+        if not self.window:
+            self.window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
+            self.window_size = len(self.window)
+            lengths = [_length(seq, ds.length_key) for seq in self.window]
+            self.window = [self.window[i] for i in sorted(range(len(self.window)), key=lambda i: lengths[i])]
+            for _ in range(self.skip):
+                self._take_batch(it, self.window)
+        batch = self._take_batch(it, self.window)
+        self.skip += 1
+        if not self.window:  # the window is all yielded: a resume starts after it
+            self.position += self.window_size
+            self.skip = self.window_size = 0
+        return batch
 
-def _pinned(seq: Dict[str, Any]) -> Dict[str, Any]:
-    if not torch.cuda.is_available():
+
+def _can_pin() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
+    return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
+
+
+_warned: Set[str] = set()
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(message)
+
+
+def pinned(seq: Dict[str, Any]) -> Dict[str, Any]:
+    """The tensors of a seq or batch in pinned memory (where an accelerator exists). Pin in the
+    process that moves them to the device: memory pinned in a DataLoader worker is copied into
+    ordinary shared memory on its way to the main process."""
+    if not _can_pin():
+        _warn_once("no accelerator", "pin_memory=True but no accelerator is available: nothing is pinned")
         return seq
     return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in seq.items()}
 

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
+    BatchAgreed,
     ConsumerGone,
     ConsumerRoute,
     End,
@@ -43,7 +44,7 @@ from ppclient.protocol import (
 
 from . import events as ev
 from .instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
-from .jobs import Client, Job, Lane, Run
+from .jobs import Agreement, Client, Job, Lane, Run
 from .seqs import SeqDispatch
 from .settings import Failure, Settings
 from .streams import StreamDispatch
@@ -101,6 +102,7 @@ class Scheduler:
             ),
             ev.RunFailedElsewhere: lambda e, out: self._fail_id(e.run, Failure(FailureKind.SERVER, e.message), out),
             ev.CreditGranted: self._on_credit,
+            ev.BatchSizeProposed: self._on_batch_size,
             ev.ConsumerAlive: self._on_alive,
             ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out),
         }
@@ -201,20 +203,28 @@ class Scheduler:
         self.last_beat = e.now
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
+        told = set()
         for run in self.runs.values():
             for lane in run.lanes:
                 if lane.consumer is not None and lane.connected and not lane.settled:
-                    out.append(
-                        ToClient(
-                            lane.consumer,
-                            Keepalive(
-                                run=run.run,
-                                interval=self.settings.heartbeat_interval,
-                                workers=len(self.workers),
-                                waiting_for=self._holdup(run, lane),
-                            ),
-                        )
-                    )
+                    told.add((lane.consumer, run.run))
+                    out.append(ToClient(lane.consumer, self._keepalive(run.run, self._holdup(run, lane))))
+        # readers waiting for a batch size, also those whose run has ended (their last batches)
+        job = self.job
+        if job is None:
+            return
+        for agreement in job.agreements.values():
+            for index, waiting in agreement.waiting.items():
+                for consumer, run_id in waiting:
+                    if (consumer, run_id) not in told:
+                        told.add((consumer, run_id))
+                        text = self._agreement_holdup(job, agreement, index)
+                        out.append(ToClient(consumer, self._keepalive(run_id, text)))
+
+    def _keepalive(self, run: int, waiting_for: str) -> Keepalive:
+        return Keepalive(
+            run=run, interval=self.settings.heartbeat_interval, workers=len(self.workers), waiting_for=waiting_for
+        )
 
     # ---- worker messages ----------------------------------------------------------------------
     def _dispatch_of(self, run_id: int, kind: type) -> Optional[Any]:
@@ -298,15 +308,36 @@ class Scheduler:
         if not 0 <= e.rank < e.world_size:
             return f"rank {e.rank} is not below world_size {e.world_size}"
         if not 0 <= e.subshard < e.subshards:
-            return f"subshard {e.subshard} is not below subshards {e.subshards}"
+            return f"reader {e.subshard} of a rank is not below its number of readers {e.subshards}"
         job = self.job
-        if job is None or not (set(job.clients) - {e.consumer}):
+        others = [client for consumer, client in job.clients.items() if consumer != e.consumer] if job else []
+        if job is None or not others:
             return None  # no job, or one whose clients are all gone: this request starts a new one
         if e.job_key != job.key:
+            clients = f"{len(others)} live client{'s' if len(others) != 1 else ''}"
+            one = len(others) == 1
+            timeout = max(c.timeout for c in others)
+            gone = f"closed, or silent for {'its' if one else 'their'} client timeout of {timeout:g} s"
+            if e.job != job.name:
+                return (
+                    f"job {job.name!r} is running with {clients} (world_size {job.world}, "
+                    f"drop_last {job.drop_last}, {_readers(job.subshards)}); a request of job {e.job!r} must "
+                    f"wait until {'it is' if one else 'they are'} gone ({gone})"
+                )
+            mine = {"world_size": job.world, "drop_last": job.drop_last, "readers": job.subshards}
+            asked = {"world_size": e.world_size, "drop_last": e.drop_last, "readers": e.subshards}
+            conflicts = [
+                f"{_readers(asked[k])}, where the job has {_readers(mine[k])}"
+                if k == "readers"
+                else f"{k} {asked[k]}, where the job has {k} {mine[k]}"
+                for k in mine
+                if mine[k] != asked[k]
+            ]
             return (
-                f"job {job.name!r} (world_size {job.world}, drop_last {job.drop_last}, subshards {job.subshards}) "
-                f"is running with {len(job.clients)} live clients; a request of job {e.job!r} (world_size "
-                f"{e.world_size}, drop_last {e.drop_last}, subshards {e.subshards}) must wait until they are gone"
+                f"this request of job {job.name!r} conflicts with the job's {clients}: "
+                f"{'; '.join(conflicts)}. Every rank of a job must use the same world_size, drop_last and "
+                f"DataLoader num_workers; the job keeps its settings until {'that client is' if one else 'they are'} "
+                f"gone ({gone})"
             )
         main = self._main_run(job, e.epoch)
         if main is not None:
@@ -346,7 +377,7 @@ class Scheduler:
             for run in list(job.runs.values()):
                 self._supersede(run, e.epoch, out)
         self.job = Job(e.job, e.world_size, e.drop_last, e.subshards)
-        log.info("job %r: world_size %d, drop_last %s, subshards %d", e.job, e.world_size, e.drop_last, e.subshards)
+        log.info("job %r: world_size %d, drop_last %s, %s", e.job, e.world_size, e.drop_last, _readers(e.subshards))
         return self.job
 
     @staticmethod
@@ -381,6 +412,7 @@ class Scheduler:
                 for wid in self.workers:
                     out.append(ToWorker(wid, client.route))
         lane.direct = client.route is not None
+        run.job.reader(run, e.lane, e.consumer)
         log.info(
             "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
             run.job.who(e.lane),
@@ -395,6 +427,9 @@ class Scheduler:
             self._to_lane(run, lane, self._started(run, lane), out)
 
     def _new_run(self, job: Job, e: ev.EpochRequested, *, solo: Optional[int], out: List[Instruction]) -> Run:
+        agreement = job.agreements.get(e.epoch)
+        if solo is None and e.start == 0 and agreement is not None and not agreement.waiting:
+            del job.agreements[e.epoch]  # the epoch is read again from its start: its batches are cut anew
         self.next_run += 1
         run = Run(
             run=self.next_run,
@@ -584,6 +619,30 @@ class Scheduler:
                 run.epoch,
             )
 
+    def _on_batch_size(self, e: ev.BatchSizeProposed, out: List[Instruction]) -> None:
+        job = self.job
+        where = job.readers.get((e.run, e.consumer)) if job is not None else None
+        if job is None or where is None:
+            return  # not a reader of this job (e.g. of a job since replaced): it times out, saying why
+        epoch, lane = where
+        self._on_alive(ev.ConsumerAlive(e.now, e.consumer), out)
+        agreement = job.agreement(epoch)
+        for run in job.runs.values():
+            if agreement.end is None and run.epoch == epoch:
+                agreement.end = run.end()
+        self._agreed(agreement.propose(e.index, lane, e.size, (e.consumer, e.run)), out)
+
+    @staticmethod
+    def _agreed(answers: List[Tuple[bytes, int, int, int]], out: List[Instruction]) -> None:
+        for consumer, run, index, size in answers:
+            out.append(ToClient(consumer, BatchAgreed(run=run, index=index, size=size)))
+
+    @staticmethod
+    def _agreement_holdup(job: Job, agreement: Agreement, index: int) -> str:
+        missing = agreement.missing(index)
+        who = ", ".join(job.who(lane) for lane in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        return f"{who} of job {job.name!r} to propose the size of batch {index}"
+
     def _router(self, run: Run) -> Callable[[int], bytes]:
         """Where a position's result goes directly: its lane's consumer, if that one takes direct results."""
         lanes, width = run.lanes, run.width
@@ -655,6 +714,10 @@ class Scheduler:
             )
         run.state = state
         run.ended = self.now
+        agreement = run.job.agreements.get(run.epoch)
+        if agreement is not None and agreement.end is None and run.end() is not None:
+            agreement.end = run.end()  # readers whose shard is used up need not propose their next batch
+            self._agreed(agreement.settle(), out)
         self.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
         for lane in run.lanes:
@@ -817,6 +880,11 @@ class Scheduler:
         if run.dispatch is None:
             busy = f" ({self.reader_busy})" if self.reader_busy else ""
             return f"the dataset to set up the epoch{busy}"
+        agreement = run.job.agreements.get(run.epoch)
+        if lane is not None and agreement is not None:
+            for index, waiting in agreement.waiting.items():
+                if (lane.consumer, run.run) in waiting:
+                    return self._agreement_holdup(run.job, agreement, index)
         if not self.workers:
             return "a worker (none is connected)"
         if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes)):
@@ -911,6 +979,13 @@ class Scheduler:
             }
         )
         return st
+
+
+def _readers(n: int) -> str:
+    """A rank's number of readers, in the words of a PyTorch user."""
+    if n == 1:
+        return "1 reader per rank, i.e. DataLoader num_workers 0 or 1"
+    return f"{n} readers per rank, i.e. DataLoader num_workers {n}"
 
 
 def _describe_exit(rc: int) -> str:

@@ -244,6 +244,16 @@ class MissingReported(Event):
 
 
 @dataclass(slots=True)
+class BatchSizeProposed(Event):
+    """A reader that batches by frames proposes the size of its batch `index` of the epoch."""
+
+    consumer: bytes
+    run: int
+    index: int
+    size: int
+
+
+@dataclass(slots=True)
 class ConsumerAlive(Event):
     """A client's keepalive: its data socket `consumer` lives (its process does, at least)."""
 

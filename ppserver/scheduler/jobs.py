@@ -140,6 +140,63 @@ class Client:
 
 
 @dataclass
+class Agreement:
+    """Batch sizes of one epoch of a job whose readers batch by frames. Every reader (lane)
+    proposes the size of its next batch (0: it has no seqs left); batch i takes, in every
+    reader, the smallest size proposed for it by a reader with seqs left. So all readers take
+    the same number of seqs per batch, stay at the same index of their shards, and cut the
+    same number of batches (with drop_last, where every rank has as many seqs)."""
+
+    lanes: int
+    end: Optional[int] = None  # the epoch's first position no lane gets, once known
+    sizes: Dict[int, int] = field(default_factory=dict)  # agreed, by batch index
+    proposals: Dict[int, Dict[int, int]] = field(default_factory=dict)  # batch -> lane -> size
+    waiting: Dict[int, Set[Tuple[bytes, int]]] = field(default_factory=dict)  # batch -> (consumer, run) to answer
+    out_at: Dict[int, int] = field(default_factory=dict)  # lane -> the first batch it had no seqs for
+    agreed_upto: int = 0  # batches 0 .. agreed_upto - 1 are all agreed...
+    taken: int = 0  # ...and take this many seqs of every shard
+
+    def propose(self, index: int, lane: int, size: int, who: Tuple[bytes, int]) -> List[Tuple[bytes, int, int, int]]:
+        """Record a proposal; the answers now due: (consumer, run, batch, size)."""
+        if index in self.sizes:
+            return [(*who, index, self.sizes[index])]
+        if size == 0:
+            self.out_at[lane] = min(self.out_at.get(lane, index), index)
+        self.proposals.setdefault(index, {})[lane] = size
+        self.waiting.setdefault(index, set()).add(who)
+        return self.settle()
+
+    def settle(self) -> List[Tuple[bytes, int, int, int]]:
+        """Agree on every batch whose proposals are all in (also after the epoch's end became known)."""
+        answers = []
+        for index in sorted(self.proposals):
+            if self.missing(index):
+                continue
+            agreed = self.sizes[index] = min((n for n in self.proposals.pop(index).values() if n > 0), default=0)
+            answers += [(consumer, run, index, agreed) for consumer, run in self.waiting.pop(index, ())]
+            while self.agreed_upto in self.sizes:
+                self.taken += self.sizes[self.agreed_upto]
+                self.agreed_upto += 1
+        return answers
+
+    def missing(self, index: int) -> List[int]:
+        """The lanes that have not proposed batch `index` yet and may have seqs for it."""
+        proposed = self.proposals.get(index, {})
+        before = self.taken if self.agreed_upto == index else None  # seqs of every shard before the batch
+        return [
+            lane
+            for lane in range(self.lanes)
+            if lane not in proposed
+            and self.out_at.get(lane, index) >= index
+            and not (self.end is not None and before is not None and self.shard(lane) <= before)
+        ]
+
+    def shard(self, lane: int) -> int:
+        assert self.end is not None
+        return max(0, -(-(self.end - lane) // self.lanes))
+
+
+@dataclass
 class Job:
     name: str
     world: int  # ranks
@@ -148,6 +205,23 @@ class Job:
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
     finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> ranks that finished it (recent ones)
+    agreements: Dict[int, Agreement] = field(default_factory=dict)  # epoch -> its batch sizes (recent epochs)
+    readers: Dict[Tuple[int, bytes], Tuple[int, int]] = field(default_factory=dict)  # (run, consumer) -> epoch, lane
+
+    def reader(self, run: Run, lane: int, consumer: bytes) -> None:
+        """A client reads a lane of a run: it may propose batch sizes for the run's epoch, also
+        after the run has ended (its last batches are agreed once it has every seq)."""
+        self.readers[(run.run, consumer)] = (run.epoch, lane)
+        for key, (epoch, _) in list(self.readers.items()):
+            if epoch < run.epoch - 2:
+                del self.readers[key]
+        for epoch in [e for e in self.agreements if e < run.epoch - 2]:
+            del self.agreements[epoch]
+
+    def agreement(self, epoch: int) -> Agreement:
+        if epoch not in self.agreements:
+            self.agreements[epoch] = Agreement(self.lanes)
+        return self.agreements[epoch]
 
     def finish(self, epoch: int, rank: int) -> None:
         self.finished.setdefault(epoch, set()).add(rank)
