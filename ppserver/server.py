@@ -278,8 +278,7 @@ class Server:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
         items = instr.items
         if items and instr.wid in self.shm_ready:
-            ring = self.rings[instr.wid]
-            items = [protocol.to_block(item, ring)[0] for item in items]  # the worker frees each when done
+            items = protocol.to_block(items, self.rings[instr.wid])[0]  # the worker frees it when done
         self.stages.to_worker(instr, self.sched.now)
         self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
 
@@ -425,7 +424,8 @@ class Server:
         if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
         if kind is protocol.ShmMapped:
-            self._on_shm_mapped(wid, msg)
+            if self._on_shm_mapped(wid, msg):
+                return ev.InputsShared(now, wid)
             return ev.HeartbeatReceived(now, wid)
         if kind is protocol.Completed:
             return ev.CompletedReceived(now, wid, msg.run, msg.pos, msg.nbytes)
@@ -475,14 +475,16 @@ class Server:
         )
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
 
-    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> None:
+    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> bool:
+        """True if the worker now takes its inputs through shared memory."""
         if wid not in self.rings:
-            return
+            return False
         if msg.ok:
             self.shm_ready.add(wid)
-        else:
-            log.warning("worker %s gets its inputs over the socket: %s", wid.decode(errors="replace"), msg.reason)
-            self._drop_ring(wid)
+            return True
+        log.warning("worker %s gets its inputs over the socket: %s", wid.decode(errors="replace"), msg.reason)
+        self._drop_ring(wid)
+        return False
 
     def _drop_ring(self, wid: bytes) -> None:
         self.shm_ready.discard(wid)

@@ -788,17 +788,26 @@ def item_to_seq(item: Item) -> Dict[str, Any]:
     return wire.item_to_seq(item.header(), item.frames)
 
 
-def to_block(item: Item, ring: Any, owner: bytes = b"") -> Tuple[Item, Any]:
-    """The item with its arrays copied into a block of `ring` (shm.Ring), and the block; the item
-    itself and None if the ring has no room."""
+def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List[Item], Any]:
+    """The items with their arrays copied into one block of `ring` (shm.Ring), and the block; the
+    items themselves and None if the ring has no room. One block per message: one allocation,
+    and one release once the receiver has dropped every array of every seq in it."""
     from . import shm
 
-    packed = shm.pack(ring, [_as_array(f) for f in item.frames], owner)
+    packed = shm.pack(ring, [_as_array(f) for item in items for f in item.frames], owner)
     if packed is None:
-        return item, None
+        return list(items), None
     block, offsets = packed
     ref = block.ref()
-    return Item(item.pos, item.meta, item.arrays, [], item.nbytes, [ref.offset, ref.nbytes, ref.seq, offsets]), block
+    out: List[Item] = []
+    at = 0
+    for item in items:
+        n = len(item.frames)
+        out.append(
+            Item(item.pos, item.meta, item.arrays, [], item.nbytes, [ref.offset, ref.nbytes, ref.seq, offsets[at : at + n]])
+        )
+        at += n
+    return out, block
 
 
 def _as_array(frame: Any) -> Any:
@@ -811,27 +820,41 @@ def _as_array(frame: Any) -> Any:
 
 def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
     """Give items in shared memory their arrays (views of `mapping`, a shm.Mapping); the items
-    whose block cannot be used are taken out and returned as bad."""
+    whose block cannot be used are taken out and returned as bad. Items naming the same block
+    (one message's seqs) share one lease on it."""
     from . import shm
 
     bad: List[BadItem] = []
-    keep: List[Item] = []
+    groups: Dict[Tuple[int, int, int], List[Item]] = {}
     for item in items:
         if item.block is not None:
-            if mapping is None:
-                bad.append(BadItem(item.pos, "an item in shared memory, but no segment is mapped"))
-                continue
-            offset, nbytes, seq, offsets = item.block
-            specs = [(k, d, shape, o) for (k, d, shape), o in zip(item.arrays, offsets)]
+            b = item.block
+            groups.setdefault((b[0], b[1], b[2]), []).append(item)
+    if not groups:
+        return bad
+    failed = set()
+    for ref, group in groups.items():
+        if mapping is None:
+            reason = "an item in shared memory, but no segment is mapped"
+        else:
+            specs = [(k, d, shape, o) for item in group for (k, d, shape), o in zip(item.arrays, item.block[3])]  # type: ignore[index]
             try:
-                arrays = mapping.arrays((offset, nbytes, seq), specs)
+                views = mapping.views(ref, specs)
             except (shm.ShmUnavailable, ValueError) as exc:
-                bad.append(BadItem(item.pos, str(exc)))
+                reason = str(exc)
+            else:
+                at = 0
+                for item in group:
+                    n = len(item.arrays)
+                    item.frames = views[at : at + n]
+                    item.block = None
+                    at += n
                 continue
-            item.frames = [arrays[k] for k, _, _ in item.arrays]
-            item.block = None
-        keep.append(item)
-    items[:] = keep
+        for item in group:
+            bad.append(BadItem(item.pos, reason))
+            failed.add(id(item))
+    if failed:
+        items[:] = [item for item in items if id(item) not in failed]
     return bad
 
 

@@ -78,6 +78,7 @@ class Scheduler:
         self._handlers: Dict[type, Callable[[Any, List[Instruction]], None]] = {
             ev.WorkerJoined: self._on_worker_joined,
             ev.HeartbeatReceived: lambda e, out: None,
+            ev.InputsShared: self._on_inputs_shared,
             ev.WorkerLeft: lambda e, out: self._remove(e.wid, Departure.DEPARTED, out),
             ev.ResultsReceived: self._on_results,
             ev.TaskFailed: self._on_task_failed,
@@ -125,6 +126,9 @@ class Scheduler:
         return True
 
     # ---- workers ------------------------------------------------------------------------------
+    def _on_inputs_shared(self, e: ev.InputsShared, out: List[Instruction]) -> None:
+        self.workers[e.wid].shared_inputs = True
+
     def _on_worker_joined(self, e: ev.WorkerJoined, out: List[Instruction]) -> None:
         if e.wid in self.workers:
             self._remove(e.wid, Departure.REREGISTERED, out)

@@ -83,7 +83,10 @@ class SeqDispatch:
     def requests(self, capacity: int) -> List[int]:
         """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
         ahead of delivery."""
-        window = capacity + self.settings.read_slack
+        s = self.settings
+        window = capacity + s.read_slack
+        if window - len(self.requested) < s.read_step and len(self.todo) >= s.read_slack // 2:
+            return []  # enough inputs wait to be sent: ask for a step at a time (fewer wake-ups)
         out: List[int] = []
         while (self.end is None or self.read_next < self.end) and len(self.requested) < window:
             pos = self.read_next
@@ -234,7 +237,8 @@ class SeqDispatch:
     # ---- dispatch -------------------------------------------------------------------------
     def dispatch(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
         """Send what the workers' credit allows: lowest positions first, to the worker with the most
-        free credit, in chunks of half a worker's credit (or dispatch_bytes), so consecutive seqs
+        free credit, in chunks of half a worker's credit (or dispatch_bytes of inputs that travel in
+        the message), so consecutive seqs
         spread over the workers and results come back close to delivery order. A seq whose result
         was malformed waits for another worker, unless there is none."""
         s = self.settings
@@ -269,7 +273,8 @@ class SeqDispatch:
             batch: List[Item] = []
             to: List[bytes] = []
             nbytes = 0
-            while self.todo and len(batch) < limit and nbytes < s.dispatch_bytes:
+            max_bytes = s.dispatch_bytes if not w.shared_inputs else float("inf")
+            while self.todo and len(batch) < limit and nbytes < max_bytes:
                 pos = self.todo[0]
                 if batch and (pos in self.deaths or self.avoid.get(pos) == w.wid):
                     break
