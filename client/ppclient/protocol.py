@@ -804,7 +804,14 @@ def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List
     for item in items:
         n = len(item.frames)
         out.append(
-            Item(item.pos, item.meta, item.arrays, [], item.nbytes, [ref.offset, ref.nbytes, ref.seq, offsets[at : at + n]])
+            Item(
+                item.pos,
+                item.meta,
+                item.arrays,
+                [],
+                item.nbytes,
+                [ref.offset, ref.nbytes, ref.seq, offsets[at : at + n]],
+            )
         )
         at += n
     return out, block
@@ -867,10 +874,13 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
     """An item header checked against its frames: meta, keys, dtypes and byte counts.
 
     Raises ProtocolError. Nothing here builds an array, so a forwarder pays only for the checks.
+    (Every seq of every message passes here: the checks are written out for speed.)
     """
-    if not isinstance(spec, dict):
+    if type(spec) is not dict:
         raise ProtocolError("item is not a map")
-    pos, meta, arrays = spec.get("i"), spec.get("meta"), spec.get("arrays")
+    pos = spec.get("i")
+    meta = spec.get("meta")
+    arrays = spec.get("arrays")
     if type(pos) is not int or pos < 0:
         raise ProtocolError(f"item position {pos!r:.40} is not an int >= 0")
     if type(meta) is not dict:
@@ -883,12 +893,15 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
     elif len(arrays) != len(frames):
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
     for key, value in meta.items():
-        check = _META_TYPES.get(key)
-        if check is None or not check(value):
+        t = type(value)
+        if not (
+            (key == "seq_tag" and t is str)
+            or (key == "seq_idx" and t is int)
+            or (key == "complete_frac" and (t is float or t is int))
+        ):
             raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
-    nbytes = 0
-    keys = set()
     sizes = []
+    keys = set()
     for spec_ in arrays:
         if type(spec_) is not list or len(spec_) != 3:
             raise ProtocolError(f"item {pos}: bad array spec {spec_!r:.60}")
@@ -908,20 +921,22 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                 raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
             count *= d
             nonzero *= d or 1
-            if nonzero > MAX_ELEMENTS:
-                raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
+        if nonzero > MAX_ELEMENTS:
+            raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
         sizes.append(count * itemsize)
+    nbytes = 0
     if block is None:
         for spec_, frame, want in zip(arrays, frames, sizes):
-            size = wire.nbytes(frame)
+            size = frame.nbytes if type(frame) is not bytes and hasattr(frame, "nbytes") else len(frame)
             if size != want:
                 raise ProtocolError(
                     f"item {pos}: array {spec_[0]!r} has {size} bytes, not those of {spec_[2]} {spec_[1]}"
                 )
             nbytes += size
         return Item(pos, meta, arrays, list(frames), nbytes)
+    limit = block[1]
     for offset, size in zip(block[3], sizes):
-        if offset + size > block[1]:
+        if offset + size > limit:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
     return Item(pos, meta, arrays, [], nbytes, block=block)
@@ -930,23 +945,16 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
 def _check_block(pos: int, block: Any, arrays: Any, frames: Sequence[Any]) -> None:
     if frames:
         raise ProtocolError(f"item {pos}: an item in shared memory carries frames")
-    if (
-        type(block) is not list
-        or len(block) != 4
-        or not all(type(v) is int and v >= 0 for v in block[:3])
-        or type(block[3]) is not list
-        or type(arrays) is not list
-        or len(block[3]) != len(arrays)
-        or not all(type(v) is int and v >= 0 for v in block[3])
-    ):
+    ok = type(block) is list and len(block) == 4 and type(block[3]) is list and len(block[3]) == len(arrays)
+    if ok:
+        for v in block[:3]:
+            if type(v) is not int or v < 0:
+                ok = False
+        for v in block[3]:
+            if type(v) is not int or v < 0:
+                ok = False
+    if not ok:
         raise ProtocolError(f"item {pos}: bad shared-memory block {block!r:.60}")
-
-
-_META_TYPES: Dict[str, Any] = {
-    "seq_tag": lambda v: type(v) is str,
-    "seq_idx": lambda v: type(v) is int,
-    "complete_frac": lambda v: type(v) in (int, float),
-}
 
 
 MAX_NDIM = 64  # numpy's limit

@@ -722,7 +722,9 @@ class Scheduler:
                 return True
             if lane.consumer is None:
                 return False  # the rank has not come yet: its seqs wait (and so does the epoch)
-            waiting = len(lane.ready) + sum(1 for it in group if it.pos % width == lane.rank)
+            waiting = len(lane.ready)
+            if group:
+                waiting += sum(1 for it in group if it.pos % width == lane.rank)
             return lane.credit - waiting > 0
 
         return room
@@ -736,6 +738,7 @@ class Scheduler:
         stream = isinstance(d, StreamDispatch)
         # with drop_last and the count not known yet, a group of W goes out only once complete
         hold = run.job.drop_last and world > 1 and run.total is None
+        end = run.end()
         while True:
             item = d.pop_next(out, room)
             if item is None:
@@ -746,22 +749,26 @@ class Scheduler:
                 run.group.append(item)
                 if len(run.group) == world:
                     for it in run.group:
-                        self._to_ready(run, it)
+                        self._to_ready(run, it, end)
                     run.group.clear()
             else:
-                self._to_ready(run, item)
+                self._to_ready(run, item, end)
         if stream and run.total is None:
             run.total = d.total()
         if run.total is not None and run.group:
+            end = run.end()
             for it in run.group:  # the epoch's count is known: the group is in end() or dropped
-                self._to_ready(run, it)
+                self._to_ready(run, it, end)
             run.group.clear()
 
-    def _to_ready(self, run: Run, item: Item) -> None:
-        lane = run.lanes[item.pos % run.width]
-        index = item.pos // run.width
-        end = run.end()
-        lane.released = max(lane.released, index + 1)
+    @staticmethod
+    def _to_ready(run: Run, item: Item, end: Optional[int]) -> None:
+        """Into its rank's lane (`end`: run.end(), passed in: this runs once per seq)."""
+        width = run.job.lanes
+        lane = run.lanes[item.pos % width]
+        index = item.pos // width
+        if index >= lane.released:
+            lane.released = index + 1
         if lane.gone or index < lane.start or (end is not None and item.pos >= end):
             return  # no one wants it
         lane.ready.append(item)

@@ -242,6 +242,8 @@ class SeqDispatch:
         spread over the workers and results come back close to delivery order. A seq whose result
         was malformed waits for another worker, unless there is none."""
         s = self.settings
+        if not self.todo or not any(w.free() > 0 and not w.isolating for w in workers.values()):
+            return  # nothing to send, or no worker has room (an idle worker has room)
         chunk = max(1, min(s.buf_size // 2, s.max_dispatch_batch))
         deferred: List[int] = []
         while self.todo:
