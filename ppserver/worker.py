@@ -163,7 +163,11 @@ class Worker:
 
     def _handle(self, msg: protocol.Message, items: List[Any], bad: List[protocol.BadItem]) -> None:
         if bad:
-            log.warning("dropped %d malformed inputs from the server (first: %s)", len(bad), bad[0].reason)
+            log.warning("dropped %d inputs from the server that cannot be used (first: %s)", len(bad), bad[0].reason)
+            lost = [b.pos for b in bad if b.pos is not None]
+            if isinstance(msg, protocol.Tasks) and lost:
+                # the server takes these tasks back (and redoes them, if it still wants them)
+                self.session.send(protocol.InputsLost(run=msg.run, pos=lost, reason=bad[0].reason[:500]))
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags)
         elif isinstance(msg, protocol.ConsumerRoute):

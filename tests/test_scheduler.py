@@ -1132,3 +1132,17 @@ def test_an_epoch_whose_count_is_learnt_by_reading(world, drop_last):
     ends = {i.consumer: i.msg.count for i in client_msgs(sim.out, protocol.End)}
     assert ends == {b"r%d" % r: len(range(r, end, world)) for r in range(world)}
     assert run not in sim.s.runs
+
+
+def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
+    sim = Sim(buf_size=2)
+    sim.join(b"w1")
+    sim.start(4)
+    sim.feed(range(4))
+    assert tasks(sim.out, b"w1") == [0, 1]
+    out = sim(ev.InputsLost, b"w1", sim.run, [0, 1], "gone")
+    assert tasks(out, b"w1") == [0, 1]  # its slots are free again, the seqs still wanted
+    assert sim.s.lost_inputs == 2
+    assert sim(ev.InputsLost, b"w1", sim.run, [3], "late") == []  # not a task it holds: nothing
+    out = sim.results(b"w1", [0, 1])
+    assert delivered(out) == [0, 1] and sim.s.lost_inputs == 2

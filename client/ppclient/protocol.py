@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 5
+PROTOCOL = 6
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -364,11 +364,15 @@ class Welcome(Message):
     templates: Dict[str, Any] = field(default_factory=dict)  # of the outputs: what the worker checks
     inputs: Dict[str, Any] = field(default_factory=dict)  # of the inputs: what RETURNN-API mappers get
     shm: Optional[Dict[str, Any]] = None  # the segment the worker's inputs will come in (same host)
+    # where a worker on the server's host may read its inputs in the server's memory: the
+    # server's pid and a token (its address and bytes) to check that reading works
+    cma: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
 class ShmMapped(Message):
-    """The worker mapped the segment offered in `welcome` (`ok`), or why not."""
+    """The worker mapped the segment offered in `welcome` (`ok`), or why not; `cma`: it can read
+    the server's memory (the `welcome.cma` token read back), so inputs may name addresses."""
 
     kind = "shm_mapped"
     channel = Channel.WORKER
@@ -376,6 +380,7 @@ class ShmMapped(Message):
     receiver = (Peer.SERVER,)
     ok: bool = False
     reason: str = ""
+    cma: bool = False
 
 
 @dataclass(frozen=True)
@@ -549,6 +554,20 @@ class Results(Message):
 
 
 @dataclass(frozen=True)
+class InputsLost(Message):
+    """Inputs the worker received but could not read (their shared-memory block or the server's
+    memory was gone): the server takes the tasks back and redoes those it still wants."""
+
+    kind = "inputs_lost"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    pos: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class TaskFailed(Message):
     """A map_seq call raised or its output failed validation (or did not fit a message)."""
 
@@ -715,6 +734,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         Tasks,
         Results,
         Completed,
+        InputsLost,
         ConsumerRoute,
         ConsumerGone,
         DirectHello,
@@ -744,8 +764,10 @@ class Item:
     (numpy arrays, bytes or zmq.Frames), which a forwarder passes on without decoding.
     Instead of frames, the arrays may lie in a shared-memory block of the sender's segment:
     `block` is `[offset, nbytes, seq, [offset of each array in the block]]` (header key "b");
-    the receiver maps it (shm.py) and fills `frames` with views. `direct` marks a result the worker
-    sent to its consumer itself (the server holds only its position and size).
+    the receiver maps it (shm.py) and fills `frames` with views. Or they lie in the sender's
+    own memory, for a receiver on its host that reads it there (cross-memory attach): `spans`
+    is `[[address, nbytes], ...]`, one per array (header key "m"). `direct` marks a result the
+    worker sent to its consumer itself (the server holds only its position and size).
     """
 
     pos: int
@@ -755,17 +777,20 @@ class Item:
     nbytes: int = 0
     block: Optional[List[Any]] = None
     direct: bool = False
+    spans: Optional[List[List[int]]] = None
 
     def header(self, pos: Optional[int] = None) -> Dict[str, Any]:
         h = {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
         if self.block is not None:
             h["b"] = self.block
+        elif self.spans is not None:
+            h["m"] = self.spans
         return h
 
     @property
     def wire_frames(self) -> List[Any]:
-        """The frames that travel with the header (none when the arrays are in shared memory)."""
-        return [] if self.block is not None else self.frames
+        """The frames that travel with the header (none when the arrays are elsewhere)."""
+        return [] if self.block is not None or self.spans is not None else self.frames
 
     def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> Item:
         return Item(
@@ -815,6 +840,26 @@ def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List
         )
         at += n
     return out, block
+
+
+def to_spans(items: Sequence[Item]) -> Optional[List[Item]]:
+    """The items with their arrays named by address in this process (its memory must stay as it
+    is until the receiver has read it); None if a frame is not a C-contiguous numpy array."""
+    out: List[Item] = []
+    for item in items:
+        spans = []
+        for f in item.frames:
+            if type(f) is not _numpy().ndarray or not f.flags.c_contiguous:
+                return None
+            spans.append([f.ctypes.data, f.nbytes])
+        out.append(Item(item.pos, item.meta, item.arrays, [], item.nbytes, spans=spans))
+    return out
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy
 
 
 def _as_array(frame: Any) -> Any:
@@ -886,10 +931,15 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
     if type(meta) is not dict:
         raise ProtocolError(f"item {pos}: meta is not a map")
     block = spec.get("b")
+    spans = spec.get("m")
     if type(arrays) is not list:
         raise ProtocolError(f"item {pos}: the arrays entry is not a list")
     if block is not None:
+        if spans is not None:
+            raise ProtocolError(f"item {pos}: arrays both in a block and in the sender's memory")
         _check_block(pos, block, arrays, frames)
+    elif spans is not None:
+        _check_spans(pos, spans, arrays, frames)
     elif len(arrays) != len(frames):
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
     for key, value in meta.items():
@@ -925,6 +975,14 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
             raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
         sizes.append(count * itemsize)
     nbytes = 0
+    if spans is not None:
+        for spec_, (_, size), want in zip(arrays, spans, sizes):
+            if size != want:
+                raise ProtocolError(
+                    f"item {pos}: array {spec_[0]!r} spans {size} bytes, not those of {spec_[2]} {spec_[1]}"
+                )
+            nbytes += size
+        return Item(pos, meta, arrays, [], nbytes, spans=spans)
     if block is None:
         for spec_, frame, want in zip(arrays, frames, sizes):
             size = frame.nbytes if type(frame) is not bytes and hasattr(frame, "nbytes") else len(frame)
@@ -940,6 +998,22 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
     return Item(pos, meta, arrays, [], nbytes, block=block)
+
+
+def _check_spans(pos: int, spans: Any, arrays: Any, frames: Sequence[Any]) -> None:
+    if frames:
+        raise ProtocolError(f"item {pos}: an item in the sender's memory carries frames")
+    ok = type(spans) is list and len(spans) == len(arrays)
+    if ok:
+        for sp in spans:
+            if type(sp) is not list or len(sp) != 2:
+                ok = False
+                break
+            for v in sp:
+                if type(v) is not int or v < 0:
+                    ok = False
+    if not ok:
+        raise ProtocolError(f"item {pos}: bad memory spans {spans!r:.60}")
 
 
 def _check_block(pos: int, block: Any, arrays: Any, frames: Sequence[Any]) -> None:
@@ -1060,7 +1134,7 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
         arrays = spec.get("arrays") if type(spec) is dict else None
         if type(arrays) is not list:
             break
-        n = 0 if "b" in spec else len(arrays)  # arrays in shared memory have no frames
+        n = 0 if "b" in spec or "m" in spec else len(arrays)  # arrays in (shared) memory have no frames
         if at + n > len(bufs):
             break
         try:

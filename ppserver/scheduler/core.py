@@ -70,6 +70,7 @@ class Scheduler:
         self.total_delivered = 0
         self.malformed_results = 0
         self.lost_direct = 0  # direct results a consumer reported missing (made again)
+        self.lost_inputs = 0  # inputs a worker could not read (made again)
         self.departures: Counter = Counter()
         self.handed_back = 0
         self.last_beat = float("-inf")
@@ -96,6 +97,7 @@ class Scheduler:
             ev.InputsEnded: self._on_inputs_ended,
             ev.ReplayRead: self._on_replay,
             ev.CompletedReceived: self._on_completed,
+            ev.InputsLost: self._on_inputs_lost,
             ev.MissingReported: self._on_missing,
             ev.ReadFailed: lambda e, out: self._fail_id(
                 e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
@@ -244,6 +246,20 @@ class Scheduler:
         d = self._dispatch_of(e.run, SeqDispatch)
         if d is not None:
             d.completed(self.workers[e.wid], e.positions, e.nbytes)
+
+    def _on_inputs_lost(self, e: ev.InputsLost, out: List[Instruction]) -> None:
+        d = self._dispatch_of(e.run, SeqDispatch)
+        if d is not None:
+            redone = d.inputs_lost(self.workers[e.wid], e.positions)
+            self.lost_inputs += redone
+            if redone:
+                log.warning(
+                    "worker %s could not read %d inputs of epoch %d (%s): redone",
+                    self.workers[e.wid].name,
+                    redone,
+                    self.runs[e.run].epoch,
+                    e.reason,
+                )
 
     def _on_task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)
@@ -849,6 +865,7 @@ class Scheduler:
             "seqs_delivered_total": self.total_delivered,
             "malformed_results": self.malformed_results,
             "lost_direct_results": self.lost_direct,
+            "lost_inputs": self.lost_inputs,
             "departures": {d.value: n for d, n in self.departures.items()},
             "handed_back": self.handed_back,
             "job": None,

@@ -72,6 +72,15 @@ class CompletedReceived(WorkerEvent):
 
 
 @dataclass(slots=True)
+class InputsLost(WorkerEvent):
+    """Tasks whose inputs the worker could not read: taken back, redone if still wanted."""
+
+    run: int
+    positions: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(slots=True)
 class TaskFailed(WorkerEvent):
     run: int
     pos: int

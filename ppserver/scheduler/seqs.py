@@ -199,6 +199,20 @@ class SeqDispatch:
             self.results[pos] = Item(pos, {}, [], [], size, direct=True)
             self._keep(pos, item)
 
+    def inputs_lost(self, w: WorkerState, positions: List[int]) -> int:
+        """Tasks the worker could not read the inputs of: its slots are freed and the seqs still
+        wanted go back to the queue (nobody is blamed). Returns how many go back."""
+        redone = 0
+        for pos in positions:
+            if self.inflight.get(pos) != w.wid:
+                continue  # late or duplicate
+            wanted = pos in self.pending
+            self._settle(w, pos, keep_input=wanted)
+            if wanted:
+                heapq.heappush(self.todo, pos)
+                redone += 1
+        return redone
+
     def _keep(self, pos: int, task: Item) -> None:
         self.kept[pos] = task
         self.kept_order.setdefault(pos % self.width, deque()).append(pos)
