@@ -810,7 +810,7 @@ def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
 
 def item_to_seq(item: Item) -> Dict[str, Any]:
     """The seq dict of an Item (arrays are read-only views of its frames)."""
-    return wire.item_to_seq(item.header(), item.frames)
+    return wire.build_seq(item.arrays, item.meta, item.frames)
 
 
 def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List[Item], Any]:

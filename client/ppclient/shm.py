@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
-import math
 import mmap
 import os
 import stat
@@ -472,12 +471,14 @@ class Mapping:
         out: List[np.ndarray] = []
         for key, dtype_str, shape, off in specs:
             dtype = _plain_dtype(dtype_str)
-            dims = tuple(int(s) for s in shape)
-            off = int(off)
-            n = dtype.itemsize * math.prod(dims)
-            if min(dims, default=0) < 0 or off < 0 or off + n > nbytes:
-                raise ValueError(f"array {key!r} {dtype_str}{list(dims)} at {off} exceeds the block's {nbytes} bytes")
-            out.append(owner[off : off + n].view(dtype).reshape(dims))
+            n = dtype.itemsize
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise ValueError(f"array {key!r} has a bad shape {shape!r:.60}")
+                n *= d
+            if type(off) is not int or off < 0 or off + n > nbytes:
+                raise ValueError(f"array {key!r} {dtype_str}{list(shape)} at {off} exceeds the block's {nbytes} bytes")
+            out.append(owner[off : off + n].view(dtype).reshape(shape))
         return out
 
     def close(self) -> None:

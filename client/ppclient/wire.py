@@ -126,11 +126,19 @@ def _meta_value(key: str, value: Any) -> Any:
 
 def item_to_seq(item: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
     """Rebuild a seq dict from an item header that protocol.check_item accepted (no copy)."""
+    return build_seq(item["arrays"], item["meta"], bufs)
+
+
+def build_seq(arrays: Sequence[Any], meta: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
+    """A seq dict from checked array specs, meta entries and one buffer per array (no copy)."""
     seq: Dict[str, Any] = {}
-    for (key, dtype_str, shape), buf in zip(item["arrays"], bufs):
+    for (key, dtype_str, shape), buf in zip(arrays, bufs):
+        if type(buf) is numpy.ndarray:
+            seq[key] = buf  # built for this spec already (a view of shared memory, a read, a sent array)
+            continue
         mv = buf.buffer if hasattr(buf, "buffer") else buf
         seq[key] = numpy.frombuffer(mv, dtype=numpy.dtype(dtype_str)).reshape(shape)
-    seq.update(item["meta"])
+    seq.update(meta)
     return seq
 
 
