@@ -137,7 +137,9 @@ class Dataset:
 
     Hooks: ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
     ``_seq_len(corpus_idx)`` (the default loads the seq), ``_corpus_idx_for_tag(tag)`` and
-    ``_compute_data_keys()`` (the default loads the whole corpus once).
+    ``_compute_data_keys()`` (the default loads the whole corpus once). The arrays ``_load``
+    returns are sent without a copy: return fresh arrays or views of data that never changes,
+    not a buffer that the next call overwrites.
     """
 
     def __init__(

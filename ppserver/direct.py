@@ -153,24 +153,27 @@ class Routes:
                     now - route.since,
                 )
 
+    def shared(self, consumer: bytes) -> bool:
+        """Whether results for `consumer` go through shared memory (while its ring has room)."""
+        route = self.routes.get(consumer)
+        return route is not None and route.ready and route.shm and self.ring is not None
+
     def send(self, consumer: bytes, run: int, items: List[Item]) -> bool:
         """Send results straight to their consumer; False if they must go through the server."""
         route = self.routes.get(consumer)
         if route is None or not route.ready:
             return False
-        blocks = []
+        block = None
         wire = items
         if route.shm and self.ring is not None:
-            packed = [protocol.to_block(item, self.ring, consumer) for item in items]
-            wire = [item for item, _ in packed]
-            blocks = [block for _, block in packed if block is not None]
+            wire, block = protocol.to_block(items, self.ring, consumer)
         try:
             route.sock.send_multipart(
                 protocol.encode(protocol.DirectSeqs(run=run), wire), copy=False, flags=zmq.NOBLOCK
             )
         except zmq.ZMQError:  # full queue (Again), or a socket in trouble
-            for block in blocks:
-                block.release()  # nobody will read them: the results go through the server
+            if block is not None:
+                block.release()  # nobody will read it: the results go through the server
             route.fell_back += 1
             return False
         route.sent += len(items)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
@@ -82,11 +81,44 @@ class Stop:
     run: int
 
 
+class Mailbox:
+    """Commands from the I/O thread to the reader. A put wakes the reader only when it waits:
+    while it reads, it looks at the deque between seqs, and waking a thread costs a system call
+    (on a virtual machine, often more than reading a small seq)."""
+
+    def __init__(self) -> None:
+        self._items: Deque[Any] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = False
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiting:  # read after the append: a reader about to wait sees the item first
+            with self._cond:
+                self._cond.notify()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get(self, timeout: float) -> Any:
+        """The next command; raises IndexError if none came within `timeout`."""
+        items = self._items
+        if not items:
+            with self._cond:
+                self._waiting = True
+                try:
+                    if not items:
+                        self._cond.wait(timeout)
+                finally:
+                    self._waiting = False
+        return items.popleft()
+
+
 class Reader(threading.Thread):
     def __init__(self, dataset: Any):
         super().__init__(name="reader", daemon=True)
         self.dataset = dataset
-        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.commands = Mailbox()
         # appended here, popped by the loop (deque ops are atomic): events, and (run, item) for each input
         self.out: Deque[Any] = deque()
         self.woken = False  # a wake-up byte is in the pipe and the loop has not taken events since
@@ -199,7 +231,7 @@ class Reader(threading.Thread):
         if not self.commands.empty() or (not self.replays and not self._can_read()):
             try:
                 command = self.commands.get(timeout=IDLE_WAIT_S)
-            except queue.Empty:
+            except IndexError:
                 return
             if command is not None:
                 self._apply(command)

@@ -155,11 +155,13 @@ class MapSeqRunner:
             )
             self.drop_run(run_id)
             return
-        if self.results_bytes + result.nbytes > self.cfg.max_message_bytes:
+        # bytes that travel in the message (not in shared memory) cut batches
+        nbytes = 0 if dest and self.routes is not None and self.routes.shared(dest) else result.nbytes
+        if self.results_bytes + nbytes > self.cfg.max_message_bytes:
             self.flush()
         self.results.append((result, dest))
         self.results_run = run_id
-        self.results_bytes += result.nbytes
+        self.results_bytes += nbytes
         self.done += 1
         # Results travel in batches, but never more than half the credit, so the server
         # refills this worker's queue before it runs dry.

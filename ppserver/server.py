@@ -23,12 +23,14 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, TextIO, Tuple
 
+import numpy
 import zmq
 
 import ppclient
 from ppclient import endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Peer
 
+from . import cma
 from . import reader as rd
 from .config import FINGERPRINT_COVERS, Config
 from .control import Control
@@ -140,6 +142,10 @@ class Server:
         self.host_id = shm.host_id() if cfg.shm_mb > 0 and shm.probe() is None else ""
         self.rings: Dict[bytes, shm.Ring] = {}
         self.shm_ready: Set[bytes] = set()
+        # Workers on this host that read their inputs in this process's memory (cma.py): they are
+        # told only where each array lies. The token lets a worker check that reading works.
+        self.cma_token = numpy.frombuffer(os.urandom(32), numpy.uint8).copy()
+        self.cma_ready: Set[bytes] = set()
         self.malformed = _Throttled("dropped a malformed message")
         self.refused = _Throttled("refused a connection")
 
@@ -277,9 +283,13 @@ class Server:
     def _to_worker(self, instr: ToWorker) -> None:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
         items = instr.items
-        if items and instr.wid in self.shm_ready:
-            ring = self.rings[instr.wid]
-            items = [protocol.to_block(item, ring)[0] for item in items]  # the worker frees each when done
+        if items:
+            wid = instr.wid
+            spans = protocol.to_spans(items) if wid in self.cma_ready and type(instr.msg) is protocol.Tasks else None
+            if spans is not None:
+                items = spans  # the scheduler keeps each input until its result is settled
+            elif wid in self.shm_ready:
+                items = protocol.to_block(items, self.rings[wid])[0]  # the worker frees it when done
         self.stages.to_worker(instr, self.sched.now)
         self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
 
@@ -425,10 +435,20 @@ class Server:
         if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
         if kind is protocol.ShmMapped:
-            self._on_shm_mapped(wid, msg)
+            if self._on_shm_mapped(wid, msg):
+                return ev.InputsShared(now, wid)
             return ev.HeartbeatReceived(now, wid)
         if kind is protocol.Completed:
             return ev.CompletedReceived(now, wid, msg.run, msg.pos, msg.nbytes)
+        if kind is protocol.InputsLost:
+            lost = self.sched.lost_inputs
+            self.handle(ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:500]))
+            if self.sched.lost_inputs > lost and (wid in self.cma_ready or wid in self.shm_ready):
+                # inputs the server still held could not be read: from now on they travel in the messages
+                log.warning("worker %s gets its inputs over the socket from now on", wid.decode(errors="replace"))
+                self.cma_ready.discard(wid)
+                self._drop_ring(wid)
+            return None
         if kind is protocol.StreamOutputs:
             return ev.StreamOutputsReceived(
                 now, wid, msg.run, msg.partition, msg.incarnation, decoded.items, decoded.bad
@@ -459,8 +479,11 @@ class Server:
             log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
             self._send(self.workers_sock, [wid, *protocol.encode(protocol.Refuse(reason=reason))])
             return None
-        offer = None
+        self._drop_ring(wid)  # of an earlier registration of this identity
+        self.cma_ready.discard(wid)
+        offer = cma_offer = None
         if self.host_id and hello.host_id == self.host_id:
+            cma_offer = cma.offer(self.cma_token) if cma.available() is None else None
             try:
                 ring = self.rings[wid] = shm.Ring(self.cfg.shm_mb << 20)
                 offer = ring.descriptor.to_dict()
@@ -470,19 +493,28 @@ class Server:
             self.workers_sock,
             [
                 wid,
-                *protocol.encode(protocol.Welcome(templates=self.out_templates, inputs=self.in_templates, shm=offer)),
+                *protocol.encode(
+                    protocol.Welcome(templates=self.out_templates, inputs=self.in_templates, shm=offer, cma=cma_offer)
+                ),
             ],
         )
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
 
-    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> None:
-        if wid not in self.rings:
-            return
+    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> bool:
+        """True if the worker now takes its inputs without their bytes in the messages."""
+        if wid not in self.rings and not msg.cma:
+            return False
+        name = wid.decode(errors="replace")
+        if msg.cma:
+            self.cma_ready.add(wid)
+            log.info("worker %s reads its inputs in the server's memory", name)
         if msg.ok:
             self.shm_ready.add(wid)
-        else:
-            log.warning("worker %s gets its inputs over the socket: %s", wid.decode(errors="replace"), msg.reason)
-            self._drop_ring(wid)
+            return True
+        if not msg.cma:
+            log.warning("worker %s gets its inputs over the socket: %s", name, msg.reason)
+        self._drop_ring(wid)
+        return msg.cma
 
     def _drop_ring(self, wid: bytes) -> None:
         self.shm_ready.discard(wid)
@@ -498,6 +530,8 @@ class Server:
         self.last_tick = now
         for wid in [w for w in self.rings if w not in self.sched.workers]:
             self._drop_ring(wid)  # the worker left: its segment goes once it unmaps it
+        if self.cma_ready:
+            self.cma_ready.intersection_update(self.sched.workers)
         if self.pool is not None:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))

@@ -25,6 +25,8 @@ from ppclient import endpoints, protocol, shm
 from ppclient.keyfiles import ClientKeys
 from ppclient.protocol import Channel, Peer
 
+from . import cma
+
 log = logging.getLogger("ppserver.worker")
 
 BACKOFF_START = 0.25
@@ -123,6 +125,7 @@ class Session:
         # input segment once mapped.
         self.host_id = shm.host_id() if shm_mb > 0 and shm.probe() is None else ""
         self.input_mapping: Optional[shm.Mapping] = None
+        self.input_reader: Optional[cma.Reader] = None  # reads inputs in the server's memory
         self.identity: Optional[bytes] = None
         self.forgotten = False
         self._hb: Optional[Heartbeat] = None
@@ -205,7 +208,7 @@ class Session:
             if isinstance(msg, protocol.Welcome):
                 self.templates = msg.templates
                 self.inputs = msg.inputs
-                self._map_inputs(sock, msg.shm)
+                self._map_inputs(sock, msg.shm, msg.cma)
                 self.sock = sock
                 self.forgotten = False
                 self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -268,24 +271,43 @@ class Session:
             if isinstance(decoded.msg, protocol.Unknown):
                 self.forgotten = True
                 raise Stopped()
-            if decoded.items and any(item.block is not None for item in decoded.items):
-                decoded.bad += protocol.resolve_blocks(decoded.items, self.input_mapping)
+            items = decoded.items
+            if items:
+                first = items[0]
+                if first.spans is not None:
+                    decoded.bad += cma.resolve_spans(items, self.input_reader)
+                elif first.block is not None or any(item.block is not None for item in items):
+                    decoded.bad += protocol.resolve_blocks(items, self.input_mapping)
             out.append(decoded)
         return out
 
-    def _map_inputs(self, sock: zmq.Socket, descriptor: Optional[Dict[str, Any]]) -> None:
+    def _map_inputs(
+        self, sock: zmq.Socket, descriptor: Optional[Dict[str, Any]], offer: Optional[Dict[str, Any]]
+    ) -> None:
+        """Map the server's segment and check whether its memory can be read; say which works."""
         if self.input_mapping is not None:
             self.input_mapping.close()  # of an earlier registration: unmapped once its arrays are gone
         self.input_mapping = None
-        if descriptor is None:
+        self.input_reader = None
+        if descriptor is None and offer is None:
             return
-        try:
-            self.input_mapping = shm.Mapping.open(descriptor)
-            reply = protocol.ShmMapped(ok=True)
-        except shm.ShmUnavailable as exc:
-            log.warning("inputs come over the socket: cannot map the server's shared memory: %s", exc)
-            reply = protocol.ShmMapped(ok=False, reason=str(exc)[:500])
-        sock.send_multipart(protocol.encode(reply))
+        ok, reason = False, "no segment offered"
+        if descriptor is not None:
+            try:
+                self.input_mapping = shm.Mapping.open(descriptor)
+                ok, reason = True, ""
+            except shm.ShmUnavailable as exc:
+                reason = str(exc)[:500]
+        why_not = cma.check_offer(offer) if offer is not None else "not offered"
+        if why_not is None:
+            assert offer is not None
+            self.input_reader = cma.Reader(offer["pid"])
+            log.info("inputs are read in the server's memory (process_vm_readv)")
+        elif ok:
+            log.info("inputs come through the server's shared memory (reading its memory: %s)", why_not)
+        else:
+            log.warning("inputs come over the socket: cannot map the server's shared memory: %s", reason)
+        sock.send_multipart(protocol.encode(protocol.ShmMapped(ok=ok, reason=reason, cma=why_not is None)))
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

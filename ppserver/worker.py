@@ -35,6 +35,8 @@ from .supervisor import EXIT_REFUSED, set_process_title
 
 log = logging.getLogger("ppserver.worker")
 
+LOOK_S = 0.001  # how often a busy worker looks for messages (cancellations, more tasks)
+
 
 class Worker:
     def __init__(
@@ -127,11 +129,17 @@ class Worker:
 
     def _work(self) -> None:
         s = self.session
+        look_at = 0.0
         while not s.stopping:
-            if s.lost():
-                return
             busy = bool(self.seqs.tasks) or self.streams.runnable() is not None
-            self._receive(0 if busy else POLL_MS)
+            # While tasks wait, messages are looked at every LOOK_S, not between every two seqs
+            # (each look costs system calls; a closed run's tasks are dropped at the next look).
+            now = time.monotonic()
+            if not busy or now >= look_at:
+                if s.lost():
+                    return
+                self._receive(0 if busy else POLL_MS)
+                look_at = now + LOOK_S
             if self.seqs.tasks:
                 self.seqs.step(self.runs)
             else:
@@ -155,7 +163,11 @@ class Worker:
 
     def _handle(self, msg: protocol.Message, items: List[Any], bad: List[protocol.BadItem]) -> None:
         if bad:
-            log.warning("dropped %d malformed inputs from the server (first: %s)", len(bad), bad[0].reason)
+            log.warning("dropped %d inputs from the server that cannot be used (first: %s)", len(bad), bad[0].reason)
+            lost = [b.pos for b in bad if b.pos is not None]
+            if isinstance(msg, protocol.Tasks) and lost:
+                # the server takes these tasks back (and redoes them, if it still wants them)
+                self.session.send(protocol.InputsLost(run=msg.run, pos=lost, reason=bad[0].reason[:500]))
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags)
         elif isinstance(msg, protocol.ConsumerRoute):

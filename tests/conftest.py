@@ -9,7 +9,7 @@ import sys
 import textwrap
 import time
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import pytest
@@ -113,6 +113,7 @@ def run_server(
     wait_workers: bool = True,
     bind: str = "tcp://127.0.0.1:0",
     log_path: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
 ) -> Iterator[ServerProc]:
     argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", bind]
     if workers is not None:
@@ -120,7 +121,12 @@ def run_server(
     argv += extra or []
     log_file = open(log_path, "a") if log_path else None
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=PROC_CWD, env=_proc_env(PROC_CWD)
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        cwd=PROC_CWD,
+        env={**(_proc_env(PROC_CWD) or os.environ), **(env or {})},
     )
     kids: List[int] = []
     try:

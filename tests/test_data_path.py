@@ -182,6 +182,7 @@ def test_direct_results_lost_at_the_end_of_an_epoch_are_made_again(tmp_path):
     n = 30
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=n, extra="buf_size = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client(timeout=60) as c:
+        first = collect(c.epoch(0))  # both workers reach the client directly from now on
         receive = c._recv
         dropped = []
 
@@ -199,6 +200,7 @@ def test_direct_results_lost_at_the_end_of_an_epoch_are_made_again(tmp_path):
         c._recv = receive
         again = collect(c.epoch(2))
     assert dropped, "no direct message of the last seqs was seen"
+    assert_same_epoch(first, reference(cfg, 0))
     assert_same_epoch(got, reference(cfg, 1))
     assert_same_epoch(again, reference(cfg, 2))
     assert status["lost_direct_results"] >= 1

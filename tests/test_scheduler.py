@@ -191,9 +191,10 @@ def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
 def test_credit_caps_in_flight_per_worker_and_delivery_per_client():
     sim = Sim(buf_size=3)
     sim.join(b"w1")
-    out = sim.start(20, credit=4)
-    assert reads(out) == list(range(3 + 8))  # the workers' credit 3 + slack 8
-    sim.feed(range(11))
+    out = sim.start(30, credit=4)
+    slack = sim.s.settings.read_slack
+    assert reads(out) == list(range(3 + slack))  # the workers' credit 3 + the reader's slack
+    sim.feed(range(3 + slack))
     assert sorted(tasks(sim.out)) == [0, 1, 2]  # buf_size 3
     out = sim.results(b"w1", [0, 1, 2])
     assert sorted(tasks(out)) == [3, 4, 5]
@@ -492,7 +493,7 @@ def test_a_slow_rank_holds_the_others_back_only_by_its_window():
     assert delivered(sim.out, b"r1") == [1, 3, 5]
     # rank 0 got what was released before rank 1's fourth seq; the reader stopped a window later
     assert delivered(sim.out, b"r0") == [0, 2, 4, 6]
-    assert max(reads(sim.out)) < 7 + 2 * 4 + 8
+    assert max(reads(sim.out)) < 7 + 2 * 4 + sim.s.settings.read_slack
     sim(ev.CreditGranted, b"r1", 1, 20)
     finish(sim, 1)
     assert delivered(sim.out, b"r0") == list(range(0, 40, 2))
@@ -1178,3 +1179,17 @@ def test_an_epoch_whose_count_is_learnt_by_reading(world, drop_last):
     ends = {i.consumer: i.msg.count for i in client_msgs(sim.out, protocol.End)}
     assert ends == {b"r%d" % r: len(range(r, end, world)) for r in range(world)}
     assert run not in sim.s.runs
+
+
+def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
+    sim = Sim(buf_size=2)
+    sim.join(b"w1")
+    sim.start(4)
+    sim.feed(range(4))
+    assert tasks(sim.out, b"w1") == [0, 1]
+    out = sim(ev.InputsLost, b"w1", sim.run, [0, 1], "gone")
+    assert tasks(out, b"w1") == [0, 1]  # its slots are free again, the seqs still wanted
+    assert sim.s.lost_inputs == 2
+    assert sim(ev.InputsLost, b"w1", sim.run, [3], "late") == []  # not a task it holds: nothing
+    out = sim.results(b"w1", [0, 1])
+    assert delivered(out) == [0, 1] and sim.s.lost_inputs == 2

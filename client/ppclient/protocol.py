@@ -392,11 +392,15 @@ class Welcome(Message):
     templates: Dict[str, Any] = field(default_factory=dict)  # of the outputs: what the worker checks
     inputs: Dict[str, Any] = field(default_factory=dict)  # of the inputs: what RETURNN-API mappers get
     shm: Optional[Dict[str, Any]] = None  # the segment the worker's inputs will come in (same host)
+    # where a worker on the server's host may read its inputs in the server's memory: the
+    # server's pid and a token (its address and bytes) to check that reading works
+    cma: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
 class ShmMapped(Message):
-    """The worker mapped the segment offered in `welcome` (`ok`), or why not."""
+    """The worker mapped the segment offered in `welcome` (`ok`), or why not; `cma`: it can read
+    the server's memory (the `welcome.cma` token read back), so inputs may name addresses."""
 
     kind = "shm_mapped"
     channel = Channel.WORKER
@@ -404,6 +408,7 @@ class ShmMapped(Message):
     receiver = (Peer.SERVER,)
     ok: bool = False
     reason: str = ""
+    cma: bool = False
 
 
 @dataclass(frozen=True)
@@ -577,6 +582,20 @@ class Results(Message):
 
 
 @dataclass(frozen=True)
+class InputsLost(Message):
+    """Inputs the worker received but could not read (their shared-memory block or the server's
+    memory was gone): the server takes the tasks back and redoes those it still wants."""
+
+    kind = "inputs_lost"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    pos: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class TaskFailed(Message):
     """A map_seq call raised or its output failed validation (or did not fit a message)."""
 
@@ -745,6 +764,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         Tasks,
         Results,
         Completed,
+        InputsLost,
         ConsumerRoute,
         ConsumerGone,
         DirectHello,
@@ -774,8 +794,10 @@ class Item:
     (numpy arrays, bytes or zmq.Frames), which a forwarder passes on without decoding.
     Instead of frames, the arrays may lie in a shared-memory block of the sender's segment:
     `block` is `[offset, nbytes, seq, [offset of each array in the block]]` (header key "b");
-    the receiver maps it (shm.py) and fills `frames` with views. `direct` marks a result the worker
-    sent to its consumer itself (the server holds only its position and size).
+    the receiver maps it (shm.py) and fills `frames` with views. Or they lie in the sender's
+    own memory, for a receiver on its host that reads it there (cross-memory attach): `spans`
+    is `[[address, nbytes], ...]`, one per array (header key "m"). `direct` marks a result the
+    worker sent to its consumer itself (the server holds only its position and size).
     """
 
     pos: int
@@ -785,17 +807,20 @@ class Item:
     nbytes: int = 0
     block: Optional[List[Any]] = None
     direct: bool = False
+    spans: Optional[List[List[int]]] = None
 
     def header(self, pos: Optional[int] = None) -> Dict[str, Any]:
         h = {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
         if self.block is not None:
             h["b"] = self.block
+        elif self.spans is not None:
+            h["m"] = self.spans
         return h
 
     @property
     def wire_frames(self) -> List[Any]:
-        """The frames that travel with the header (none when the arrays are in shared memory)."""
-        return [] if self.block is not None else self.frames
+        """The frames that travel with the header (none when the arrays are elsewhere)."""
+        return [] if self.block is not None or self.spans is not None else self.frames
 
     def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> Item:
         return Item(
@@ -815,20 +840,56 @@ def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
 
 def item_to_seq(item: Item) -> Dict[str, Any]:
     """The seq dict of an Item (arrays are read-only views of its frames)."""
-    return wire.item_to_seq(item.header(), item.frames)
+    return wire.build_seq(item.arrays, item.meta, item.frames)
 
 
-def to_block(item: Item, ring: Any, owner: bytes = b"") -> Tuple[Item, Any]:
-    """The item with its arrays copied into a block of `ring` (shm.Ring), and the block; the item
-    itself and None if the ring has no room."""
+def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List[Item], Any]:
+    """The items with their arrays copied into one block of `ring` (shm.Ring), and the block; the
+    items themselves and None if the ring has no room. One block per message: one allocation,
+    and one release once the receiver has dropped every array of every seq in it."""
     from . import shm
 
-    packed = shm.pack(ring, [_as_array(f) for f in item.frames], owner)
+    packed = shm.pack(ring, [_as_array(f) for item in items for f in item.frames], owner)
     if packed is None:
-        return item, None
+        return list(items), None
     block, offsets = packed
     ref = block.ref()
-    return Item(item.pos, item.meta, item.arrays, [], item.nbytes, [ref.offset, ref.nbytes, ref.seq, offsets]), block
+    out: List[Item] = []
+    at = 0
+    for item in items:
+        n = len(item.frames)
+        out.append(
+            Item(
+                item.pos,
+                item.meta,
+                item.arrays,
+                [],
+                item.nbytes,
+                [ref.offset, ref.nbytes, ref.seq, offsets[at : at + n]],
+            )
+        )
+        at += n
+    return out, block
+
+
+def to_spans(items: Sequence[Item]) -> Optional[List[Item]]:
+    """The items with their arrays named by address in this process (its memory must stay as it
+    is until the receiver has read it); None if a frame is not a C-contiguous numpy array."""
+    out: List[Item] = []
+    for item in items:
+        spans = []
+        for f in item.frames:
+            if type(f) is not _numpy().ndarray or not f.flags.c_contiguous:
+                return None
+            spans.append([f.ctypes.data, f.nbytes])
+        out.append(Item(item.pos, item.meta, item.arrays, [], item.nbytes, spans=spans))
+    return out
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy
 
 
 def _as_array(frame: Any) -> Any:
@@ -841,27 +902,41 @@ def _as_array(frame: Any) -> Any:
 
 def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
     """Give items in shared memory their arrays (views of `mapping`, a shm.Mapping); the items
-    whose block cannot be used are taken out and returned as bad."""
+    whose block cannot be used are taken out and returned as bad. Items naming the same block
+    (one message's seqs) share one lease on it."""
     from . import shm
 
     bad: List[BadItem] = []
-    keep: List[Item] = []
+    groups: Dict[Tuple[int, int, int], List[Item]] = {}
     for item in items:
         if item.block is not None:
-            if mapping is None:
-                bad.append(BadItem(item.pos, "an item in shared memory, but no segment is mapped"))
-                continue
-            offset, nbytes, seq, offsets = item.block
-            specs = [(k, d, shape, o) for (k, d, shape), o in zip(item.arrays, offsets)]
+            b = item.block
+            groups.setdefault((b[0], b[1], b[2]), []).append(item)
+    if not groups:
+        return bad
+    failed = set()
+    for ref, group in groups.items():
+        if mapping is None:
+            reason = "an item in shared memory, but no segment is mapped"
+        else:
+            specs = [(k, d, shape, o) for item in group for (k, d, shape), o in zip(item.arrays, item.block[3])]  # type: ignore[index]
             try:
-                arrays = mapping.arrays((offset, nbytes, seq), specs)
+                views = mapping.views(ref, specs)
             except (shm.ShmUnavailable, ValueError) as exc:
-                bad.append(BadItem(item.pos, str(exc)))
+                reason = str(exc)
+            else:
+                at = 0
+                for item in group:
+                    n = len(item.arrays)
+                    item.frames = views[at : at + n]
+                    item.block = None
+                    at += n
                 continue
-            item.frames = [arrays[k] for k, _, _ in item.arrays]
-            item.block = None
-        keep.append(item)
-    items[:] = keep
+        for item in group:
+            bad.append(BadItem(item.pos, reason))
+            failed.add(id(item))
+    if failed:
+        items[:] = [item for item in items if id(item) not in failed]
     return bad
 
 
@@ -874,28 +949,39 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
     """An item header checked against its frames: meta, keys, dtypes and byte counts.
 
     Raises ProtocolError. Nothing here builds an array, so a forwarder pays only for the checks.
+    (Every seq of every message passes here: the checks are written out for speed.)
     """
-    if not isinstance(spec, dict):
+    if type(spec) is not dict:
         raise ProtocolError("item is not a map")
-    pos, meta, arrays = spec.get("i"), spec.get("meta"), spec.get("arrays")
+    pos = spec.get("i")
+    meta = spec.get("meta")
+    arrays = spec.get("arrays")
     if type(pos) is not int or pos < 0:
         raise ProtocolError(f"item position {pos!r:.40} is not an int >= 0")
     if type(meta) is not dict:
         raise ProtocolError(f"item {pos}: meta is not a map")
     block = spec.get("b")
+    spans = spec.get("m")
     if type(arrays) is not list:
         raise ProtocolError(f"item {pos}: the arrays entry is not a list")
     if block is not None:
+        if spans is not None:
+            raise ProtocolError(f"item {pos}: arrays both in a block and in the sender's memory")
         _check_block(pos, block, arrays, frames)
+    elif spans is not None:
+        _check_spans(pos, spans, arrays, frames)
     elif len(arrays) != len(frames):
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
     for key, value in meta.items():
-        check = _META_TYPES.get(key)
-        if check is None or not check(value):
+        t = type(value)
+        if not (
+            (key == "seq_tag" and t is str)
+            or (key == "seq_idx" and t is int)
+            or (key == "complete_frac" and (t is float or t is int))
+        ):
             raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
-    nbytes = 0
-    keys = set()
     sizes = []
+    keys = set()
     for spec_ in arrays:
         if type(spec_) is not list or len(spec_) != 3:
             raise ProtocolError(f"item {pos}: bad array spec {spec_!r:.60}")
@@ -915,45 +1001,64 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                 raise ProtocolError(f"item {pos}: bad shape {shape!r:.60} for {key!r}")
             count *= d
             nonzero *= d or 1
-            if nonzero > MAX_ELEMENTS:
-                raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
+        if nonzero > MAX_ELEMENTS:
+            raise ProtocolError(f"item {pos}: shape {shape!r:.60} of {key!r} is too large")
         sizes.append(count * itemsize)
+    nbytes = 0
+    if spans is not None:
+        for spec_, (_, size), want in zip(arrays, spans, sizes):
+            if size != want:
+                raise ProtocolError(
+                    f"item {pos}: array {spec_[0]!r} spans {size} bytes, not those of {spec_[2]} {spec_[1]}"
+                )
+            nbytes += size
+        return Item(pos, meta, arrays, [], nbytes, spans=spans)
     if block is None:
         for spec_, frame, want in zip(arrays, frames, sizes):
-            size = wire.nbytes(frame)
+            size = frame.nbytes if type(frame) is not bytes and hasattr(frame, "nbytes") else len(frame)
             if size != want:
                 raise ProtocolError(
                     f"item {pos}: array {spec_[0]!r} has {size} bytes, not those of {spec_[2]} {spec_[1]}"
                 )
             nbytes += size
         return Item(pos, meta, arrays, list(frames), nbytes)
+    limit = block[1]
     for offset, size in zip(block[3], sizes):
-        if offset + size > block[1]:
+        if offset + size > limit:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
     return Item(pos, meta, arrays, [], nbytes, block=block)
 
 
+def _check_spans(pos: int, spans: Any, arrays: Any, frames: Sequence[Any]) -> None:
+    if frames:
+        raise ProtocolError(f"item {pos}: an item in the sender's memory carries frames")
+    ok = type(spans) is list and len(spans) == len(arrays)
+    if ok:
+        for sp in spans:
+            if type(sp) is not list or len(sp) != 2:
+                ok = False
+                break
+            for v in sp:
+                if type(v) is not int or v < 0:
+                    ok = False
+    if not ok:
+        raise ProtocolError(f"item {pos}: bad memory spans {spans!r:.60}")
+
+
 def _check_block(pos: int, block: Any, arrays: Any, frames: Sequence[Any]) -> None:
     if frames:
         raise ProtocolError(f"item {pos}: an item in shared memory carries frames")
-    if (
-        type(block) is not list
-        or len(block) != 4
-        or not all(type(v) is int and v >= 0 for v in block[:3])
-        or type(block[3]) is not list
-        or type(arrays) is not list
-        or len(block[3]) != len(arrays)
-        or not all(type(v) is int and v >= 0 for v in block[3])
-    ):
+    ok = type(block) is list and len(block) == 4 and type(block[3]) is list and len(block[3]) == len(arrays)
+    if ok:
+        for v in block[:3]:
+            if type(v) is not int or v < 0:
+                ok = False
+        for v in block[3]:
+            if type(v) is not int or v < 0:
+                ok = False
+    if not ok:
         raise ProtocolError(f"item {pos}: bad shared-memory block {block!r:.60}")
-
-
-_META_TYPES: Dict[str, Any] = {
-    "seq_tag": lambda v: type(v) is str,
-    "seq_idx": lambda v: type(v) is int,
-    "complete_frac": lambda v: type(v) in (int, float),
-}
 
 
 MAX_NDIM = 64  # numpy's limit
@@ -1059,7 +1164,7 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
         arrays = spec.get("arrays") if type(spec) is dict else None
         if type(arrays) is not list:
             break
-        n = 0 if "b" in spec else len(arrays)  # arrays in shared memory have no frames
+        n = 0 if "b" in spec or "m" in spec else len(arrays)  # arrays in (shared) memory have no frames
         if at + n > len(bufs):
             break
         try:

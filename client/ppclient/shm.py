@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
-import math
 import mmap
 import os
 import stat
@@ -374,6 +373,18 @@ def pack(ring: Ring, arrays: List[np.ndarray], owner: bytes = b"") -> Optional[T
 
 
 def _plain_dtype(dtype_str: Any) -> np.dtype:
+    if type(dtype_str) is str and dtype_str in _dtype_cache:
+        return _dtype_cache[dtype_str]
+    dtype = _check_plain_dtype(dtype_str)
+    if len(_dtype_cache) < 256:
+        _dtype_cache[dtype_str] = dtype
+    return dtype
+
+
+_dtype_cache: Dict[str, np.dtype] = {}
+
+
+def _check_plain_dtype(dtype_str: Any) -> np.dtype:
     if not isinstance(dtype_str, str) or len(dtype_str) > 16:
         raise ValueError(f"bad dtype {dtype_str!r:.40}")
     try:
@@ -433,12 +444,16 @@ class Mapping:
                 m.close()
 
     def arrays(self, ref: Sequence[int], specs: Sequence[Spec]) -> Dict[str, np.ndarray]:
-        """The arrays of block `ref` as writable views of the shared memory (no copy).
+        """The arrays of block `ref` as writable views of the shared memory (no copy), by key.
 
         The block is released once every returned array (and every view of one) is gone,
         or by `release()`; so each Ref is turned into arrays once. Bad specs raise
         ValueError and release the block (its arrays cannot be used).
         """
+        return {spec[0]: view for spec, view in zip(specs, self.views(ref, specs))}
+
+    def views(self, ref: Sequence[int], specs: Sequence[Spec]) -> List[np.ndarray]:
+        """As `arrays`, in the order of `specs` (keys may repeat: several seqs in one block)."""
         words, mm = self._words, self._mm
         if words is None or mm is None:
             raise ShmUnavailable("mapping is closed")
@@ -453,15 +468,17 @@ class Mapping:
         # chains end at it: it dies (and the finalizer releases) only after the last view.
         owner = np.frombuffer(mm, np.uint8, count=nbytes, offset=offset)
         _leases[id(owner)] = weakref.finalize(owner, _release_block, words, index, seq, id(owner), os.getpid())
-        out: Dict[str, np.ndarray] = {}
+        out: List[np.ndarray] = []
         for key, dtype_str, shape, off in specs:
             dtype = _plain_dtype(dtype_str)
-            dims = tuple(int(s) for s in shape)
-            off = int(off)
-            n = dtype.itemsize * math.prod(dims)
-            if min(dims, default=0) < 0 or off < 0 or off + n > nbytes:
-                raise ValueError(f"array {key!r} {dtype_str}{list(dims)} at {off} exceeds the block's {nbytes} bytes")
-            out[key] = owner[off : off + n].view(dtype).reshape(dims)
+            n = dtype.itemsize
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise ValueError(f"array {key!r} has a bad shape {shape!r:.60}")
+                n *= d
+            if type(off) is not int or off < 0 or off + n > nbytes:
+                raise ValueError(f"array {key!r} {dtype_str}{list(shape)} at {off} exceeds the block's {nbytes} bytes")
+            out.append(owner[off : off + n].view(dtype).reshape(shape))
         return out
 
     def close(self) -> None:

@@ -22,9 +22,6 @@ from .errors import Error
 # Meta entries travel in the item header, never as array frames.
 META_KEYS = ("seq_tag", "seq_idx", "complete_frac")
 
-# Below this size a copying send is cheaper than pinning the buffer for zero-copy.
-ZERO_COPY_MIN_BYTES = 64 * 1024
-
 # Array kinds that can be rebuilt from raw bytes without running code.
 _SAFE_KINDS = set("biufcUSmM")
 
@@ -89,7 +86,8 @@ def split_seq(seq: Dict[str, Any]) -> Tuple[Dict[str, Any], List[List[Any]], Lis
     """(meta, array specs, buffers, total bytes) of a seq dict.
 
     Meta entries go into `meta`; every other entry must be a numpy array with a str key.
-    Large contiguous arrays are handed over without a copy.
+    Contiguous arrays are handed over without a copy, so the caller must not change them
+    while the item is in use (datasets and mappers hand over arrays they do not reuse).
     """
     arrays = []
     bufs: List[Any] = []
@@ -109,9 +107,8 @@ def split_seq(seq: Dict[str, Any]) -> Tuple[Dict[str, Any], List[List[Any]], Lis
         if not value.flags.c_contiguous:
             value = numpy.ascontiguousarray(value)
         arrays.append([key, value.dtype.str, list(value.shape)])
-        size = value.nbytes
-        bufs.append(value if size >= ZERO_COPY_MIN_BYTES else value.tobytes())
-        nbytes += size
+        bufs.append(value)  # no copy: a socket send copies small ones anyway, shared memory copies once
+        nbytes += value.nbytes
     return meta, arrays, bufs, nbytes
 
 
@@ -129,11 +126,19 @@ def _meta_value(key: str, value: Any) -> Any:
 
 def item_to_seq(item: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
     """Rebuild a seq dict from an item header that protocol.check_item accepted (no copy)."""
+    return build_seq(item["arrays"], item["meta"], bufs)
+
+
+def build_seq(arrays: Sequence[Any], meta: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
+    """A seq dict from checked array specs, meta entries and one buffer per array (no copy)."""
     seq: Dict[str, Any] = {}
-    for (key, dtype_str, shape), buf in zip(item["arrays"], bufs):
+    for (key, dtype_str, shape), buf in zip(arrays, bufs):
+        if type(buf) is numpy.ndarray:
+            seq[key] = buf  # built for this spec already (a view of shared memory, a read, a sent array)
+            continue
         mv = buf.buffer if hasattr(buf, "buffer") else buf
         seq[key] = numpy.frombuffer(mv, dtype=numpy.dtype(dtype_str)).reshape(shape)
-    seq.update(item["meta"])
+    seq.update(meta)
     return seq
 
 

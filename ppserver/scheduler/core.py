@@ -71,6 +71,7 @@ class Scheduler:
         self.total_delivered = 0
         self.malformed_results = 0
         self.lost_direct = 0  # direct results a consumer reported missing (made again)
+        self.lost_inputs = 0  # inputs a worker could not read (made again)
         self.departures: Counter = Counter()
         self.handed_back = 0
         self.last_beat = float("-inf")
@@ -79,6 +80,7 @@ class Scheduler:
         self._handlers: Dict[type, Callable[[Any, List[Instruction]], None]] = {
             ev.WorkerJoined: self._on_worker_joined,
             ev.HeartbeatReceived: lambda e, out: None,
+            ev.InputsShared: self._on_inputs_shared,
             ev.WorkerLeft: lambda e, out: self._remove(e.wid, Departure.DEPARTED, out),
             ev.ResultsReceived: self._on_results,
             ev.TaskFailed: self._on_task_failed,
@@ -96,6 +98,7 @@ class Scheduler:
             ev.InputsEnded: self._on_inputs_ended,
             ev.ReplayRead: self._on_replay,
             ev.CompletedReceived: self._on_completed,
+            ev.InputsLost: self._on_inputs_lost,
             ev.MissingReported: self._on_missing,
             ev.ReadFailed: lambda e, out: self._fail_id(
                 e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
@@ -127,6 +130,9 @@ class Scheduler:
         return True
 
     # ---- workers ------------------------------------------------------------------------------
+    def _on_inputs_shared(self, e: ev.InputsShared, out: List[Instruction]) -> None:
+        self.workers[e.wid].shared_inputs = True
+
     def _on_worker_joined(self, e: ev.WorkerJoined, out: List[Instruction]) -> None:
         if e.wid in self.workers:
             self._remove(e.wid, Departure.REREGISTERED, out)
@@ -250,6 +256,20 @@ class Scheduler:
         d = self._dispatch_of(e.run, SeqDispatch)
         if d is not None:
             d.completed(self.workers[e.wid], e.positions, e.nbytes)
+
+    def _on_inputs_lost(self, e: ev.InputsLost, out: List[Instruction]) -> None:
+        d = self._dispatch_of(e.run, SeqDispatch)
+        if d is not None:
+            redone = d.inputs_lost(self.workers[e.wid], e.positions)
+            self.lost_inputs += redone
+            if redone:
+                log.warning(
+                    "worker %s could not read %d inputs of epoch %d (%s): redone",
+                    self.workers[e.wid].name,
+                    redone,
+                    self.runs[e.run].epoch,
+                    e.reason,
+                )
 
     def _on_task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)
@@ -781,7 +801,9 @@ class Scheduler:
                 return True
             if lane.consumer is None:
                 return False  # the rank has not come yet: its seqs wait (and so does the epoch)
-            waiting = len(lane.ready) + sum(1 for it in group if it.pos % width == lane.rank)
+            waiting = len(lane.ready)
+            if group:
+                waiting += sum(1 for it in group if it.pos % width == lane.rank)
             return lane.credit - waiting > 0
 
         return room
@@ -795,6 +817,7 @@ class Scheduler:
         stream = isinstance(d, StreamDispatch)
         # with drop_last and the count not known yet, a group of W goes out only once complete
         hold = run.job.drop_last and world > 1 and run.total is None
+        end = run.end()
         while True:
             item = d.pop_next(out, room)
             if item is None:
@@ -805,22 +828,26 @@ class Scheduler:
                 run.group.append(item)
                 if len(run.group) == world:
                     for it in run.group:
-                        self._to_ready(run, it)
+                        self._to_ready(run, it, end)
                     run.group.clear()
             else:
-                self._to_ready(run, item)
+                self._to_ready(run, item, end)
         if stream and run.total is None:
             run.total = d.total()
         if run.total is not None and run.group:
+            end = run.end()
             for it in run.group:  # the epoch's count is known: the group is in end() or dropped
-                self._to_ready(run, it)
+                self._to_ready(run, it, end)
             run.group.clear()
 
-    def _to_ready(self, run: Run, item: Item) -> None:
-        lane = run.lanes[item.pos % run.width]
-        index = item.pos // run.width
-        end = run.end()
-        lane.released = max(lane.released, index + 1)
+    @staticmethod
+    def _to_ready(run: Run, item: Item, end: Optional[int]) -> None:
+        """Into its rank's lane (`end`: run.end(), passed in: this runs once per seq)."""
+        width = run.job.lanes
+        lane = run.lanes[item.pos % width]
+        index = item.pos // width
+        if index >= lane.released:
+            lane.released = index + 1
         if lane.gone or index < lane.start or (end is not None and item.pos >= end):
             return  # no one wants it
         lane.ready.append(item)
@@ -906,6 +933,7 @@ class Scheduler:
             "seqs_delivered_total": self.total_delivered,
             "malformed_results": self.malformed_results,
             "lost_direct_results": self.lost_direct,
+            "lost_inputs": self.lost_inputs,
             "departures": {d.value: n for d, n in self.departures.items()},
             "handed_back": self.handed_back,
             "job": None,

@@ -45,6 +45,12 @@ class HeartbeatReceived(WorkerEvent):
 
 
 @dataclass(slots=True)
+class InputsShared(WorkerEvent):
+    """The worker mapped the server's shared-memory segment: its inputs' bytes no longer travel
+    in messages, so its task batches are not cut by size."""
+
+
+@dataclass(slots=True)
 class WorkerLeft(WorkerEvent):
     """The worker said goodbye: its work goes back to the queue, nothing is blamed."""
 
@@ -63,6 +69,15 @@ class CompletedReceived(WorkerEvent):
     run: int
     positions: List[int] = field(default_factory=list)
     nbytes: List[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class InputsLost(WorkerEvent):
+    """Tasks whose inputs the worker could not read: taken back, redone if still wanted."""
+
+    run: int
+    positions: List[int] = field(default_factory=list)
+    reason: str = ""
 
 
 @dataclass(slots=True)

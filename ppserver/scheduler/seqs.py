@@ -83,7 +83,10 @@ class SeqDispatch:
     def requests(self, capacity: int) -> List[int]:
         """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
         ahead of delivery."""
-        window = capacity + self.settings.read_slack
+        s = self.settings
+        window = capacity + s.read_slack
+        if window - len(self.requested) < s.read_step and len(self.todo) >= s.read_slack // 2:
+            return []  # enough inputs wait to be sent: ask for a step at a time (fewer wake-ups)
         out: List[int] = []
         while (self.end is None or self.read_next < self.end) and len(self.requested) < window:
             pos = self.read_next
@@ -196,6 +199,20 @@ class SeqDispatch:
             self.results[pos] = Item(pos, {}, [], [], size, direct=True)
             self._keep(pos, item)
 
+    def inputs_lost(self, w: WorkerState, positions: List[int]) -> int:
+        """Tasks the worker could not read the inputs of: its slots are freed and the seqs still
+        wanted go back to the queue (nobody is blamed). Returns how many go back."""
+        redone = 0
+        for pos in positions:
+            if self.inflight.get(pos) != w.wid:
+                continue  # late or duplicate
+            wanted = pos in self.pending
+            self._settle(w, pos, keep_input=wanted)
+            if wanted:
+                heapq.heappush(self.todo, pos)
+                redone += 1
+        return redone
+
     def _keep(self, pos: int, task: Item) -> None:
         self.kept[pos] = task
         self.kept_order.setdefault(pos % self.width, deque()).append(pos)
@@ -234,10 +251,13 @@ class SeqDispatch:
     # ---- dispatch -------------------------------------------------------------------------
     def dispatch(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
         """Send what the workers' credit allows: lowest positions first, to the worker with the most
-        free credit, in chunks of half a worker's credit (or dispatch_bytes), so consecutive seqs
+        free credit, in chunks of half a worker's credit (or dispatch_bytes of inputs that travel in
+        the message), so consecutive seqs
         spread over the workers and results come back close to delivery order. A seq whose result
         was malformed waits for another worker, unless there is none."""
         s = self.settings
+        if not self.todo or not any(w.free() > 0 and not w.isolating for w in workers.values()):
+            return  # nothing to send, or no worker has room (an idle worker has room)
         chunk = max(1, min(s.buf_size // 2, s.max_dispatch_batch))
         deferred: List[int] = []
         while self.todo:
@@ -269,7 +289,8 @@ class SeqDispatch:
             batch: List[Item] = []
             to: List[bytes] = []
             nbytes = 0
-            while self.todo and len(batch) < limit and nbytes < s.dispatch_bytes:
+            max_bytes = s.dispatch_bytes if not w.shared_inputs else float("inf")
+            while self.todo and len(batch) < limit and nbytes < max_bytes:
                 pos = self.todo[0]
                 if batch and (pos in self.deaths or self.avoid.get(pos) == w.wid):
                     break

@@ -19,8 +19,8 @@ class Settings:
     preserves_num_seqs: bool = True  # stream mode: every input gives exactly one output
     fingerprint: str = ""  # the config's, handed to clients for their resume states
     direct: bool = True  # map_seq results may go from workers to their consumers directly
-    read_slack: int = 8  # inputs read beyond the workers' credit, so no worker waits for the reader
-    read_step: int = 12  # the reader's window grows in steps of this many seqs (fewer wake-ups)
+    read_slack: int = 16  # inputs read beyond the workers' credit, so no worker waits for the reader
+    read_step: int = 12  # the reader is asked for this many seqs at a time (each request wakes it)
     max_dispatch_batch: int = 16  # tasks per message
     dispatch_bytes: int = 512 * 1024  # input bytes per message (large seqs gain nothing from batching)
     max_delivery_batch: int = 64  # seqs per message to a client

@@ -34,6 +34,7 @@ class WorkerState:
     partitions: Set[Tuple[int, int]] = field(default_factory=set)  # (run, partition) of streams run here
     done: int = 0
     isolating: bool = False  # runs one suspect seq alone, so that a crash names the right seq
+    shared_inputs: bool = False  # gets its inputs through shared memory (batches not cut by size)
 
     @property
     def name(self) -> str:
