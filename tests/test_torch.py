@@ -8,14 +8,12 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
+from conftest import assert_same_epoch, have_modules, numpy_config, reference, run_server
 
-torch = pytest.importorskip("torch")
-stateful = pytest.importorskip("torchdata.stateful_dataloader")
-
-from conftest import assert_same_epoch, numpy_config, reference, run_server  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from ppclient.torch import ServerDataset, collate_padded, cut  # noqa: E402
+# torch is imported by the tests that use it, so collecting this module stays cheap
+pytestmark = pytest.mark.skipif(
+    not have_modules("torch", "torchdata.stateful_dataloader"), reason="needs torch and torchdata"
+)
 
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):
@@ -25,6 +23,8 @@ def map_seq(seq, *, rng, **kwargs):
 
 
 def as_numpy(seq: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+
     return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in seq.items()}
 
 
@@ -37,6 +37,11 @@ def server(tmp_path_factory):
 
 
 def test_seqs_come_as_tensors_without_a_copy_or_warning(server):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ppclient.torch import ServerDataset
+
     srv, cfg = server
     ds = ServerDataset(srv.address, job="t1", epoch=2)
     with warnings.catch_warnings():
@@ -48,6 +53,10 @@ def test_seqs_come_as_tensors_without_a_copy_or_warning(server):
 
 @pytest.mark.parametrize("world, workers", [(1, 2), (1, 3), (2, 2)])
 def test_loader_workers_take_subshards_and_the_loader_yields_epoch_order(server, world, workers):
+    from torch.utils.data import DataLoader
+
+    from ppclient.torch import ServerDataset
+
     srv, cfg = server
     want = reference(cfg, 1)
     got: Dict[int, List[Dict[str, Any]]] = {}
@@ -68,15 +77,20 @@ def test_loader_workers_take_subshards_and_the_loader_yields_epoch_order(server,
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("bucket", [1, 5])
 def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ppclient.torch import ServerDataset
+
     srv, cfg = server
     want = reference(cfg, 3)
     opts = dict(job=f"t3-{workers}-{bucket}", epoch=3, batch_frames=200, bucket_window=bucket)
-    loader = stateful.StatefulDataLoader(ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers)
+    loader = StatefulDataLoader(ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers)
     it = iter(loader)
     first = [next(it) for _ in range(4)]
     state = loader.state_dict()
     straight = first + list(it)  # the uninterrupted epoch, batch by batch
-    resumed = stateful.StatefulDataLoader(ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers)
+    resumed = StatefulDataLoader(ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert [b["seq_tag"] for b in first + rest] == [b["seq_tag"] for b in straight]
@@ -87,6 +101,10 @@ def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
 
 
 def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
+    from torch.utils.data import DataLoader
+
+    from ppclient.torch import ServerDataset
+
     srv, cfg = server
     want = {s["seq_tag"]: s for s in reference(cfg, 4)}
     ds = ServerDataset(srv.address, job="t4", epoch=4, batch_frames=150, max_seqs=4, pin_memory=True)
@@ -105,6 +123,10 @@ def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
 
 
 def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
+    import torch
+
+    from ppclient.torch import collate_padded, cut
+
     seqs = [{"data": torch.zeros(n, 2)} for n in (5, 1, 30, 3, 2)]
     lengths = [[s["data"].shape[0] for s in b] for b in cut(seqs, 10, None, None, sort=True)]
     assert lengths == [[1, 2, 3], [5], [30]]
@@ -115,6 +137,8 @@ def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
 
 
 def test_rank_and_world_come_from_the_environment(monkeypatch, server):
+    from ppclient.torch import ServerDataset
+
     srv, _ = server
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
