@@ -26,6 +26,7 @@ from conftest import (
     read,
     reference,
     run_server,
+    wait_for,
     wait_gone,
     write_config,
 )
@@ -313,26 +314,38 @@ def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------
-def test_oversized_control_messages_disconnect_without_growing_the_server(tmp_path):
+def test_control_junk_of_many_frames_does_not_grow_the_server(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=8)
-    with run_server(cfg, workers=1) as srv:
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        c.status()
         before = rss_kib(srv.proc.pid)
         ctx = zmq.Context()
+        junk = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        monitor = junk[0].get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            junk = os.urandom(1 << 20) * 100  # 100 MB, far above max_request_bytes (16 MiB)
-            for _ in range(3):
-                s = ctx.socket(zmq.DEALER)
+            for s in junk:
                 s.linger = 0
                 s.connect(srv.address)
-                s.send_multipart([b"", junk])
-                time.sleep(0.5)
-                s.close(linger=0)
+            # 16 frames of 2 MiB, each above the cap (max_request_bytes, 1 MiB): the server drops
+            # the connection at the first one, before it holds the message
+            junk[0].send_multipart([b""] + [os.urandom(2 << 20)] * 16, copy=False)
+            assert monitor.poll(10_000), "the server kept the connection"
+            # 24 frames of 1 MiB: ZeroMQ assembles the whole message, then the server drops it,
+            # counts it and gives its memory back
+            junk[1].send_multipart([b""] + [os.urandom(1 << 20)] * 24, copy=False)
+            wait_for(lambda: c.status()["malformed_messages"] >= 1, 20, "the many-frame message to be dropped")
         finally:
+            monitor.close(linger=0)
+            for s in junk:
+                s.close(linger=0)
             ctx.term()
         grown_mb = (rss_kib(srv.proc.pid) - before) / 1024
-        assert grown_mb < 50, grown_mb
-        with srv.client() as c:
-            assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+        assert grown_mb < 12, grown_mb
+        # a request above the cap would be dropped unanswered: the client refuses to send it
+        with pytest.raises(ppclient.UsageError, match=r"'epoch' request is \d+ bytes.*seq_list has 60000 entries"):
+            c.epoch(1, seq_list=[f"a-rather-long-seq-tag-{i}" for i in range(60000)])
+        assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+        assert c.status()["malformed_messages"] == 1
 
 
 # ---- 8. a server killed while the client waits on a slow seq ---------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple, 
 
 import zmq
 
-from . import endpoints, keyfiles, protocol, shm
+from . import endpoints, keyfiles, protocol, shm, wire
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
 from .protocol import Channel, Item, Peer
 
@@ -127,10 +127,17 @@ class Client:
     def _request(self, msg: protocol.Message, expect: Any) -> Any:
         if self._ctx.closed:
             raise Error("client is closed")
+        frames = protocol.encode(msg)
+        if len(frames[0]) > wire.MAX_HEADER_BYTES:  # the server would drop the connection unanswered
+            lists = [f"{k} has {len(v)} entries" for k in ("seq_list", "seq_order") if (v := getattr(msg, k, None))]
+            raise UsageError(
+                f"the {msg.kind!r} request is {len(frames[0])} bytes, more than the {wire.MAX_HEADER_BYTES} a request "
+                f"may have" + (f" ({', '.join(lists)})" if lists else "")
+            )
         if self._req is None:
             self._req = self._socket(zmq.REQ)
             self._req.connect(self.address)
-        self._req.send_multipart(protocol.encode(msg))
+        self._req.send_multipart(frames)
         if not self._req.poll(int(self.timeout * 1000)):
             self._req.close(linger=0)
             self._req = None
