@@ -290,11 +290,13 @@ class Server:
             ring = self.rings[instr.wid]
             items = [protocol.to_block(item, ring)[0] for item in items]  # the worker frees each when done
         self.stages.to_worker(instr, self.sched.now)
-        self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
+        for frames in protocol.encode_fitting(instr.msg, items):  # one message unless headers are huge
+            self._send(self.workers_sock, [ident, *frames])
 
     def _to_client(self, instr: ToClient) -> None:
         self.stages.to_client(instr, self.sched.now)
-        self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
+        for frames in protocol.encode_fitting(instr.msg, instr.items):
+            self._send(self.control, [instr.consumer, protocol.DELIMITER, *frames])
 
     def handle(self, event: ev.Event) -> None:
         self.stages.on_event(event)
@@ -447,11 +449,22 @@ class Server:
                 log.error("refused a worker: %s", reason)
                 self._send(self.workers_sock, [ident, *protocol.encode(protocol.Refuse(reason=reason))])
                 return
-            raise
+            self._undecodable(now, ident, exc)
+            return
+        except protocol.ProtocolError as exc:
+            self._undecodable(now, ident, exc)
+            return
         msg = decoded.msg
         event = self._worker_event(now, ident, msg, decoded)
         if event is not None:
             self.handle(event)
+
+    def _undecodable(self, now: float, wid: bytes, exc: protocol.ProtocolError) -> None:
+        """A worker's message that does not decode may have held results: a registered worker's
+        seqs and stream partitions are charged with it and redone elsewhere."""
+        self.malformed.hit(f"from worker {wid.decode(errors='replace')[:64]}: {exc}")
+        if wid in self.sched.workers:
+            self.handle(ev.WorkerMessageMalformed(now, wid, str(exc)))
 
     def _worker_event(self, now: float, wid: bytes, msg: Any, decoded: protocol.Decoded) -> Optional[ev.Event]:
         """The scheduler event for a checked message from a worker (None: nothing for the scheduler)."""
