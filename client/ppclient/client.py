@@ -259,7 +259,7 @@ class Client:
         client was reading is superseded. Returns once the server's dataset has set the epoch
         up, so `len()` (the seqs still to come) works at once.
         """
-        fingerprint = ""
+        fingerprint = None  # not resuming a state: nothing to check
         if state is not None:
             epoch, start, fingerprint = self._resume(state, epoch)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -318,7 +318,13 @@ class Client:
                 raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
         if epoch is not None and epoch != state["epoch"]:
             raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
-        return state["epoch"], state["position"], str(state["fingerprint"])
+        fingerprint = state["fingerprint"]
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise UsageError(
+                f"the state has no config fingerprint (fingerprint={fingerprint!r}); EpochIterator.state_dict() "
+                "always gives one"
+            )
+        return state["epoch"], state["position"], fingerprint
 
     def _keep_alive(self) -> None:
         if self._alive is None:

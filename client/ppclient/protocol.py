@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 5
+PROTOCOL = 6
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -103,7 +103,8 @@ class EpochRequest(Message):
     `subshard` takes every subshards-th seq of it, from its subshard-th on; `start` then counts
     in that part.
     `timeout`: the client's, after which the server may count it gone if it stops sending
-    keepalives. `fingerprint`: the config fingerprint a resumed state was made with ("" if none).
+    keepalives. `fingerprint`: the config fingerprint of the state this request resumes (None: it
+    resumes no state; an explicit `start` needs none).
     `direct`: the endpoint of the client's direct ROUTER, where workers may send its results
     ("" : everything through the server); `direct_key`: its CURVE public key (with keys);
     `host`: the client's shared-memory host id ("" : none).
@@ -124,7 +125,7 @@ class EpochRequest(Message):
     start: int = _nonneg()
     drop_last: bool = True
     timeout: float = 30.0
-    fingerprint: str = ""
+    fingerprint: Optional[str] = None
     subshard: int = _nonneg()
     subshards: int = _positive()
     direct: str = ""
