@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy
 
+from ppclient import wire
+
 from .apply import dtype_text
 from .errors import ConfigError
 
@@ -71,7 +73,7 @@ class Config:
     heartbeat_timeout: float = 5.0
     max_seq_retries: int = 3
     max_message_bytes: int = 1 << 30
-    max_request_bytes: int = 16 << 20
+    max_request_bytes: int = wire.MAX_HEADER_BYTES  # per frame on the control socket: a request is one header
     progress_interval: float = 30.0  # seconds between the server's progress lines; 0: none
 
     @property
@@ -207,7 +209,9 @@ def from_settings(
         seed=_int(settings, "seed", 0, minimum=0),
         max_seq_retries=_int(settings, "max_seq_retries", 3, minimum=1),
         max_message_bytes=_int(settings, "max_message_bytes", 1 << 30, minimum=1024),
-        max_request_bytes=_int(settings, "max_request_bytes", 16 << 20, minimum=1024),
+        max_request_bytes=_int(
+            settings, "max_request_bytes", wire.MAX_HEADER_BYTES, minimum=1024, maximum=wire.MAX_HEADER_BYTES
+        ),
         heartbeat_interval=_float(settings, "heartbeat_interval", 1.0),
         heartbeat_timeout=_float(settings, "heartbeat_timeout", 5.0),
         progress_interval=_float(settings, "progress_interval", 30.0, zero=True),
@@ -221,11 +225,16 @@ def from_settings(
     return cfg
 
 
-def _int(settings, key, default, *, minimum):
+def _int(settings, key, default, *, minimum, maximum=None):
     value = settings.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < minimum:
-        raise ConfigError(key, f"must be an int >= {minimum}, got {value!r}")
-    return int(value)
+    if (
+        not isinstance(value, bool)
+        and isinstance(value, (int, numpy.integer))
+        and minimum <= value <= (value if maximum is None else maximum)
+    ):
+        return int(value)
+    bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+    raise ConfigError(key, f"must be an int {bounds}, got {value!r}")
 
 
 def _bool(settings, key, default):

@@ -99,7 +99,9 @@ class Control:
             return "map_seq_stream is set: seq_list and seq_order are not supported"
         if msg.seq_list is not None and msg.seq_order is not None:
             return "give at most one of seq_list and seq_order"
-        if msg.fingerprint and msg.fingerprint != self.cfg.fingerprint:
+        if msg.fingerprint == "":
+            return "the resume state has no config fingerprint (EpochIterator.state_dict() always gives one)"
+        if msg.fingerprint is not None and msg.fingerprint != self.cfg.fingerprint:
             return (
                 f"the resume state was made with config fingerprint {msg.fingerprint!r}; this server runs "
                 f"{self.cfg.fingerprint!r} (the config, its mappers or ppserver differ)"

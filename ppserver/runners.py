@@ -2,15 +2,18 @@
 
 Both keep per-run state: a RunOpen from the server opens a run (its epoch, whether tags are
 checked), a RunClose drops everything of it, and messages of runs not open are dropped.
-Outputs are checked against the templates before they leave (apply.py) and against
-max_message_bytes, so the server never has to disconnect a worker for an oversized result:
-such a seq fails as a MapperError naming it.
+Outputs are checked against the templates before they leave (apply.py), against
+max_message_bytes and against the size an item's header may have (its seq_tag, meta entries
+and array specs), so the server never has to disconnect a worker for an oversized result or
+drop an undecodable one: such a seq fails as a MapperError naming it. Results are batched so
+that a message stays within both limits.
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
+import typing
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
@@ -27,6 +30,7 @@ from .mapper_clock import MapperClock
 log = logging.getLogger("ppserver.worker")
 
 FLUSH_BYTES = 512 * 1024  # large seqs gain nothing from batching; small ones gain a lot
+MAX_FAILURE_TEXT = 16 * 1024  # characters of a failure's seq_tag, message and traceback that are sent
 
 Send = Callable[..., None]
 
@@ -45,6 +49,28 @@ def check_size(item: Item, limit: int) -> None:
             f"output is {item.nbytes} bytes (array {biggest!r} the largest), more than max_message_bytes ({limit})",
             item.seq_tag,
         )
+
+
+def check_header(item: Item) -> int:
+    """The size of an output's item header; an output whose header could not travel is refused."""
+    size = protocol.item_header_bytes(item)
+    if size > protocol.MAX_ITEM_HEADER_BYTES:
+        raise MappingError(
+            f"output header (seq_tag, meta entries and array specs) is {size} bytes, more than "
+            f"{protocol.MAX_ITEM_HEADER_BYTES}"
+        )
+    return size
+
+
+@typing.overload
+def _clip(text: str) -> str: ...
+@typing.overload
+def _clip(text: Optional[str]) -> Optional[str]: ...
+def _clip(text: Optional[str]) -> Optional[str]:
+    """A failure's text as it is sent: its message's header must stay small."""
+    if text is None or len(text) <= MAX_FAILURE_TEXT:
+        return text
+    return f"{text[:MAX_FAILURE_TEXT]}... ({len(text) - MAX_FAILURE_TEXT} more characters)"
 
 
 def _failure_text(exc: BaseException) -> str:
@@ -72,6 +98,7 @@ class MapSeqRunner:
         self.results: List[Tuple[Item, bytes]] = []
         self.results_run = -1
         self.results_bytes = 0
+        self.results_header_bytes = 0
         self.flush_every = max(1, min(cfg.buf_size // 2, 16))
         self.done = 0
         self.messages_in = self.messages_out = 0
@@ -89,11 +116,11 @@ class MapSeqRunner:
         if self.results_run == run:
             if self.results:
                 log.info("dropped %d results (%d bytes) of closed run %d", len(self.results), self.results_bytes, run)
-            self.results, self.results_bytes = [], 0
+            self.results, self.results_bytes, self.results_header_bytes = [], 0, 0
 
     def clear(self) -> None:
         self.tasks.clear()
-        self.results, self.results_bytes = [], 0
+        self.results, self.results_bytes, self.results_header_bytes = [], 0, 0
 
     def flush(self) -> None:
         if not self.results:
@@ -118,7 +145,7 @@ class MapSeqRunner:
         if relayed:
             self.send(protocol.Results(run=run), relayed)
         self.messages_out += 1
-        self.results, self.results_bytes = [], 0
+        self.results, self.results_bytes, self.results_header_bytes = [], 0, 0
 
     def step(self, runs: Dict[int, OpenRun]) -> None:
         run_id, item, dest = self.tasks.popleft()
@@ -142,26 +169,33 @@ class MapSeqRunner:
             )
             self.clock.stop()
             result = protocol.seq_to_item(out, item.pos)
+            header_bytes = check_header(result)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
-            tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else seq.get("seq_tag")
+            # the seq as it was dealt (a mapper may have changed the tag of its dict, or made it huge)
+            tag = item.seq_tag if item.seq_tag is not None else exc.seq_tag if isinstance(exc, MappingError) else None
             text = _failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq", exc)
-            log.error("mapper failed on seq %r: %s", tag, text)
+            tag, message = _clip(tag), _clip(text)
+            log.error("mapper failed on seq %r: %s", tag, message)
             self.flush()
             self.send(
                 protocol.TaskFailed(
-                    run=run_id, pos=item.pos, seq_tag=tag, message=text, traceback=traceback.format_exc()
+                    run=run_id, pos=item.pos, seq_tag=tag, message=message, traceback=_clip(traceback.format_exc())
                 )
             )
             self.drop_run(run_id)
             return
-        # bytes that travel in the message (not in shared memory) cut batches
+        # bytes that travel in the message (not in shared memory) cut batches, and so do headers
         nbytes = 0 if dest and self.routes is not None and self.routes.shared(dest) else result.nbytes
-        if self.results_bytes + nbytes > self.cfg.max_message_bytes:
+        if (
+            self.results_bytes + nbytes > self.cfg.max_message_bytes
+            or self.results_header_bytes + header_bytes > protocol.MAX_ITEM_HEADER_BYTES
+        ):
             self.flush()
         self.results.append((result, dest))
         self.results_run = run_id
         self.results_bytes += nbytes
+        self.results_header_bytes += header_bytes
         self.done += 1
         # Results travel in batches, but never more than half the credit, so the server
         # refills this worker's queue before it runs dry.
@@ -286,6 +320,7 @@ class StreamRunner:
                 return
             item = protocol.seq_to_item(seq, part.emitted)
             check_size(item, self.cfg.max_message_bytes)
+            check_header(item)
         except StopIteration:
             if not part.closed:
                 self.send(protocol.StreamDone(run=part.run, partition=part.index, incarnation=part.incarnation))
@@ -299,15 +334,16 @@ class StreamRunner:
             self.parts.pop((part.run, part.index), None)
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else part.last_tag
             text = _failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq_stream", exc)
-            log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, text)
+            tag, message = _clip(tag), _clip(text)
+            log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, message)
             self.send(
                 protocol.StreamFailed(
                     run=part.run,
                     partition=part.index,
                     incarnation=part.incarnation,
                     seq_tag=tag,
-                    message=text,
-                    traceback=traceback.format_exc(),
+                    message=message,
+                    traceback=_clip(traceback.format_exc()),
                 )
             )
             return

@@ -2,7 +2,8 @@
 
 Sockets:
 - control ROUTER at --bind: clients' REQ requests (see control.py) and their DEALER data
-  streams (credit in, seqs out); messages are capped at max_request_bytes;
+  streams (credit in, seqs out); frames are capped at max_request_bytes, and a message of
+  more frames than a control message has is dropped as it is read;
 - worker ROUTER at --worker-bind (default: the --bind host, any port), plus a private Unix
   socket for local workers: registration, tasks, results, heartbeats;
 - a pipe from the reader thread, which alone calls the dataset.
@@ -14,6 +15,7 @@ the frames they arrived in; only their headers are checked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -30,13 +32,12 @@ import ppclient
 from ppclient import endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Peer
 
-from . import cma
+from . import cma, memory
 from . import reader as rd
 from .config import FINGERPRINT_COVERS, Config
 from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
-from .memory import keep_freed_memory
 from .monitor import Monitor
 from .scheduler import Instruction, Prepare, Read, Replay, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from .scheduler import events as ev
@@ -48,6 +49,12 @@ LOOP_MS = 100
 TICK_S = 0.01
 DRAIN_LIMIT = 256  # messages taken from one socket before the others get a turn
 READER_STOP_S = 1.0
+# A control message, as the control ROUTER receives it: the sender's identity, the empty
+# delimiter and the header. A message of more frames is junk.
+CONTROL_FRAMES = 3
+# The memory of a message of more frames (ZeroMQ assembles it whole before the loop can look
+# at it) is given back to the OS as it is dropped, at most once in this many seconds.
+GIVE_BACK_S = 1.0
 
 
 class Server:
@@ -148,6 +155,7 @@ class Server:
         self.cma_ready: Set[bytes] = set()
         self.malformed = _Throttled("dropped a malformed message")
         self.refused = _Throttled("refused a connection")
+        self.given_back_at = float("-inf")
 
     # ---- sockets ------------------------------------------------------------------------------
     def _authenticator(self) -> Any:
@@ -243,7 +251,7 @@ class Server:
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self._on_worker)
             if self.control in events:
-                self._drain(self.control, self._on_control)
+                self._drain(self.control, self._on_control, max_frames=CONTROL_FRAMES)
             if self.reader.wake_r in events or self.reader.out:
                 self.reader.drain_wakeups()
                 self._guarded(self._take_reader_events)
@@ -291,11 +299,13 @@ class Server:
             elif wid in self.shm_ready:
                 items = protocol.to_block(items, self.rings[wid])[0]  # the worker frees it when done
         self.stages.to_worker(instr, self.sched.now)
-        self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
+        for frames in protocol.encode_fitting(instr.msg, items):  # one message unless headers are huge
+            self._send(self.workers_sock, [ident, *frames])
 
     def _to_client(self, instr: ToClient) -> None:
         self.stages.to_client(instr, self.sched.now)
-        self._send(self.control, [instr.consumer, protocol.DELIMITER, *protocol.encode(instr.msg, instr.items)])
+        for frames in protocol.encode_fitting(instr.msg, instr.items):
+            self._send(self.control, [instr.consumer, protocol.DELIMITER, *frames])
 
     def handle(self, event: ev.Event) -> None:
         self.stages.on_event(event)
@@ -309,11 +319,13 @@ class Server:
             log.debug("send failed: %s", exc)
             return False
 
-    def _drain(self, sock: zmq.Socket, handler: Callable[[List[Any]], None]) -> None:
+    def _drain(self, sock: zmq.Socket, handler: Callable[[List[Any]], None], max_frames: Optional[int] = None) -> None:
         for _ in range(DRAIN_LIMIT):
             if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return
-            frames = sock.recv_multipart(copy=False)
+            frames = sock.recv_multipart(copy=False) if max_frames is None else self._recv_at_most(sock, max_frames)
+            if frames is None:
+                continue  # dropped
             try:
                 handler(frames)
             except protocol.ProtocolError as exc:
@@ -321,6 +333,29 @@ class Server:
             except Exception:  # nothing a peer sends may stop the loop
                 log.exception("internal error handling a message")
                 self._fail_live_runs("internal server error while handling a message")
+
+    def _recv_at_most(self, sock: zmq.Socket, max_frames: int) -> Optional[List[zmq.Frame]]:
+        """The next message, or None if it has more than `max_frames` frames: such junk is dropped
+        frame by frame as it is read (ZeroMQ holds the whole message already), and its memory is
+        given back to the OS (at most once a second)."""
+        frames = [sock.recv(copy=False)]
+        while frames[-1].more and len(frames) <= max_frames:
+            frames.append(sock.recv(copy=False))
+        if len(frames) <= max_frames:
+            return frames
+        count, nbytes, more = len(frames), sum(len(f) for f in frames), frames[-1].more
+        now = time.monotonic()
+        give_back = now - self.given_back_at >= GIVE_BACK_S
+        if give_back:
+            self.given_back_at = now
+        with memory.given_back() if give_back else contextlib.nullcontext():
+            frames.clear()
+            while more:
+                frame = sock.recv(copy=False)
+                count, nbytes, more = count + 1, nbytes + len(frame), frame.more
+                del frame  # freed at once
+        self.malformed.hit(f"a control message of {count} frames ({nbytes} bytes); control messages have {max_frames}")
+        return None
 
     def _guarded(self, step: Callable[[], None]) -> None:
         """An unexpected error fails the live runs (their clients hear of it); the server stays up."""
@@ -341,8 +376,8 @@ class Server:
     # ---- control socket -------------------------------------------------------------------------
     def _on_control(self, frames: List[Any]) -> None:
         ident = frames[0].bytes
-        if len(frames) < 3 or len(frames[1]) != 0:
-            self.malformed.hit("control message without an empty delimiter frame")
+        if len(frames) != CONTROL_FRAMES or len(frames[1]) != 0:
+            self.malformed.hit("control message without an empty delimiter frame and one header")
             return
         try:
             msg = protocol.decode(frames[2:], Peer.SERVER, (Channel.CONTROL, Channel.DATA)).msg
@@ -423,11 +458,22 @@ class Server:
                 log.error("refused a worker: %s", reason)
                 self._send(self.workers_sock, [ident, *protocol.encode(protocol.Refuse(reason=reason))])
                 return
-            raise
+            self._undecodable(now, ident, exc)
+            return
+        except protocol.ProtocolError as exc:
+            self._undecodable(now, ident, exc)
+            return
         msg = decoded.msg
         event = self._worker_event(now, ident, msg, decoded)
         if event is not None:
             self.handle(event)
+
+    def _undecodable(self, now: float, wid: bytes, exc: protocol.ProtocolError) -> None:
+        """A worker's message that does not decode may have held results: a registered worker's
+        seqs and stream partitions are charged with it and redone elsewhere."""
+        self.malformed.hit(f"from worker {wid.decode(errors='replace')[:64]}: {exc}")
+        if wid in self.sched.workers:
+            self.handle(ev.WorkerMessageMalformed(now, wid, str(exc)))
 
     def _worker_event(self, now: float, wid: bytes, msg: Any, decoded: protocol.Decoded) -> Optional[ev.Event]:
         """The scheduler event for a checked message from a worker (None: nothing for the scheduler)."""
@@ -573,7 +619,7 @@ def serve(
     ready: Optional[TextIO] = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`."""
-    keep_freed_memory()
+    memory.keep_freed_memory()
     server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
 
     def _stop(signum: int, frame: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import os
 import signal
 import subprocess
@@ -61,6 +63,15 @@ def in_temporary_cwd(tmp_path_factory) -> Iterator[str]:
         mp.chdir(path)
         mp.setattr(sys.modules[__name__], "PROC_CWD", path)
         yield path
+
+
+def have_modules(*names: str) -> bool:
+    """Whether these modules can be imported, without importing them (a dotted name imports its
+    parent package only): heavy ones such as torch stay out of the collection of every run."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in names)
+    except ImportError:  # a parent package that is missing
+        return False
 
 
 def write_config(tmp_path, body: str, name: str = "config.py") -> str:
@@ -266,3 +277,10 @@ def run_worker_host(
 def read(path: str) -> str:
     with open(path) as f:
         return f.read()
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection built (modules, test items) lives until the end: frozen, it stays out of
+    every later garbage collection (tests/test_shm.py collects after each of its tests)."""
+    gc.collect()
+    gc.freeze()

@@ -218,6 +218,15 @@ def test_progress_interval_is_seconds_and_zero_turns_it_off():
 
 
 @pytest.mark.unit
+def test_max_request_bytes_is_at_most_the_header_cap():
+    assert from_settings(settings()).max_request_bytes == 1 << 20
+    assert from_settings(settings(max_request_bytes=4096)).max_request_bytes == 4096
+    for bad in (16 << 20, (1 << 20) + 1, 1023, "1M"):
+        err = expect_config_error("max_request_bytes", from_settings, settings(max_request_bytes=bad))
+        assert f"must be an int from 1024 to {1 << 20}, got {bad!r}" in str(err)
+
+
+@pytest.mark.unit
 def test_helpers_are_ignored(tmp_path):
     cfg = write_config(
         tmp_path,

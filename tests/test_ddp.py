@@ -9,13 +9,14 @@ import sys
 from typing import Dict, List
 
 import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("torchdata.stateful_dataloader")
-
-from conftest import REPO, free_port, numpy_config, reference, run_server
+from conftest import REPO, free_port, have_modules, numpy_config, reference, run_server
 
 from ppserver.supervisor import stop_process
+
+# torch runs in the ranks' processes only: this module does not import it
+pytestmark = pytest.mark.skipif(
+    not have_modules("torch", "torchdata.stateful_dataloader"), reason="needs torch and torchdata"
+)
 
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):

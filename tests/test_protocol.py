@@ -149,6 +149,21 @@ def test_frames_that_do_not_match_the_items_make_every_item_bad():
     assert decoded.items == [] and [b.pos for b in decoded.bad] == [0, 1]
 
 
+def test_a_batch_too_large_for_one_header_is_split_in_order():
+    tag = "t" * (200 << 10)  # 16 items of 200 KiB headers: 3.2 MB, more than one header may have
+    items = [protocol.seq_to_item({"data": np.full(3, i, "int16"), "seq_tag": f"{i}{tag}"}, i) for i in range(16)]
+    to = [b"c%d" % i for i in range(16)]
+    parts = protocol.encode_fitting(protocol.Tasks(run=3, to=to), items)
+    assert len(parts) > 1 and all(len(frames[0]) <= wire.MAX_HEADER_BYTES for frames in parts)
+    decoded = [protocol.decode(frames, Peer.WORKER, (Channel.WORKER,)) for frames in parts]
+    assert [it.pos for d in decoded for it in d.items] == list(range(16))
+    assert [t for d in decoded for t in d.msg.to] == to  # `to` is split with its items
+    assert all(len(d.msg.to) == len(d.items) and d.msg.run == 3 for d in decoded)
+    assert [int(protocol.item_to_seq(it)["data"][0]) for d in decoded for it in d.items] == list(range(16))
+    one = protocol.encode_fitting(protocol.Tasks(run=3), items[:2])  # small enough: one message, `to` empty
+    assert len(one) == 1 and protocol.decode(one[0], Peer.WORKER, (Channel.WORKER,)).msg.to == []
+
+
 def test_garbage_headers_are_protocol_errors():
     for frames in ([b"\xc1"], [msgpack.packb([1, 2])], [b""], []):
         with pytest.raises(protocol.ProtocolError):

@@ -350,6 +350,45 @@ def test_a_rank_resumes_in_stream_mode_while_the_other_runs(tmp_path):
     assert_same_epoch(got1 + rest["got"], shard(want, 1, 2))
 
 
+def test_a_state_without_its_fingerprint_is_refused_by_client_and_server(tmp_path):
+    import zmq
+
+    from ppclient import protocol
+    from ppclient.protocol import Channel, Peer
+
+    cfg = numpy_config(tmp_path, MAPPER, n=12)
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        it = c.epoch(1)
+        first = [next(it) for _ in range(4)]
+        state = it.state_dict()
+        assert state["fingerprint"]
+        for bad in ("", None, 0):
+            with pytest.raises(
+                ppclient.UsageError, match=f"the state has no config fingerprint \\(fingerprint={bad!r}\\)"
+            ):
+                c.epoch(state=dict(state, fingerprint=bad))
+        # a request that bypasses the client's check
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.REQ)
+        req.linger = 0
+        try:
+            req.connect(srv.address)
+            req.send_multipart(
+                protocol.encode(protocol.EpochRequest(epoch=1, consumer=b"raw", start=4, fingerprint=""))
+            )
+            assert req.poll(10_000), "no answer"
+            reply = protocol.decode(req.recv_multipart(), Peer.CLIENT, (Channel.CONTROL,)).msg
+        finally:
+            req.close(linger=0)
+            ctx.term()
+        assert reply == protocol.ErrorReply(
+            error="the resume state has no config fingerprint (EpochIterator.state_dict() always gives one)"
+        )
+        rest = collect(c.epoch(1, start=4))  # an explicit start resumes no state: nothing to check
+    assert_same_epoch(first + rest, want)
+
+
 def test_conflicting_requests_are_refused_and_disturb_nothing(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER, n=30, extra="buf_size = 2\n")
     with run_server(cfg, workers=2) as srv:

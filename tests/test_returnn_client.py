@@ -11,10 +11,8 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import returnn.torch.data.returnn_dataset_wrapper as wrapper
 from conftest import assert_same_epoch, children_of, free_port, reference, run_server, wait_gone, write_config
 from returnn.datasets.basic import init_dataset
-from returnn.torch.data import pipeline
 from returnn.util.basic import OptionalNotImplementedError
 
 import ppclient
@@ -218,6 +216,9 @@ def test_a_pickled_copy_reads_without_the_connection(server):
 def batches_by_epoch(ds: ServerDataset, epochs: List[int], num_workers: int) -> Dict[int, List[Dict[str, Any]]]:
     """RETURNN's torch pipeline as its engine builds it (returnn/torch/engine.py _create_data_loader);
     `epochs` consecutive, counted in the (persistent) workers."""
+    import returnn.torch.data.returnn_dataset_wrapper as wrapper  # imports torch: only where it is used
+    from returnn.torch.data import pipeline
+
     reset = wrapper.ReturnnDatasetResetDefaultEpochCounterCallback(ds, epoch0=epochs[0] - 1)
     pipe = wrapper.ReturnnDatasetIterDataPipe(ds, reset_callback=reset, shard_workers=True)
     batches = pipeline.BatchingIterDataPipe(pipe, batch_size=100, max_seqs=4)

@@ -26,6 +26,7 @@ from conftest import (
     read,
     reference,
     run_server,
+    wait_for,
     wait_gone,
     write_config,
 )
@@ -159,6 +160,55 @@ def test_oversized_result_is_a_mapper_error_not_a_reconnect_loop(tmp_path):
     assert len(re.findall(r"worker \S+ joined", read(slog))) == 1
 
 
+# ---- 3b. a result whose header is larger than a message header may be --------------------------
+HUGE_TAG = {
+    "map_seq": """
+    def map_seq(seq, **kwargs):
+        if seq["seq_tag"] == "seq-2":
+            seq["seq_tag"] = "x" * 2_000_000
+        return seq
+    """,
+    "map_seq_stream": """
+    def map_seq_stream(seqs, **kwargs):
+        for seq in seqs:
+            if seq["seq_tag"] == "seq-2":
+                seq["seq_tag"] = "x" * 2_000_000
+            yield seq
+    """,
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HUGE_TAG))
+def test_result_with_a_huge_header_is_a_mapper_error_naming_the_seq(tmp_path, mode):
+    cfg = numpy_config(tmp_path, HUGE_TAG[mode], n=6)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        with pytest.raises(ppclient.MapperError, match=r"output header .* is \d+ bytes, more than 262144") as info:
+            collect(c.epoch(1))
+        assert info.value.seq_tag == "seq-2"
+        st = c.status()
+        assert st["malformed_messages"] == 0 and st["departures"] == {}
+
+
+def test_results_with_large_headers_travel_in_several_messages(tmp_path):
+    # 200 KB tags: a worker's batch of them, or the server's delivery of several, would exceed
+    # the 1 MiB header cap if they were not split
+    body = """
+    def map_seq(seq, **kwargs):
+        seq["seq_tag"] = seq["seq_tag"] + ":" + "x" * 200_000
+        return seq
+    buf_size = 16
+    direct_results = False
+    """
+    cfg = numpy_config(tmp_path, body, n=40)
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20, window=16) as c:
+        it = c.epoch(1)
+        got = [next(it) for _ in range(15)]  # credit is 24 now (16, topped up by 8)
+        wait_for(lambda: c.status()["workers"][0]["seqs_done"] == 40, 20, "the worker to map every seq")
+        got += collect(it)  # the next top-up releases 8 results of the 16 held at once
+        assert c.status()["malformed_messages"] == 0
+    assert_same_epoch(got, reference(cfg, 1))
+
+
 # ---- 4. a refused epoch request leaves the running epoch alone ---------------------------------------
 def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=60)
@@ -225,11 +275,13 @@ def test_client_refuses_bad_address_and_keys_at_once():
 
 # ---- 6. malformed results from a registered worker ---------------------------------------------
 class FakeWorker:
-    """A registered worker that answers every task with a malformed result."""
+    """A registered worker that answers every task with a malformed result (or with a message
+    that does not decode at all, whose header is over the cap)."""
 
     BREAKS = ("meta not a map", "bytes do not fit", "non-str key")
 
-    def __init__(self, endpoint: str, fingerprint: str):
+    def __init__(self, endpoint: str, fingerprint: str, breaks=BREAKS):
+        self.breaks = breaks
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
@@ -238,9 +290,13 @@ class FakeWorker:
         self.sock.send_multipart(protocol.encode(protocol.Hello(fingerprint=fingerprint, host="fake", pid=1)))
         self.answered = 0
 
-    def serve(self, seconds: float) -> None:
+    def serve(self, seconds: float, stop=None) -> None:
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        beat = 0.0
+        while time.monotonic() < end and not (stop is not None and stop.is_set()):
+            if time.monotonic() - beat > 0.5:  # alive all along: nothing of it is redone for silence
+                self.sock.send_multipart(protocol.encode(protocol.Heartbeat()))
+                beat = time.monotonic()
             if not self.sock.poll(50):
                 continue
             decoded = protocol.decode(self.sock.recv_multipart(), Peer.WORKER, (Channel.WORKER,))
@@ -252,8 +308,10 @@ class FakeWorker:
     def _answer(self, run: int, item: protocol.Item) -> None:
         header = item.header()
         frames = list(item.frames)
-        how = self.BREAKS[self.answered % len(self.BREAKS)]
-        if how == "meta not a map":
+        how = self.breaks[self.answered % len(self.breaks)]
+        if how == "undecodable":
+            header["meta"] = {"seq_tag": "x" * (1 << 20)}
+        elif how == "meta not a map":
             header["meta"] = ["seq_tag", "x"]
         elif how == "bytes do not fit":
             frames = [bytes(7) for _ in frames]
@@ -280,13 +338,15 @@ def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=60, extra="buf_size = 2\n")
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
         fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg))
-        thread = threading.Thread(target=fake.serve, args=(8.0,), daemon=True)
+        stop = threading.Event()
+        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
         thread.start()
         try:
             srv.wait_workers(2)
             got = collect(c.epoch(1))
             st = c.status()
         finally:
+            stop.set()
             thread.join(timeout=15)
             fake.close()
     assert_same_epoch(got, reference(cfg, 1))
@@ -300,7 +360,8 @@ def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
         fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg))
-        thread = threading.Thread(target=fake.serve, args=(6.0,), daemon=True)
+        stop = threading.Event()
+        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
         thread.start()
         try:
             srv.wait_workers(1)
@@ -308,31 +369,87 @@ def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
                 collect(c.epoch(1))
             assert info.value.seq_tag == "seq-0"
         finally:
+            stop.set()
+            thread.join(timeout=15)
+            fake.close()
+
+
+def test_undecodable_results_are_redone_elsewhere(tmp_path):
+    import threading
+
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=40, extra="buf_size = 2\n")
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg), breaks=("undecodable",))
+        stop = threading.Event()
+        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
+        thread.start()
+        try:
+            srv.wait_workers(2)
+            got = collect(c.epoch(1))
+            st = c.status()
+        finally:
+            stop.set()
+            thread.join(timeout=15)
+            fake.close()
+    assert_same_epoch(got, reference(cfg, 1))
+    assert fake.answered >= 1
+    assert st["malformed_results"] >= 1 and st["malformed_messages"] >= 1
+    assert st["departures"] == {}  # redone because they were charged, not because a worker was lost
+
+
+def test_seq_with_only_undecodable_results_fails_naming_it(tmp_path):
+    import threading
+
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
+    with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
+        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg), breaks=("undecodable",))
+        stop = threading.Event()
+        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
+        thread.start()
+        try:
+            srv.wait_workers(1)
+            with pytest.raises(ppclient.MapperError, match=r"3 malformed results \(header of \d+ bytes") as info:
+                collect(c.epoch(1))
+            assert info.value.seq_tag == "seq-0"
+        finally:
+            stop.set()
             thread.join(timeout=15)
             fake.close()
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------
-def test_oversized_control_messages_disconnect_without_growing_the_server(tmp_path):
+def test_control_junk_of_many_frames_does_not_grow_the_server(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=8)
-    with run_server(cfg, workers=1) as srv:
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        c.status()
         before = rss_kib(srv.proc.pid)
         ctx = zmq.Context()
+        junk = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        monitor = junk[0].get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            junk = os.urandom(1 << 20) * 100  # 100 MB, far above max_request_bytes (16 MiB)
-            for _ in range(3):
-                s = ctx.socket(zmq.DEALER)
+            for s in junk:
                 s.linger = 0
                 s.connect(srv.address)
-                s.send_multipart([b"", junk])
-                time.sleep(0.5)
-                s.close(linger=0)
+            # 16 frames of 2 MiB, each above the cap (max_request_bytes, 1 MiB): the server drops
+            # the connection at the first one, before it holds the message
+            junk[0].send_multipart([b""] + [os.urandom(2 << 20)] * 16, copy=False)
+            assert monitor.poll(10_000), "the server kept the connection"
+            # 24 frames of 1 MiB: ZeroMQ assembles the whole message, then the server drops it,
+            # counts it and gives its memory back
+            junk[1].send_multipart([b""] + [os.urandom(1 << 20)] * 24, copy=False)
+            wait_for(lambda: c.status()["malformed_messages"] >= 1, 20, "the many-frame message to be dropped")
         finally:
+            monitor.close(linger=0)
+            for s in junk:
+                s.close(linger=0)
             ctx.term()
         grown_mb = (rss_kib(srv.proc.pid) - before) / 1024
-        assert grown_mb < 50, grown_mb
-        with srv.client() as c:
-            assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+        assert grown_mb < 12, grown_mb
+        # a request above the cap would be dropped unanswered: the client refuses to send it
+        with pytest.raises(ppclient.UsageError, match=r"'epoch' request is \d+ bytes.*seq_list has 60000 entries"):
+            c.epoch(1, seq_list=[f"a-rather-long-seq-tag-{i}" for i in range(60000)])
+        assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+        assert c.status()["malformed_messages"] == 1
 
 
 # ---- 8. a server killed while the client waits on a slow seq ---------------------------------------

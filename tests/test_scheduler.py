@@ -258,7 +258,7 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     sim(ev.CreditGranted, CONSUMER, run, 100, 2)  # took 0 and 1; 2 never came
     out = sim(ev.MissingReported, CONSUMER, run, 2)
     assert tasks(out, b"w1") == [2]
-    redo = sent(out, protocol.Tasks, b"w1")[0]
+    (redo,) = sent(out, protocol.Tasks, b"w1")
     assert not any(redo.msg.to)  # this time through the server
     out = sim.results(b"w1", [2])
     assert delivered(out, CONSUMER) == [2]
@@ -358,6 +358,38 @@ def test_malformed_result_is_redone_on_another_worker_then_fails_after_retries()
     assert sim.s.malformed_results == 1
     out = sim.results(b"good", [], bad=[BadItem(0, "bytes do not fit")])
     assert client_msgs(out, protocol.RunFailed)[0].msg.message.startswith("seq 's0': 2 malformed results")
+
+
+def test_undecodable_message_charges_every_seq_its_worker_holds():
+    sim = Sim(buf_size=2, max_seq_retries=2)
+    sim.join(b"bad")
+    sim.start(4)
+    sim.feed(range(4))
+    sim.join(b"good")
+    assert sorted(tasks(sim.out, b"bad")) == [0, 1] and sorted(tasks(sim.out, b"good")) == [2, 3]
+    out = sim(ev.WorkerMessageMalformed, b"bad", "header of 2000122 bytes exceeds 1048576")
+    assert tasks(out) == [] and sim.s.malformed_results == 1  # "good" is busy: 0 and 1 wait for it
+    assert sim.s.workers[b"bad"].tasks == set()
+    out = sim.results(b"good", [2, 3])
+    assert sorted(tasks(out, b"good")) == [0, 1]
+    out = sim.results(b"bad", [0])  # a late result of a seq handed over: dropped
+    assert delivered(out) == [] and tasks(out) == []
+    out = sim.results(b"good", [0, 1])
+    assert delivered(sim.out) == [0, 1, 2, 3]
+    assert client_msgs(out, protocol.End)[0].msg.count == 4
+    assert sim(ev.WorkerMessageMalformed, b"good", "junk") == [] and sim.s.malformed_results == 1  # held nothing
+
+
+def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
+    sim = Sim(buf_size=1, max_seq_retries=2)
+    sim.join(b"only")
+    sim.start(2)
+    sim.feed(range(2))
+    sim(ev.WorkerMessageMalformed, b"only", "undecodable header")
+    assert tasks(sim.out, b"only") == [0, 0]  # no other worker: redone on the same one
+    out = sim(ev.WorkerMessageMalformed, b"only", "undecodable header")
+    (failed,) = client_msgs(out, protocol.RunFailed)
+    assert failed.msg.seq_tag == "s0" and failed.msg.message == "seq 's0': 2 malformed results (undecodable header)"
 
 
 # ---- runs: preparing, superseding, refusing -----------------------------------------------------
@@ -691,6 +723,21 @@ def test_stream_malformed_output_restarts_the_partition_elsewhere():
     out = sim(ev.StreamOutputsReceived, b"bad", 1, 0, 1, [], [BadItem(0, "meta is not a map")])
     assert ToWorker(b"bad", protocol.StreamClose(run=1, partition=0)) in out
     assert [i.wid for i in sent(out, protocol.StreamOpen)] == [b"good"]
+
+
+def test_stream_undecodable_message_restarts_the_workers_partitions_elsewhere():
+    sim = stream_sim(buf_size=2, partitions=2)
+    sim.join(b"bad")
+    sim.start(4)
+    sim.feed(range(4))
+    sim.join(b"good")
+    out = sim(ev.WorkerMessageMalformed, b"bad", "undecodable header")
+    assert {i.msg for i in sent(out, protocol.StreamClose, b"bad")} == {
+        protocol.StreamClose(run=1, partition=0),
+        protocol.StreamClose(run=1, partition=1),
+    }
+    assert sorted(i.msg.partition for i in sent(out, protocol.StreamOpen, b"good")) == [0, 1]
+    assert sim.s.malformed_results == 1
 
 
 # ---- the property: exactly once, in order ------------------------------------------------------------

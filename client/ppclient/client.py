@@ -21,7 +21,7 @@ from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple, 
 
 import zmq
 
-from . import endpoints, keyfiles, protocol, shm
+from . import endpoints, keyfiles, protocol, shm, wire
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
 from .protocol import Channel, Item, Peer
 
@@ -127,10 +127,17 @@ class Client:
     def _request(self, msg: protocol.Message, expect: Any) -> Any:
         if self._ctx.closed:
             raise Error("client is closed")
+        frames = protocol.encode(msg)
+        if len(frames[0]) > wire.MAX_HEADER_BYTES:  # the server would drop the connection unanswered
+            lists = [f"{k} has {len(v)} entries" for k in ("seq_list", "seq_order") if (v := getattr(msg, k, None))]
+            raise UsageError(
+                f"the {msg.kind!r} request is {len(frames[0])} bytes, more than the {wire.MAX_HEADER_BYTES} a request "
+                f"may have" + (f" ({', '.join(lists)})" if lists else "")
+            )
         if self._req is None:
             self._req = self._socket(zmq.REQ)
             self._req.connect(self.address)
-        self._req.send_multipart(protocol.encode(msg))
+        self._req.send_multipart(frames)
         if not self._req.poll(int(self.timeout * 1000)):
             self._req.close(linger=0)
             self._req = None
@@ -254,7 +261,7 @@ class Client:
         client was reading is superseded. Returns once the server's dataset has set the epoch
         up, so `len()` (the seqs still to come) works at once.
         """
-        fingerprint = ""
+        fingerprint = None  # not resuming a state: nothing to check
         if state is not None:
             epoch, start, fingerprint = self._resume(state, epoch)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -313,7 +320,13 @@ class Client:
                 raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
         if epoch is not None and epoch != state["epoch"]:
             raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
-        return state["epoch"], state["position"], str(state["fingerprint"])
+        fingerprint = state["fingerprint"]
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise UsageError(
+                f"the state has no config fingerprint (fingerprint={fingerprint!r}); EpochIterator.state_dict() "
+                "always gives one"
+            )
+        return state["epoch"], state["position"], fingerprint
 
     def _keep_alive(self) -> None:
         if self._alive is None:

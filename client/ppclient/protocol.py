@@ -70,6 +70,7 @@ class Message:
     sender: ClassVar[Tuple[Peer, ...]]
     receiver: ClassVar[Tuple[Peer, ...]]
     batch: ClassVar[bool] = False  # carries items (seqs) with one frame per array
+    per_item: ClassVar[Tuple[str, ...]] = ()  # list fields with one entry per item (split with the items)
     versioned: ClassVar[bool] = False  # carries PROTO_FIELD
 
 
@@ -102,7 +103,8 @@ class EpochRequest(Message):
     `subshard` takes every subshards-th seq of it, from its subshard-th on; `start` then counts
     in that part.
     `timeout`: the client's, after which the server may count it gone if it stops sending
-    keepalives. `fingerprint`: the config fingerprint a resumed state was made with ("" if none).
+    keepalives. `fingerprint`: the config fingerprint of the state this request resumes (None: it
+    resumes no state; an explicit `start` needs none).
     `direct`: the endpoint of the client's direct ROUTER, where workers may send its results
     ("" : everything through the server); `direct_key`: its CURVE public key (with keys);
     `host`: the client's shared-memory host id ("" : none).
@@ -123,7 +125,7 @@ class EpochRequest(Message):
     start: int = _nonneg()
     drop_last: bool = True
     timeout: float = 30.0
-    fingerprint: str = ""
+    fingerprint: Optional[str] = None
     subshard: int = _nonneg()
     subshards: int = _positive()
     direct: str = ""
@@ -487,6 +489,7 @@ class Tasks(Message):
     sender = (Peer.SERVER,)
     receiver = (Peer.WORKER,)
     batch = True
+    per_item = ("to",)
     run: int = _nonneg()
     to: List[bytes] = field(default_factory=list)
 
@@ -786,6 +789,13 @@ MESSAGES: Dict[str, Type[Message]] = {
 
 
 # ---- items: seqs inside batch messages ----------------------------------------------------
+# The most an item's header (position, meta entries, array specs) may have. The items of a batch
+# share one header (wire.MAX_HEADER_BYTES), which also needs room for their shared-memory block
+# descriptors: a worker refuses an output with a larger item header, and batches its outputs
+# so that their item headers together stay within this too.
+MAX_ITEM_HEADER_BYTES = wire.MAX_HEADER_BYTES // 4
+
+
 @dataclass
 class Item:
     """One seq inside a batch message: its position, meta entries, array specs and frames.
@@ -830,6 +840,11 @@ class Item:
     @property
     def seq_tag(self) -> Optional[str]:
         return self.meta.get("seq_tag")
+
+
+def item_header_bytes(item: Item) -> int:
+    """The size of an item's header as it travels (without a shared-memory block descriptor)."""
+    return len(wire.pack(item.header()))
 
 
 def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
@@ -1090,6 +1105,21 @@ def encode(msg: Message, items: Sequence[Item] = ()) -> List[Any]:
     for item in items:
         frames.extend(item.wire_frames)
     return frames
+
+
+def encode_fitting(msg: Message, items: Sequence[Item]) -> List[List[Any]]:
+    """The frames of a batch message, as one message or, if its header would exceed
+    wire.MAX_HEADER_BYTES, as several, each with a run of the items in order (and of the
+    `per_item` fields). An item whose header alone does not fit still goes, alone."""
+    frames = encode(msg, items)
+    if len(frames[0]) <= wire.MAX_HEADER_BYTES or len(items) < 2:
+        return [frames]
+    half = len(items) // 2
+    out: List[List[Any]] = []
+    for part in (slice(0, half), slice(half, len(items))):
+        fields = {name: getattr(msg, name)[part] for name in msg.per_item if len(getattr(msg, name)) == len(items)}
+        out += encode_fitting(dataclasses.replace(msg, **fields), items[part])
+    return out
 
 
 def encode_batch(msg: Message, headers: List[Dict[str, Any]], frames: Sequence[Any]) -> List[Any]:

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient.protocol import (
+    BadItem,
     BatchAgreed,
     ConsumerGone,
     ConsumerRoute,
@@ -83,6 +84,7 @@ class Scheduler:
             ev.InputsShared: self._on_inputs_shared,
             ev.WorkerLeft: lambda e, out: self._remove(e.wid, Departure.DEPARTED, out),
             ev.ResultsReceived: self._on_results,
+            ev.WorkerMessageMalformed: self._on_malformed_message,
             ev.TaskFailed: self._on_task_failed,
             ev.StreamAcked: self._on_stream_acked,
             ev.StreamOutputsReceived: self._on_stream_outputs,
@@ -251,6 +253,30 @@ class Scheduler:
         d = self._dispatch_of(e.run, SeqDispatch)
         if d is not None:
             self._maybe_fail(e.run, d.results_received(self.workers[e.wid], e.items, e.bad), out)
+
+    def _on_malformed_message(self, e: ev.WorkerMessageMalformed, out: List[Instruction]) -> None:
+        w = self.workers[e.wid]
+        held = [run_id for run_id in self.runs if any(r == run_id for r, _ in w.tasks | w.partitions)]
+        if not held:
+            return
+        self.malformed_results += 1
+        log.warning(
+            "a message from worker %s did not decode (%s): its %d seqs and %d stream partitions are redone elsewhere",
+            w.name,
+            e.reason,
+            len(w.tasks),
+            len(w.partitions),
+        )
+        for run_id in held:
+            run = self.runs.get(run_id)
+            d = run.dispatch if run is not None else None  # (an earlier run's failure may have ended it)
+            if isinstance(d, SeqDispatch):
+                failure = d.results_received(w, [], [BadItem(None, e.reason)])
+            elif isinstance(d, StreamDispatch):
+                failure = d.malformed_message(w, e.reason, self.workers, out)
+            else:
+                continue
+            self._maybe_fail(run_id, failure, out)
 
     def _on_completed(self, e: ev.CompletedReceived, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)

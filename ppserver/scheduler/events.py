@@ -63,6 +63,14 @@ class ResultsReceived(WorkerEvent):
 
 
 @dataclass(slots=True)
+class WorkerMessageMalformed(WorkerEvent):
+    """A message on the worker's task socket that did not decode: it may have held results (of
+    any run), so every seq and stream partition the worker holds is charged with it."""
+
+    reason: str
+
+
+@dataclass(slots=True)
 class CompletedReceived(WorkerEvent):
     """Results the worker sent to their consumers itself: their positions and sizes."""
 

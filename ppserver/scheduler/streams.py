@@ -235,6 +235,18 @@ class StreamDispatch:
         self._assign(workers, out, avoid=w.wid)
         return None
 
+    def malformed_message(
+        self, w: WorkerState, reason: str, workers: Dict[bytes, WorkerState], out: List[Instruction]
+    ) -> Optional[Failure]:
+        """A message from `w` did not decode: every partition it runs restarts elsewhere, charged."""
+        for run, p in sorted(w.partitions):
+            part = self.parts[p] if run == self.run else None
+            if part is not None and part.wid == w.wid:
+                failure = self.outputs_received(w, p, part.incarnation, [], [BadItem(None, reason)], workers, out)
+                if failure is not None:
+                    return failure
+        return None
+
     def finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
         part = self.owned(w, partition, incarnation)
         if part is None:
