@@ -14,9 +14,7 @@ from conftest import REPO, free_port, have_modules, numpy_config, reference, run
 from ppserver.supervisor import stop_process
 
 # torch runs in the ranks' processes only: this module does not import it
-pytestmark = pytest.mark.skipif(
-    not have_modules("torch", "torchdata.stateful_dataloader"), reason="needs torch and torchdata"
-)
+pytestmark = pytest.mark.skipif(not have_modules("torch", "torchdata"), reason="needs torch and torchdata")
 
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):

@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import threading
 import warnings
 from typing import Any, Dict, List
 
 import numpy as np
 import pytest
+from conftest import assert_same_epoch, have_modules, numpy_config, reference, run_server, write_config
 
-torch = pytest.importorskip("torch")
-stateful = pytest.importorskip("torchdata.stateful_dataloader")
+from ppclient.client import EpochIterator
+from ppclient.errors import UsageError
 
-from conftest import assert_same_epoch, numpy_config, reference, run_server, write_config  # noqa: E402
-from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
+# torch loads when a test first uses it, so collecting this module (e.g. for `-m unit`) stays cheap
+pytestmark = pytest.mark.skipif(not have_modules("torch", "torchdata"), reason="needs torch and torchdata")
 
-import ppclient.torch  # noqa: E402
-from ppclient.client import EpochIterator  # noqa: E402
-from ppclient.errors import UsageError  # noqa: E402
-from ppclient.torch import ServerDataset, collate_padded, cut  # noqa: E402
+
+class _Lazy:
+    """A module imported at its first attribute."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # what collection looks for on every name (torch has none such)
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
+torch = _Lazy("torch")
+stateful = _Lazy("torchdata.stateful_dataloader")
+data = _Lazy("torch.utils.data")
+pptorch = _Lazy("ppclient.torch")
+
 
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):
@@ -52,10 +68,10 @@ def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
         return seq
 
     monkeypatch.setattr(EpochIterator, "__next__", recorded)
-    ds = ServerDataset(srv.address, job="t1", epoch=2)
+    ds = pptorch.ServerDataset(srv.address, job="t1", epoch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PyTorch's "non-writable array" warning would fail the test
-        got = list(DataLoader(ds, batch_size=None))
+        got = list(data.DataLoader(ds, batch_size=None))
     assert all(isinstance(s["data"], torch.Tensor) and s["data"].dtype == torch.float32 for s in got)
     assert_same_epoch([as_numpy(s) for s in got], reference(cfg, 2))
     assert len(received) == len(got)
@@ -71,8 +87,8 @@ def test_loader_workers_take_subshards_and_the_loader_yields_epoch_order(server,
     got: Dict[int, List[Dict[str, Any]]] = {}
 
     def rank_main(rank: int) -> None:  # the ranks pull at once, as DDP ranks do
-        ds = ServerDataset(srv.address, job=f"t2-{world}-{workers}", rank=rank, world_size=world, epoch=1)
-        got[rank] = [as_numpy(s) for s in DataLoader(ds, batch_size=None, num_workers=workers)]
+        ds = pptorch.ServerDataset(srv.address, job=f"t2-{world}-{workers}", rank=rank, world_size=world, epoch=1)
+        got[rank] = [as_numpy(s) for s in data.DataLoader(ds, batch_size=None, num_workers=workers)]
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
     for t in threads:
@@ -89,12 +105,16 @@ def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
     srv, cfg = server
     want = reference(cfg, 3)
     opts = dict(job=f"t3-{workers}-{bucket}", epoch=3, batch_frames=200, bucket_window=bucket)
-    loader = stateful.StatefulDataLoader(ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers)
+    loader = stateful.StatefulDataLoader(
+        pptorch.ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers
+    )
     it = iter(loader)
     first = [next(it) for _ in range(4)]
     state = loader.state_dict()
     straight = first + list(it)  # the uninterrupted epoch, batch by batch
-    resumed = stateful.StatefulDataLoader(ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers)
+    resumed = stateful.StatefulDataLoader(
+        pptorch.ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers
+    )
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert [b["seq_tag"] for b in first + rest] == [b["seq_tag"] for b in straight]
@@ -110,7 +130,7 @@ def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, w
     want = {e: reference(cfg, e) for e in (1, 2, 3)}
 
     def loader(state=None):
-        ds = ServerDataset(srv.address, job=f"t6-{workers}")
+        ds = pptorch.ServerDataset(srv.address, job=f"t6-{workers}")
         ld = stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
         if state is not None:
             ld.load_state_dict(copy.deepcopy(state))  # as from a checkpoint
@@ -147,10 +167,11 @@ def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, w
     assert_same_epoch([as_numpy(s) for s in ld], want[3])
 
 
-@pytest.mark.parametrize("cls", [DataLoader, stateful.StatefulDataLoader])
-def test_set_epoch_reaches_persistent_workers(server, cls):
+@pytest.mark.parametrize("name", ["DataLoader", "StatefulDataLoader"])
+def test_set_epoch_reaches_persistent_workers(server, name):
+    cls = data.DataLoader if name == "DataLoader" else stateful.StatefulDataLoader
     srv, cfg = server
-    ds = ServerDataset(srv.address, job=f"t7-{cls.__name__}")
+    ds = pptorch.ServerDataset(srv.address, job=f"t7-{name}")
     loader = cls(ds, batch_size=None, num_workers=2, persistent_workers=True)
     for epoch in (1, 2, 3):
         ds.set_epoch(epoch)
@@ -167,10 +188,10 @@ def test_ranks_batching_by_frames_agree_on_every_batch_size(server, workers, buc
     got: Dict[int, List[Dict[str, Any]]] = {}
 
     def rank_main(rank: int) -> None:
-        ds = ServerDataset(
+        ds = pptorch.ServerDataset(
             srv.address, job=f"t11-{workers}", rank=rank, world_size=2, epoch=7, batch_frames=150, bucket_window=bucket
         )
-        got[rank] = list(DataLoader(ds, batch_size=None, num_workers=workers))
+        got[rank] = list(data.DataLoader(ds, batch_size=None, num_workers=workers))
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
     for t in threads:
@@ -196,8 +217,8 @@ def test_ranks_batching_by_frames_agree_on_every_batch_size(server, workers, buc
 def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
     srv, cfg = server
     want = {s["seq_tag"]: s for s in reference(cfg, 4)}
-    ds = ServerDataset(srv.address, job="t4", epoch=4, batch_frames=150, max_seqs=4, pin_memory=True)
-    batches = list(DataLoader(ds, batch_size=None))
+    ds = pptorch.ServerDataset(srv.address, job="t4", epoch=4, batch_frames=150, max_seqs=4, pin_memory=True)
+    batches = list(data.DataLoader(ds, batch_size=None))
     order: List[str] = []
     for b in batches:
         n, t = b["data"].shape[:2]
@@ -216,21 +237,21 @@ def test_pin_memory_pins_in_the_main_process_only(server, monkeypatch):
     pinned_here: List[str] = []
 
     def pin(tensor, *args, **kwargs):  # what pinning does on a machine with an accelerator, in effect
-        if get_worker_info() is not None:
+        if data.get_worker_info() is not None:
             raise RuntimeError("pinned in a DataLoader worker")  # reaches the test through the loader
         pinned_here.append("x")
         return tensor
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
-    monkeypatch.setattr(ppclient.torch, "_can_pin", lambda: True)
+    monkeypatch.setattr("ppclient.torch._can_pin", lambda: True)
     want = sorted(s["seq_tag"] for s in reference(cfg, 5))
     for opts, pins in (({}, 2 * 37), ({"max_seqs": 4}, 4 * 10)):  # data, classes (and their lengths per batch)
-        ds = ServerDataset(srv.address, job="t9", epoch=5, pin_memory=True, **opts)
-        got = list(DataLoader(ds, batch_size=None))  # num_workers=0: the dataset pins, here
+        ds = pptorch.ServerDataset(srv.address, job="t9", epoch=5, pin_memory=True, **opts)
+        got = list(data.DataLoader(ds, batch_size=None))  # num_workers=0: the dataset pins, here
         assert len(pinned_here) == pins
         pinned_here.clear()
         # forked workers pin nothing: the batches would come to this process copied, unpinned
-        forked = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        forked = list(data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
         assert not pinned_here
         for items in (got, forked):
             assert sorted(t for b in items for t in (b["seq_tag"] if opts else [b["seq_tag"]])) == want
@@ -252,8 +273,8 @@ def map_seq(seq, **kwargs):
 def test_string_keys_come_as_str_or_lists_of_str_also_in_batches(tmp_path):
     cfg = write_config(tmp_path, STRINGS)
     with run_server(cfg, workers=1) as srv:
-        seqs = list(DataLoader(ServerDataset(srv.address, job="t8"), batch_size=None))
-        batches = list(DataLoader(ServerDataset(srv.address, job="t8", max_seqs=4), batch_size=None))
+        seqs = list(data.DataLoader(pptorch.ServerDataset(srv.address, job="t8"), batch_size=None))
+        batches = list(data.DataLoader(pptorch.ServerDataset(srv.address, job="t8", max_seqs=4), batch_size=None))
     assert [s["orth"] for s in seqs] == [f"words {i}" for i in range(9)]
     assert [s["chars"] for s in seqs] == [["a", "b", str(i)] for i in range(9)]
     assert isinstance(seqs[0]["data"], torch.Tensor)
@@ -264,26 +285,28 @@ def test_string_keys_come_as_str_or_lists_of_str_also_in_batches(tmp_path):
 
 def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
     seqs = [{"data": torch.zeros(n, 2)} for n in (5, 1, 30, 3, 2)]
-    lengths = [[s["data"].shape[0] for s in b] for b in cut(seqs, 10, None, None, sort=True)]
+    lengths = [[s["data"].shape[0] for s in b] for b in pptorch.cut(seqs, 10, None, None, sort=True)]
     assert lengths == [[1, 2, 3], [5], [30]]
-    lengths = [[s["data"].shape[0] for s in b] for b in cut(seqs, 10, 2, None, sort=False)]
+    lengths = [[s["data"].shape[0] for s in b] for b in pptorch.cut(seqs, 10, 2, None, sort=False)]
     assert lengths == [[5, 1], [30], [3, 2]]
-    batch = collate_padded([{"data": torch.ones(2, 3), "seq_tag": "a"}, {"data": torch.ones(4, 3), "seq_tag": "b"}])
+    batch = pptorch.collate_padded(
+        [{"data": torch.ones(2, 3), "seq_tag": "a"}, {"data": torch.ones(4, 3), "seq_tag": "b"}]
+    )
     assert batch["data"].shape == (2, 4, 3) and batch["data:lengths"].tolist() == [2, 4]
 
 
 def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
     srv, _ = server
-    assert len(DataLoader(ServerDataset(srv.address), batch_size=None)) == 37  # e.g. for an LR schedule
-    assert [len(ServerDataset(srv.address, rank=r, world_size=2)) for r in (0, 1)] == [18, 18]
-    assert [len(ServerDataset(srv.address, rank=r, world_size=2, drop_last=False)) for r in (0, 1)] == [19, 18]
+    assert len(data.DataLoader(pptorch.ServerDataset(srv.address), batch_size=None)) == 37  # e.g. for an LR schedule
+    assert [len(pptorch.ServerDataset(srv.address, rank=r, world_size=2)) for r in (0, 1)] == [18, 18]
+    assert [len(pptorch.ServerDataset(srv.address, rank=r, world_size=2, drop_last=False)) for r in (0, 1)] == [19, 18]
     with pytest.raises(TypeError, match=r"batches.*not known in advance"):
-        len(DataLoader(ServerDataset(srv.address, max_seqs=4), batch_size=None))
+        len(data.DataLoader(pptorch.ServerDataset(srv.address, max_seqs=4), batch_size=None))
 
 
 def test_rank_and_world_come_from_the_environment(monkeypatch, server):
     srv, _ = server
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    ds = ServerDataset(srv.address)
+    ds = pptorch.ServerDataset(srv.address)
     assert (ds.rank, ds.world_size) == (1, 3)
