@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Type, Union
 
 import numpy as np
 
@@ -60,7 +60,7 @@ class _Ordering(NamedTuple):
     nth: how many consecutive full epochs share one seed."""
 
     kind: str
-    bins: int | None = None
+    bins: Optional[int] = None
     per_bin: bool = False
     nth: int = 1
 
@@ -70,7 +70,7 @@ class _Ordering(NamedTuple):
         return max(n // self.bins, 2) if self.per_bin else self.bins
 
 
-def _positive(text: str) -> int | None:
+def _positive(text: str) -> Optional[int]:
     return int(text) if text.isascii() and text.isdigit() and int(text) >= 1 else None
 
 
@@ -104,7 +104,7 @@ def _parse_seq_ordering(value: Any) -> _Ordering:
 
 
 def epoch_random_seed(
-    order_seed: int, epoch: int, *, nth: int = 1, partition_epoch: int = 1, fixed_random_seed: int | None = None
+    order_seed: int, epoch: int, *, nth: int = 1, partition_epoch: int = 1, fixed_random_seed: Optional[int] = None
 ) -> int:
     """RETURNN's seed for the epoch's shuffling (order_seed is its random_seed_offset).
 
@@ -148,7 +148,7 @@ class Dataset:
         seq_ordering: str = "default",
         order_seed: int = 0,
         partition_epoch: int = 1,
-        fixed_random_seed: int | None = None,
+        fixed_random_seed: Optional[int] = None,
     ):
         self._ordering = _parse_seq_ordering(seq_ordering)
         self.seq_ordering = seq_ordering
@@ -159,19 +159,19 @@ class Dataset:
         self.fixed_random_seed = (
             None if fixed_random_seed is None else _check_seed("fixed_random_seed", fixed_random_seed)
         )
-        self._order: list[int] | None = None
-        self._epoch: int | None = None
+        self._order: Optional[List[int]] = None
+        self._epoch: Optional[int] = None
         # The corpus is static, so these survive across epochs.
-        self._seq_lens_cache: np.ndarray | None = None
-        self._data_keys_cache: dict[str, dict[str, Any]] | None = None
-        self._tag_index: dict[str, int] | None = None
+        self._seq_lens_cache: Optional[np.ndarray] = None
+        self._data_keys_cache: Optional[Dict[str, Dict[str, Any]]] = None
+        self._tag_index: Optional[Dict[str, int]] = None
 
     # ---- hooks -------------------------------------------------------------------------------
 
     def _num_corpus_seqs(self) -> int:
         raise NotImplementedError
 
-    def _load(self, corpus_idx: int) -> dict[str, np.ndarray]:
+    def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         raise NotImplementedError
 
     def _tag(self, corpus_idx: int) -> str:
@@ -182,12 +182,12 @@ class Dataset:
         key = "data" if "data" in data else next(iter(data))
         return int(np.shape(data[key])[0])
 
-    def _corpus_idx_for_tag(self, tag: str) -> int | None:
+    def _corpus_idx_for_tag(self, tag: str) -> Optional[int]:
         if self._tag_index is None:
             self._tag_index = {self._tag(i): i for i in range(self.total_num_seqs)}
         return self._tag_index.get(tag)
 
-    def _compute_data_keys(self) -> dict[str, dict[str, Any]]:
+    def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         return describe_arrays(self._load(i) for i in range(self.total_num_seqs))
 
     # ---- corpus ------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ class Dataset:
     def total_num_seqs(self) -> int:
         return int(self._num_corpus_seqs())
 
-    def data_keys(self) -> dict[str, dict[str, Any]]:
+    def data_keys(self) -> Dict[str, Dict[str, Any]]:
         """``{key: {"shape": [None | int, ...], "dtype": str}}``; None marks an axis that varies across seqs.
 
         Sparse keys (class indices) also have ``"sparse_dim": int`` and may have ``"labels": [str]``.
@@ -221,7 +221,9 @@ class Dataset:
 
     # ---- epoch order -------------------------------------------------------------------------
 
-    def init_seq_order(self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None) -> None:
+    def init_seq_order(
+        self, epoch: int, seq_list: Optional[List[str]] = None, seq_order: Optional[List[int]] = None
+    ) -> None:
         """Fix the order for `epoch`; `seq_list` (tags) or `seq_order` (corpus indices) override the ordering.
 
         An overriding list is served whole: partition_epoch applies only to the ordering's epochs (as in RETURNN).
@@ -234,12 +236,14 @@ class Dataset:
         self._epoch = int(epoch)
 
     def check_epoch_args(
-        self, epoch: int, seq_list: list[str] | None = None, seq_order: list[int] | None = None
+        self, epoch: int, seq_list: Optional[List[str]] = None, seq_order: Optional[List[int]] = None
     ) -> None:
         """Raise as init_seq_order would for these arguments, without touching the current epoch."""
         self._requested_order(epoch, seq_list, seq_order)
 
-    def _requested_order(self, epoch: int, seq_list: list[str] | None, seq_order: list[int] | None) -> list[int] | None:
+    def _requested_order(
+        self, epoch: int, seq_list: Optional[List[str]], seq_order: Optional[List[int]]
+    ) -> Optional[List[int]]:
         """The corpus indices `seq_list` or `seq_order` ask for (None: the ordering decides); checks all."""
         if not _is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
@@ -303,7 +307,7 @@ class Dataset:
         # sort_bin_shuffle[_x2]: sort a shuffle by length, cut it into bins, visit the bins in random
         # order (x2: shuffled inside too). The rng calls must come in RETURNN's order to match it.
         by_len = perm[np.argsort(lens[perm], kind="stable")].tolist()
-        out: list[int] = []
+        out: List[int] = []
         for i in rng.permutation(bins):
             part = by_len[i * n // bins : (i + 1) * n // bins]
             if kind == "sort_bin_shuffle_x2":
@@ -321,17 +325,17 @@ class Dataset:
         start = k * q + min(k, r)
         return order[start : start + q + (k < r)]
 
-    def _require_order(self) -> list[int]:
+    def _require_order(self) -> List[int]:
         if self._order is None:
             raise RuntimeError("init_seq_order() has not been called")
         return self._order
 
     @property
-    def epoch(self) -> int | None:
+    def epoch(self) -> Optional[int]:
         return self._epoch
 
     @property
-    def order(self) -> list[int]:
+    def order(self) -> List[int]:
         """Corpus indices of the current epoch, in order (a copy)."""
         return list(self._require_order())
 
@@ -346,7 +350,7 @@ class Dataset:
     def is_less_than_num_seqs(self, n: int) -> bool:
         return n < self.num_seqs
 
-    def get_seq(self, pos: int) -> dict[str, Any]:
+    def get_seq(self, pos: int) -> Dict[str, Any]:
         order = self._require_order()
         if not _is_int(pos) or not 0 <= pos < len(order):
             raise IndexError(f"seq position {pos!r} out of range [0, {len(order)})")
@@ -356,22 +360,22 @@ class Dataset:
         clash = [k for k in META_KEYS if k in data]
         if clash:
             raise ValueError(f"data key(s) {clash} collide with seq meta entries")
-        seq: dict[str, Any] = dict(data)
+        seq: Dict[str, Any] = dict(data)
         seq["seq_tag"] = str(self._tag(corpus_idx))
         seq["seq_idx"] = pos
         seq["complete_frac"] = (pos + 1) / len(order)
         return seq
 
-    def iterate(self) -> Iterator[dict[str, Any]]:
+    def iterate(self) -> Iterator[Dict[str, Any]]:
         for pos in range(self.num_seqs):
             yield self.get_seq(pos)
 
 
-def describe_arrays(seqs) -> dict[str, dict[str, Any]]:
+def describe_arrays(seqs) -> Dict[str, Dict[str, Any]]:
     """data_keys() description from an iterable of key->array dicts; raises ValueError on inconsistency."""
-    shapes: dict[str, list] = {}
-    dtypes: dict[str, np.dtype] = {}
-    keys: list[str] | None = None
+    shapes: Dict[str, list] = {}
+    dtypes: Dict[str, np.dtype] = {}
+    keys: Optional[List[str]] = None
     for data in seqs:
         if keys is None:
             keys = list(data)
@@ -397,17 +401,17 @@ def describe_arrays(seqs) -> dict[str, dict[str, Any]]:
 _NPZ_PREFIX = "seq"
 
 
-def _validate_seqs(seqs: Any) -> list[dict[str, np.ndarray]]:
+def _validate_seqs(seqs: Any) -> List[Dict[str, np.ndarray]]:
     if not isinstance(seqs, (list, tuple)):
         raise ConfigError("seqs", f"must be a list of dicts, got {type(seqs).__name__}")
     if not seqs:
         raise ConfigError("seqs", "must not be empty")
-    out: list[dict[str, np.ndarray]] = []
-    ref: dict[str, tuple[np.dtype, int]] | None = None
+    out: List[Dict[str, np.ndarray]] = []
+    ref: Optional[Dict[str, Tuple[np.dtype, int]]] = None
     for i, seq in enumerate(seqs):
         if not isinstance(seq, dict) or not seq:
             raise ConfigError("seqs", f"seq {i} must be a non-empty dict of key -> array")
-        arrays: dict[str, np.ndarray] = {}
+        arrays: Dict[str, np.ndarray] = {}
         for k, v in seq.items():
             if not isinstance(k, str) or not k:
                 raise ConfigError("seqs", f"seq {i}: keys must be non-empty strings, got {k!r}")
@@ -438,7 +442,7 @@ def _validate_seqs(seqs: Any) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _validate_tags(tags: Any, n: int) -> list[str]:
+def _validate_tags(tags: Any, n: int) -> List[str]:
     if isinstance(tags, np.ndarray):
         tags = tags.tolist()
     if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
@@ -446,7 +450,7 @@ def _validate_tags(tags: Any, n: int) -> list[str]:
     if len(tags) != n:
         raise ConfigError("tags", f"has {len(tags)} entries but there are {n} seqs")
     if len(set(tags)) != len(tags):
-        seen: set[str] = set()
+        seen: Set[str] = set()
         dup = None
         for t in tags:
             if t in seen:
@@ -457,10 +461,12 @@ def _validate_tags(tags: Any, n: int) -> list[str]:
     return list(tags)
 
 
-def save_npz(path: str | os.PathLike, seqs: list[dict[str, np.ndarray]], tags: list[str] | None = None) -> None:
+def save_npz(
+    path: Union[str, os.PathLike], seqs: List[Dict[str, np.ndarray]], tags: Optional[List[str]] = None
+) -> None:
     """Write seqs in NumpyDataset's npz layout: members ``seq{i}/{key}`` and optional ``tags`` (str array)."""
     arrays = _validate_seqs(seqs)
-    members: dict[str, np.ndarray] = {}
+    members: Dict[str, np.ndarray] = {}
     for i, seq in enumerate(arrays):
         for k, a in seq.items():
             members[f"{_NPZ_PREFIX}{i}/{k}"] = a
@@ -471,7 +477,7 @@ def save_npz(path: str | os.PathLike, seqs: list[dict[str, np.ndarray]], tags: l
         np.savez(f, **members)  # type: ignore[arg-type]  # numpy's stub types the first kwarg
 
 
-def load_npz(path: str | os.PathLike) -> tuple[list[dict[str, np.ndarray]], list[str] | None]:
+def load_npz(path: Union[str, os.PathLike]) -> Tuple[List[Dict[str, np.ndarray]], Optional[List[str]]]:
     """Read the save_npz layout; returns (seqs, tags or None). Problems raise ConfigError("path", ...)."""
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -479,7 +485,7 @@ def load_npz(path: str | os.PathLike) -> tuple[list[dict[str, np.ndarray]], list
     except Exception as exc:
         raise ConfigError("path", f"cannot read npz file {os.fspath(path)!r}: {exc}") from None
     tags_arr = members.pop("tags", None)
-    by_idx: dict[int, dict[str, np.ndarray]] = {}
+    by_idx: Dict[int, Dict[str, np.ndarray]] = {}
     for name, arr in members.items():
         head, sep, key = name.partition("/")
         num = head[len(_NPZ_PREFIX) :]
@@ -504,9 +510,9 @@ class NumpyDataset(Dataset):
     def __init__(
         self,
         *,
-        seqs: list[dict[str, np.ndarray]] | None = None,
-        path: str | os.PathLike | None = None,
-        tags: list[str] | None = None,
+        seqs: Optional[List[Dict[str, np.ndarray]]] = None,
+        path: Optional[Union[str, os.PathLike]] = None,
+        tags: Optional[List[str]] = None,
         **ordering: Any,
     ):
         super().__init__(**ordering)
@@ -527,7 +533,7 @@ class NumpyDataset(Dataset):
     def _num_corpus_seqs(self) -> int:
         return len(self._seqs)
 
-    def _load(self, corpus_idx: int) -> dict[str, np.ndarray]:
+    def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         # Read-only views: the server sends them without copying, and nothing may change the corpus.
         out = {}
         for k, a in self._seqs[corpus_idx].items():
@@ -542,7 +548,7 @@ class NumpyDataset(Dataset):
     def _seq_len(self, corpus_idx: int) -> int:
         return int(self._seqs[corpus_idx][self._len_key].shape[0])
 
-    def _compute_data_keys(self) -> dict[str, dict[str, Any]]:
+    def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         return describe_arrays(self._seqs)
 
 
@@ -617,13 +623,13 @@ class DemoDataset(Dataset):
     def _tag(self, corpus_idx: int) -> str:
         return f"demo-{corpus_idx}"
 
-    def _corpus_idx_for_tag(self, tag: str) -> int | None:
+    def _corpus_idx_for_tag(self, tag: str) -> Optional[int]:
         num = tag[len("demo-") :] if tag.startswith("demo-") else ""
         if num.isdigit() and str(int(num)) == num and int(num) < self.num_seqs_total:
             return int(num)
         return None
 
-    def _compute_data_keys(self) -> dict[str, dict[str, Any]]:
+    def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         lens = self.seq_lens()
         labels = np.maximum(lens // 8, 1)
         t_dim = int(lens[0]) if lens.min() == lens.max() else None
@@ -633,7 +639,7 @@ class DemoDataset(Dataset):
             "classes": {"shape": [l_dim], "dtype": "int32"},
         }
 
-    def _load(self, corpus_idx: int) -> dict[str, np.ndarray]:
+    def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         num_frames = self._seq_len(corpus_idx)
         rng = np.random.default_rng([self.seed, corpus_idx])
         freqs = np.linspace(0.0, 1.0, self.num_features)[None, :]
@@ -661,7 +667,7 @@ class DemoDataset(Dataset):
 
 # ---- factory --------------------------------------------------------------------------------
 
-BUILTIN_DATASETS: dict[str, type[Dataset]] = {"NumpyDataset": NumpyDataset, "DemoDataset": DemoDataset}
+BUILTIN_DATASETS: Dict[str, Type[Dataset]] = {"NumpyDataset": NumpyDataset, "DemoDataset": DemoDataset}
 # Built-in classes in modules of their own, imported only when a config names them (their
 # optional dependencies, h5py and RETURNN, are needed only then).
 LAZY_DATASETS = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def _import_h5py() -> Any:
 class _File:
     """One open file: its h5py datasets per served key and where each seq starts in every column."""
 
-    def __init__(self, path: str, h5: h5py.File, starts: np.ndarray, columns: dict[str, tuple[Any, int]]):
+    def __init__(self, path: str, h5: h5py.File, starts: np.ndarray, columns: Dict[str, Tuple[Any, int]]):
         self.path = path
         self.h5 = h5
         self.starts = starts  # (num_seqs + 1, num_columns) int64: cumulative seqLengths
@@ -73,8 +73,8 @@ class _Meta:
         else:
             # RETURNN counts a column for a dummy "classes" target that it never serves.
             self.target_keys = ["classes"]
-        self.num_outputs: dict[str, tuple[int, int]] = {}  # key -> (dim, ndim), RETURNN's num_outputs
-        self.datasets: dict[str, Any] = {}  # key -> h5py dataset
+        self.num_outputs: Dict[str, Tuple[int, int]] = {}  # key -> (dim, ndim), RETURNN's num_outputs
+        self.datasets: Dict[str, Any] = {}  # key -> h5py dataset
         if self.has_targets:
             for key in self.target_keys:
                 if key not in h5["targets/data"]:
@@ -98,19 +98,19 @@ class _Meta:
             else:
                 self.num_outputs["data"] = (int(inputs.shape[1]), inputs.ndim)
             self.datasets = {"data": inputs, **self.datasets}
-        self.labels: dict[str, list[str]] = {}
+        self.labels: Dict[str, List[str]] = {}
         if self.has_targets and "targets/labels" in h5:
             for key in h5["targets/labels"]:
                 self.labels[key] = [_decode(x) for x in h5["targets/labels"][key][...].tolist()]
         if self.has_inputs and "labels" in h5:
             self.labels["data"] = [_decode(x) for x in h5["labels"][...].tolist()]
 
-    def served(self) -> list[str]:
+    def served(self) -> List[str]:
         """RETURNN's get_data_keys(): "data" if there are inputs of dim > 0, then the targets."""
         keys = ["data"] if self.has_inputs and self.num_outputs["data"][0] > 0 else []
         return keys + (list(self.target_keys) if self.has_targets else [])
 
-    def signature(self, keys: list[str]) -> dict[str, tuple]:
+    def signature(self, keys: List[str]) -> Dict[str, tuple]:
         """Per key what must agree across files: dims, dtype and the shape after the time axis."""
         return {k: (self.num_outputs[k], str(self.datasets[k].dtype), self.datasets[k].shape[1:]) for k in keys}
 
@@ -125,16 +125,16 @@ class HDFDataset(Dataset):
     one thread may read after another one built the dataset.
     """
 
-    def __init__(self, *, files: list[str | os.PathLike], **ordering: Any):
+    def __init__(self, *, files: List[Union[str, os.PathLike]], **ordering: Any):
         super().__init__(**ordering)
         h5py = _import_h5py()
         if isinstance(files, (str, os.PathLike)) or not isinstance(files, (list, tuple)) or not files:
             raise ConfigError("files", f"must be a non-empty list of HDF file paths, got {files!r}")
-        self.files: list[str] = []
-        self._files: list[_File] = []
+        self.files: List[str] = []
+        self._files: List[_File] = []
         self._file_start = [0]  # corpus index of each file's first seq, then the total
-        self._meta: _Meta | None = None
-        self._keys: list[str] = []
+        self._meta: Optional[_Meta] = None
+        self._keys: List[str] = []
         for path in files:
             if not isinstance(path, (str, os.PathLike)):
                 raise ConfigError("files", f"entries must be file paths, got {path!r}")
@@ -201,7 +201,7 @@ class HDFDataset(Dataset):
     def _mismatch(h5: h5py.File, what: str, want: Any, got: Any) -> ConfigError:
         return ConfigError("files", f"{h5.filename!r} differs from the first file in its {what}: {got}, not {want}")
 
-    def _locate(self, corpus_idx: int) -> tuple[_File, int]:
+    def _locate(self, corpus_idx: int) -> Tuple[_File, int]:
         f = bisect.bisect_right(self._file_start, corpus_idx) - 1
         return self._files[f], corpus_idx - self._file_start[f]
 
@@ -210,7 +210,7 @@ class HDFDataset(Dataset):
     def _num_corpus_seqs(self) -> int:
         return self._file_start[-1]
 
-    def _load(self, corpus_idx: int) -> dict[str, np.ndarray]:
+    def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         f, j = self._locate(corpus_idx)
         begin, end = f.starts[j], f.starts[j + 1]
         out = {}
@@ -228,19 +228,19 @@ class HDFDataset(Dataset):
     def _seq_len(self, corpus_idx: int) -> int:
         return int(self.seq_lens()[corpus_idx])
 
-    def _corpus_idx_for_tag(self, tag: str) -> int | None:
+    def _corpus_idx_for_tag(self, tag: str) -> Optional[int]:
         if self._tag_index is None:
-            index: dict[str, int] = {}
+            index: Dict[str, int] = {}
             for f, start in zip(self._files, self._file_start):
                 for j, raw in enumerate(f.tags[...].tolist()):
                     index[_decode(raw)] = start + j
             self._tag_index = index
         return self._tag_index.get(tag)
 
-    def _compute_data_keys(self) -> dict[str, dict[str, Any]]:
+    def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         meta = self._meta
         assert meta is not None
-        out: dict[str, dict[str, Any]] = {}
+        out: Dict[str, Dict[str, Any]] = {}
         for key in self._keys:
             ds = meta.datasets[key]
             dim, ndim = meta.num_outputs[key]
@@ -248,7 +248,7 @@ class HDFDataset(Dataset):
                 out[key] = {"shape": [None, *ds.shape[1:]], "dtype": STRING}
                 continue
             dtype = np.dtype(ds.dtype).newbyteorder("=")
-            entry: dict[str, Any] = {"shape": [None, *ds.shape[1:]], "dtype": dtype_text(dtype)}
+            entry: Dict[str, Any] = {"shape": [None, *ds.shape[1:]], "dtype": dtype_text(dtype)}
             # RETURNN's is_data_sparse: an integer dtype and at most one axis (the time axis).
             if dtype.kind in "iu" and ndim <= 1:
                 entry["sparse_dim"] = dim

@@ -6,7 +6,7 @@ still be referenced by the caller.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -27,18 +27,18 @@ def _check_count(name: str, value: Any) -> int:
 
 
 def spec_augment(
-    seq: dict[str, Any],
+    seq: Dict[str, Any],
     *,
     rng: Any,
-    epoch: int | None = None,
-    seq_idx: int | None = None,
+    epoch: Optional[int] = None,
+    seq_idx: Optional[int] = None,
     max_time_masks: int = 2,
     max_time_width: int = 20,
     max_freq_masks: int = 2,
     max_freq_width: int = 10,
     key: str = "data",
     **kwargs,
-) -> dict[str, Any]:
+) -> Dict[str, Any]:
     """SpecAugment-style masking of ``seq[key]`` (time on axis 0, features on the last axis).
 
     Draws 1..max_*_masks masks of each kind (none if the max is 0), each 1..max_*_width wide,
@@ -69,7 +69,7 @@ def spec_augment(
     return out
 
 
-def double(seq: dict[str, Any], **kwargs) -> dict[str, Any]:
+def double(seq: Dict[str, Any], **kwargs) -> Dict[str, Any]:
     """Multiplies every floating-point array by 2 (dtype kept); a cheap, visible transformation for benchmarks."""
     out = dict(seq)
     for k, v in seq.items():

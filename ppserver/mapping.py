@@ -8,11 +8,11 @@ functions take and return an iterator of seqs. ``Sequential`` composes either st
 from __future__ import annotations
 
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Dict, Iterable, Iterator, List
 
 __all__ = ["Sequential", "LaplaceOrdering"]
 
-Seq = dict[str, Any]
+Seq = Dict[str, Any]
 _MISSING = object()
 
 
@@ -62,7 +62,7 @@ class LaplaceOrdering:
         while True:
             fracs = [seq.get("complete_frac", _MISSING) for seq in buffer]
             buffer.sort(key=self._seq_len, reverse=descending)
-            next_buffer: list[Seq] = []
+            next_buffer: List[Seq] = []
             # Pull the next bin one item per yielded item, spreading upstream work evenly.
             for seq, frac in zip(buffer, fracs):
                 yield self._with_frac(seq, frac)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -42,11 +43,11 @@ def rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-def yaml_files() -> list[Path]:
+def yaml_files() -> List[Path]:
     return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
 
 
-def unit_files() -> list[Path]:
+def unit_files() -> List[Path]:
     return sorted(SYSTEMD.glob("*.service"))
 
 
@@ -57,16 +58,16 @@ def unit_files() -> list[Path]:
 @dataclass
 class Invocation:
     source: str
-    argv: list[str]  # argv[0] is the program (basename "ppserver")
+    argv: List[str]  # argv[0] is the program (basename "ppserver")
 
     @property
-    def subcommand(self) -> str | None:
+    def subcommand(self) -> Optional[str]:
         if len(self.argv) > 1 and not self.argv[1].startswith("-"):
             return self.argv[1]
         return None
 
     @property
-    def flags(self) -> list[str]:
+    def flags(self) -> List[str]:
         rest = self.argv[2:] if self.subcommand else self.argv[1:]
         return [a.split("=", 1)[0] for a in rest if a.startswith("--")]
 
@@ -78,16 +79,16 @@ def is_ppserver(token: str) -> bool:
     return os.path.basename(token) == "ppserver"
 
 
-def from_ppserver(tokens: list[str]) -> list[str] | None:
+def from_ppserver(tokens: List[str]) -> Optional[List[str]]:
     for i, tok in enumerate(tokens):
         if is_ppserver(tok):
             return tokens[i:]
     return None
 
 
-def join_continuations(text: str) -> list[str]:
+def join_continuations(text: str) -> List[str]:
     """Physical lines with trailing-backslash continuations joined."""
-    out: list[str] = []
+    out: List[str] = []
     pending = ""
     for raw in text.splitlines():
         line = raw.rstrip()
@@ -101,15 +102,15 @@ def join_continuations(text: str) -> list[str]:
     return out
 
 
-def exec_argv(value: str) -> list[str]:
+def exec_argv(value: str) -> List[str]:
     """argv of a systemd ExecStart= value, without the special prefixes."""
     return shlex.split(value.lstrip("-@:+!|"))
 
 
-def parse_unit(text: str) -> dict[str, list[tuple[str, str]]]:
+def parse_unit(text: str) -> Dict[str, List[Tuple[str, str]]]:
     """systemd unit file -> {section: [(key, value), ...]} (keys may repeat)."""
-    sections: dict[str, list[tuple[str, str]]] = {}
-    current: str | None = None
+    sections: Dict[str, List[Tuple[str, str]]] = {}
+    current: Optional[str] = None
     for n, line in enumerate(join_continuations(text), 1):
         s = line.strip()
         if not s or s[0] in "#;":
@@ -128,7 +129,7 @@ def parse_unit(text: str) -> dict[str, list[tuple[str, str]]]:
     return sections
 
 
-def unit_values(unit: dict, section: str, key: str) -> list[str]:
+def unit_values(unit: dict, section: str, key: str) -> List[str]:
     return [v for k, v in unit.get(section, []) if k == key]
 
 
@@ -138,7 +139,7 @@ def unit_value(unit: dict, section: str, key: str) -> str:
     return values[-1]
 
 
-def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+def dockerfile_instructions(path: Path = DOCKERFILE) -> List[Tuple[str, str]]:
     lines = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
     out = []
     for line in join_continuations("\n".join(lines)):
@@ -149,7 +150,7 @@ def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     return out
 
 
-def dockerfile_json(instruction: str) -> list[str] | None:
+def dockerfile_json(instruction: str) -> Optional[List[str]]:
     values = [v for k, v in dockerfile_instructions() if k == instruction]
     if not values:
         return None
@@ -158,7 +159,7 @@ def dockerfile_json(instruction: str) -> list[str] | None:
     return argv
 
 
-def entrypoint() -> list[str]:
+def entrypoint() -> List[str]:
     argv = dockerfile_json("ENTRYPOINT")
     assert argv, "Dockerfile has no ENTRYPOINT"
     return argv
@@ -176,19 +177,19 @@ def pod_specs(doc):
             yield from pod_specs(v)
 
 
-def yaml_docs(path: Path) -> list[dict]:
+def yaml_docs(path: Path) -> List[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
-def container_argv(container: dict) -> list[str]:
+def container_argv(container: dict) -> List[str]:
     command = container.get("command") or entrypoint()
     return [str(a) for a in command] + [str(a) for a in container.get("args", [])]
 
 
-def markdown_invocations(path: Path) -> list[Invocation]:
+def markdown_invocations(path: Path) -> List[Invocation]:
     found = []
     in_code = False
-    block: list[str] = []
+    block: List[str] = []
     for line in path.read_text().splitlines():
         if line.strip().startswith("```"):
             if in_code:
@@ -225,7 +226,7 @@ exit 0
 @dataclass
 class SbatchRun:
     proc: subprocess.CompletedProcess
-    srun_args: list[str] | None  # None when srun was not called
+    srun_args: Optional[List[str]]  # None when srun was not called
 
 
 def run_sbatch(tmp: Path, *args: str, **env_extra: str) -> SbatchRun:
@@ -284,12 +285,12 @@ def sbatch_invocation(tmp: Path) -> Invocation:
 
 
 @functools.cache
-def cli_help(sub: str | None) -> subprocess.CompletedProcess:
+def cli_help(sub: Optional[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ppserver", *([sub] if sub else []), "--help"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
-def cli_problems(inv: Invocation) -> list[str]:
+def cli_problems(inv: Invocation) -> List[str]:
     sub = inv.subcommand
     shown = f"ppserver {sub} --help" if sub else "ppserver --help"
     res = cli_help(sub)
@@ -303,7 +304,7 @@ def cli_problems(inv: Invocation) -> list[str]:
     return problems
 
 
-def invocations_in(path: Path, tmp: Path) -> list[Invocation]:
+def invocations_in(path: Path, tmp: Path) -> List[Invocation]:
     name = path.name
     if path.suffix == ".service":
         unit = parse_unit(path.read_text())
@@ -379,7 +380,7 @@ def test_yaml_documents(path: Path):
         assert d["metadata"].get("name"), f"{rel(path)}: {d['kind']} without metadata.name"
 
 
-def k8s_objects() -> dict[tuple[str, str], dict]:
+def k8s_objects() -> Dict[Tuple[str, str], dict]:
     objs = {}
     for path in sorted(K8S.glob("*.y*ml")):
         for d in yaml_docs(path):
@@ -387,7 +388,7 @@ def k8s_objects() -> dict[tuple[str, str], dict]:
     return objs
 
 
-def deployments() -> list[dict]:
+def deployments() -> List[dict]:
     return [d for (kind, _), d in k8s_objects().items() if kind == "Deployment"]
 
 
@@ -403,7 +404,7 @@ def deployment_running(sub: str) -> dict:
     return found[0]
 
 
-def option(argv: list[str], flag: str) -> str:
+def option(argv: List[str], flag: str) -> str:
     assert flag in argv, f"{flag} missing from {argv}"
     i = argv.index(flag)
     assert i + 1 < len(argv), f"{flag} has no value in {argv}"
@@ -415,7 +416,7 @@ def cpu_quantity(q) -> float:
     return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
 
 
-def mounts(deploy: dict) -> dict[str, dict]:
+def mounts(deploy: dict) -> Dict[str, dict]:
     """mountPath -> volume source for the deployment's container."""
     spec = deploy["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
@@ -596,7 +597,7 @@ def test_systemd_analyze_verify(tmp_path: Path):
 # Slurm
 
 
-def script_lines() -> list[str]:
+def script_lines() -> List[str]:
     return SBATCH.read_text().splitlines()
 
 
@@ -634,7 +635,7 @@ def test_sbatch_requires_config(tmp_path: Path):
     assert run.srun_args is None
 
 
-def check_srun_args(args: list[str], address: str, config: str) -> list[str]:
+def check_srun_args(args: List[str], address: str, config: str) -> List[str]:
     argv = from_ppserver(args)
     assert argv, f"no ppserver in srun args: {args}"
     srun_opts = args[: len(args) - len(argv)]
