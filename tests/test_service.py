@@ -405,21 +405,23 @@ def test_status_cli_and_json(tmp_path):
     assert res.returncode == 1 and "no answer" in res.stderr
 
 
-def test_demo_runs_two_epochs_and_exits_0():
+def test_demo_runs_two_epochs_and_exits_0(tmp_path):
+    log_path = str(tmp_path / "demo.log")
     res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "demo"], capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "-m", "ppserver", "demo", "--log", log_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
     assert "seqs/s" in res.stdout and "MB/s" in res.stdout
-    # not a terminal: plain lines of its own, no carriage returns, the logs in a file
+    # not a terminal: plain lines of its own, no carriage returns, the logs in the file it was given (kept)
     assert "\r" not in res.stdout and res.stderr == ""
     assert all(line.startswith("demo: ") for line in res.stdout.splitlines()), res.stdout
-    log_path = res.stdout.splitlines()[0].split(" go to ")[1]
-    try:
-        assert "serving" in read(log_path) and "registered with" in read(log_path)
-    finally:
-        os.unlink(log_path)
+    assert res.stdout.splitlines()[0] == f"demo: server and worker logs go to {log_path} (kept)"
+    assert "serving" in read(log_path) and "registered with" in read(log_path)
 
 
 def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
@@ -452,7 +454,9 @@ def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
     text = out.decode()
     assert "\rdemo: epoch 1: 20/400 seqs" in text and "epoch 2: 400 seqs in" in text
     assert "INFO" not in text and "WARNING" not in text, text[-2000:]
-    os.unlink(text.split(" go to ")[1].split()[0])
+    log_path = text.split(" go to ")[1].split()[0]
+    assert "(removed at the end unless the demo fails)" in text
+    assert not os.path.exists(log_path)  # a clean exit leaves no temporary log behind
 
 
 def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
