@@ -49,6 +49,7 @@ KNOWN_KEYS = {
 
 
 MAPPER_APIS = ("dict", "returnn")
+MAX_SHM_MB = 4096  # a segment per worker and direction; more buys nothing and risks the host's memory
 
 
 @dataclass
@@ -201,7 +202,7 @@ def from_settings(
         preserves_num_seqs=preserves,
         mapper_api=mapper_api,
         direct_results=_bool(settings, "direct_results", True),
-        shm_mb=_int(settings, "shm_mb", 64, minimum=0),
+        shm_mb=_int(settings, "shm_mb", 64, minimum=0, maximum=MAX_SHM_MB),
         buf_size=_int(settings, "buf_size", 1, minimum=1),
         num_workers=_int(settings, "num_workers", 1, minimum=1),
         seed=_int(settings, "seed", 0, minimum=0),
@@ -221,10 +222,12 @@ def from_settings(
     return cfg
 
 
-def _int(settings, key, default, *, minimum):
+def _int(settings, key, default, *, minimum, maximum=None):
     value = settings.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < minimum:
         raise ConfigError(key, f"must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(key, f"must be at most {maximum}, got {value!r}")
     return int(value)
 
 

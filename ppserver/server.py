@@ -28,6 +28,7 @@ import zmq
 import ppclient
 from ppclient import endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Peer
+from ppclient.throttle import Throttled
 
 from . import reader as rd
 from .config import FINGERPRINT_COVERS, Config
@@ -137,11 +138,12 @@ class Server:
         }
         # Shared memory for the inputs of workers on this host: one segment each, used once the
         # worker has mapped it.
-        self.host_id = shm.host_id() if cfg.shm_mb > 0 and shm.probe() is None else ""
+        self.host_id = shm.usable_host_id(log, "inputs of local workers go") if cfg.shm_mb > 0 else ""
         self.rings: Dict[bytes, shm.Ring] = {}
         self.shm_ready: Set[bytes] = set()
-        self.malformed = _Throttled("dropped a malformed message")
-        self.refused = _Throttled("refused a connection")
+        self.malformed = Throttled(log, "dropped a malformed message")
+        self.rings_full = Throttled(log, "inputs went over the socket", interval=10.0)
+        self.refused = Throttled(log, "refused a connection")
 
     # ---- sockets ------------------------------------------------------------------------------
     def _authenticator(self) -> Any:
@@ -277,11 +279,31 @@ class Server:
     def _to_worker(self, instr: ToWorker) -> None:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
         items = instr.items
+        blocks: List[Any] = []
         if items and instr.wid in self.shm_ready:
             ring = self.rings[instr.wid]
-            items = [protocol.to_block(item, ring)[0] for item in items]  # the worker frees each when done
+            packed = [protocol.to_block(item, ring) for item in items]  # the worker frees each when done
+            items, blocks = [item for item, _ in packed], [block for _, block in packed]
         self.stages.to_worker(instr, self.sched.now)
-        self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
+        sent = self._send(self.workers_sock, [ident, *protocol.encode(instr.msg, items)])
+        if blocks and (not sent or None in blocks):
+            self._unsent_blocks(instr.wid, blocks, sent)
+
+    def _unsent_blocks(self, wid: bytes, blocks: List[Any], sent: bool) -> None:
+        """Blocks of a message that was not sent are given back; inputs the worker's full ring had
+        no room for went in the message (counted, logged now and then)."""
+        if not sent:
+            for block in blocks:
+                if block is not None:
+                    block.release()
+        full = blocks.count(None)
+        if full:
+            ring = self.rings[wid]
+            self.rings_full.hit(
+                f"worker {wid.decode(errors='replace')}'s shared-memory segment is full "
+                f"({ring.used() / 2**20:.1f} of {ring.capacity / 2**20:.1f} MiB in use)",
+                full,
+            )
 
     def _to_client(self, instr: ToClient) -> None:
         self.stages.to_client(instr, self.sched.now)
@@ -508,23 +530,6 @@ class Server:
 def _endpoint_of(sock: zmq.Socket) -> str:
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
-
-
-class _Throttled:
-    """Counts events a peer can cause at will and logs at most one line per second about them."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.count = 0
-        self.logged_at = 0.0
-
-    def hit(self, detail: str) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.logged_at >= 1.0:
-            self.logged_at = now
-            total = f" ({self.count} so far)" if self.count > 1 else ""
-            log.warning("%s: %s%s", self.what, detail, total)
 
 
 def serve(

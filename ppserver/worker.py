@@ -58,19 +58,28 @@ class Worker:
             worker_endpoint=worker_endpoint,
             local_index=local_index,
             shm_mb=cfg.shm_mb,
-            stats=lambda: heartbeat_stats(self.seqs.clock, self.streams.clock),
+            stats=lambda: {**heartbeat_stats(self.seqs.clock, self.streams.clock), **self.routes.stats()},
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
         if self.session.host_id:
-            # results for consumers on this host go through shared memory
-            self.routes.ring = shm.Ring(cfg.shm_mb << 20)
-            self.routes.shm_descriptor = self.routes.ring.descriptor.to_dict()
-            self.routes.host = self.session.host_id
+            self._share_results(cfg.shm_mb)
         self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers, self.routes)
         self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
+
+    def _share_results(self, mb: int) -> None:
+        """Results for consumers on this host go through a segment of shared memory; if it cannot
+        be had, over the socket (logged)."""
+        try:
+            ring = shm.Ring(mb << 20)
+        except (OSError, ValueError, shm.ShmUnavailable) as exc:
+            log.warning("results go over sockets: no shared-memory segment of %d MiB for them: %s", mb, exc)
+            return
+        self.routes.ring = ring
+        self.routes.shm_descriptor = ring.descriptor.to_dict()
+        self.routes.host = self.session.host_id
 
     def mappers(self) -> Mappers:
         """The config's mappers for the input templates the server sent (rebuilt if they change)."""
@@ -112,10 +121,13 @@ class Worker:
             s.unregister(say_bye=s.stopping)
             self.ctx.term()
         log.info(
-            "worker stopped after %d seqs (%d task and %d result messages)",
+            "worker stopped after %d seqs (%d task and %d result messages; direct results over the socket with "
+            "the shared memory full: %d, through the server when their client could not take them: %d)",
             self.seqs.done + self.streams.done,
             self.seqs.messages_in,
             self.seqs.messages_out,
+            self.routes.over_socket.count,
+            self.routes.via_server.count,
         )
         return 0
 

@@ -565,6 +565,9 @@ def test_mappings_are_cached_and_bounded():
         for r in rings[1:]:
             shm.Mapping.open(r.descriptor)
         assert shm.Mapping.open(rings[0].descriptor) is not first  # evicted, mapped again
+        first.close()  # opened twice: one user is left, for whom it stays mapped
+        with pytest.raises(shm.ShmUnavailable, match="stale"):
+            first.arrays((128, 0, 1), [])
         first.close()
         with pytest.raises(shm.ShmUnavailable, match="closed"):
             first.arrays((128, 0, 1), [])

@@ -835,6 +835,22 @@ def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
     return bad
 
 
+def block_refs(frames: Sequence[Any]) -> List[Tuple[Optional[int], List[int]]]:
+    """(position, [offset, nbytes, seq]) of each shared-memory block a batch message names, read
+    leniently: for giving back the blocks of a message, or items, that did not check."""
+    try:
+        header, _ = wire.split(frames)
+    except wire.WireError:
+        return []
+    specs = header.get("items")
+    out: List[Tuple[Optional[int], List[int]]] = []
+    for spec in specs if isinstance(specs, list) else []:
+        block = spec.get("b") if isinstance(spec, dict) else None
+        if isinstance(block, list) and len(block) >= 3 and all(_is_int(x) for x in block[:3]):
+            out.append((_position(spec), block[:3]))
+    return out
+
+
 class BadItem(typing.NamedTuple):
     pos: Optional[int]  # the position the item claimed, if it was an int
     reason: str
