@@ -8,9 +8,10 @@ that would block (the consumer's queue is full: it is gone or stuck) also falls 
 the server, so no worker ever waits for a consumer.
 
 A consumer on this host gets the arrays in blocks of this worker's segment (`ring`) and frees
-each block itself when it drops the arrays. The blocks of a consumer that is gone, or that
-this worker can no longer hear from (the server was lost), are freed once its process has
-exited: only then can none of its arrays be in use.
+each block itself when it drops the arrays. The blocks of a consumer are freed once its
+process has exited (only then can none of its arrays be in use), whether the server said it
+is gone, this worker lost the server, or nobody has noticed yet (a kill -9): the worker
+looks at its consumers' processes about once a second.
 """
 
 from __future__ import annotations
@@ -131,14 +132,21 @@ class Routes:
         if proc is not None and process(proc[0]) == proc:
             self.departed[consumer] = proc
         else:
-            self.ring.release_owner(consumer)
+            self._free(consumer)
 
-    def _reap_departed(self) -> None:
-        for consumer, proc in list(self.departed.items()):
-            if process(proc[0]) != proc:
-                del self.departed[consumer]
-                if self.ring is not None:
-                    self.ring.release_owner(consumer)
+    def _reap(self) -> None:
+        """Free the blocks of consumers whose process has exited."""
+        for held in (self.departed, self.holders):
+            for consumer, proc in list(held.items()):
+                if process(proc[0]) != proc:
+                    del held[consumer]
+                    self._free(consumer)
+
+    def _free(self, consumer: bytes) -> None:
+        if self.ring is not None:
+            n = self.ring.release_owner(consumer)
+            if n:
+                log.info("freed %d shared-memory blocks of consumer %s, which is gone", n, consumer.hex()[:12])
 
     def clear(self) -> None:
         """Drop every route (the server was lost). A consumer may come back through the next
@@ -155,9 +163,9 @@ class Routes:
     def poll(self) -> None:
         """Take welcomes; (re)send hellos not yet sent; log consumers that never answer."""
         now = time.monotonic()
-        if self.departed and now - self._reaped_at >= 1.0:
+        if (self.departed or self.holders) and now - self._reaped_at >= 1.0:
             self._reaped_at = now
-            self._reap_departed()
+            self._reap()
         for route in self.routes.values():
             if route.ready:
                 continue

@@ -160,7 +160,7 @@ class Worker:
         self.streams.clock.paused += time.perf_counter() - since
 
     def _receive(self, timeout_ms: int) -> None:
-        if self.routes.routes or self.routes.departed:
+        if self.routes.routes or self.routes.departed or self.routes.holders:
             self.routes.poll()
         for decoded in self.session.receive(timeout_ms):
             self._handle(decoded.msg, decoded.items, decoded.bad)

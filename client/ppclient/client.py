@@ -448,6 +448,8 @@ class Client:
             if sock is not None:
                 sock.close(linger=100 if sock is self._data else 0)
         self._req = self._data = self._direct = None
+        self._inbox.clear()  # seqs of runs no iterator holds: their blocks are freed
+        self._current = None
         self._unmap_all()
         if self._auth is not None:
             self._auth.stop()
