@@ -257,7 +257,7 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     sim(ev.CreditGranted, CONSUMER, run, 100, 2)  # took 0 and 1; 2 never came
     out = sim(ev.MissingReported, CONSUMER, run, 2)
     assert tasks(out, b"w1") == [2]
-    redo = [t for t in sent(out, protocol.Tasks, b"w1")][0]
+    redo = next(iter(sent(out, protocol.Tasks, b"w1")))
     assert not any(redo.msg.to)  # this time through the server
     out = sim.results(b"w1", [2])
     assert delivered(out, CONSUMER) == [2]
