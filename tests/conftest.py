@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import textwrap
 import time
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Set
 
 import numpy as np
 import pytest
@@ -32,6 +33,80 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
     yield
     new = sorted(_dev_shm() - before)
     assert not new, f"left in /dev/shm: {new}"
+
+
+def mapped_segments(pid: object = "self") -> Set[int]:
+    """The shared-memory segments (memfds named ppshm) a process maps, by inode."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if "/memfd:ppshm" in line:
+                    found.add(int(line.split()[4]))
+    except OSError:
+        pass
+    return found
+
+
+def open_segments(pid: object = "self") -> Set[int]:
+    """The shared-memory segments a process holds open (made, or mapped: a mapping keeps an fd), by inode."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:ppshm"):
+                    found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        item.call_failed = outcome.get_result().failed
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_mapped(request) -> Iterator[None]:
+    """After each test, neither this process nor a process the test started and left running
+    maps a shared-memory segment (memfds never show in /dev/shm, so look at the mappings).
+    Not after a failed test, whose traceback may hold its arrays."""
+    me = os.getpid()
+    before = set(children_of(me))
+    yield
+    if getattr(request.node, "call_failed", False):
+        return
+    if mapped_segments():
+        gc.collect()  # arrays in reference cycles
+    left: Dict[str, Set[int]] = {}
+    if mapped_segments():
+        left["this process"] = mapped_segments()
+    for pid in set(children_of(me)) - before:
+        if mapped_segments(pid):
+            left[f"pid {pid} ({_cmdline(pid)})"] = mapped_segments(pid)
+    assert not left, f"shared-memory segments still mapped after the test: {left}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+# The two data paths of map_seq results, as config lines: straight from the workers to the client
+# (through shared memory on one host), and everything through the server over sockets.
+DATA_PATHS = {"direct": "", "via-server": "direct_results = False\nshm_mb = 0\n"}
+
+
+def assert_data_path(log: str, path: str) -> None:
+    """A server's (or worker host's) log shows the results took `path`."""
+    assert ("sending results directly" in log) == (path == "direct"), path
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,13 +161,16 @@ def run_server(
     wait_workers: bool = True,
     bind: str = "tcp://127.0.0.1:0",
     log_path: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
 ) -> Iterator[ServerProc]:
     argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", bind]
     if workers is not None:
         argv += ["--workers", str(workers)]
     argv += extra or []
     log_file = open(log_path, "a") if log_path else None
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO, env={**os.environ, **(env or {})}
+    )
     kids: List[int] = []
     try:
         try:

@@ -16,6 +16,7 @@ import pytest
 import zmq
 from conftest import (
     REPO,
+    assert_data_path,
     assert_same_epoch,
     collect,
     collect_with,
@@ -29,7 +30,7 @@ from conftest import (
 )
 
 import ppclient
-from ppclient import protocol, wire
+from ppclient import keyfiles, protocol, wire
 
 SLOW = """
 import time
@@ -139,7 +140,7 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
         assert len(collect(c.epoch(2))) == 20
 
 
-def test_curve_keys_admit_authorised_peers_only(tmp_path):
+def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
     good, bad = str(tmp_path / "keys"), str(tmp_path / "other")
     for d in (good, bad):
         res = subprocess.run(
@@ -154,6 +155,21 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path):
         with ppclient.Client(srv.address, keys=good, timeout=20) as c:
             wait_for(lambda: c.status()["workers_alive"] == 2, 20, "keyed workers")
             assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+            assert_data_path(read(slog), "direct")  # the workers' keys are authorised at the client too
+            # a stranger who knows the client's public key is refused at its result socket
+            stranger = keyfiles.client_keys(bad)
+            ctx = zmq.Context()
+            try:
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.curve_publickey, sock.curve_secretkey = stranger.public, stranger.secret
+                sock.curve_serverkey = keyfiles.client_keys(good).public
+                sock.connect(c._direct_endpoint)
+                with caplog.at_level("WARNING", logger="ppclient"):
+                    wait_for(lambda: c.refused_workers >= 1, 10, "the client to refuse the stranger")
+                assert "is not authorised" in caplog.text
+            finally:
+                ctx.destroy(linger=0)
         for keys in (bad, None):
             with ppclient.Client(srv.address, keys=keys, timeout=1.5) as c:
                 with pytest.raises(ppclient.ServerUnavailable):
