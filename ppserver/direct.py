@@ -66,9 +66,9 @@ class Routes:
         self.keys = keys
         self.identity = b""
         self.routes: Dict[bytes, Route] = {}
-        self.shm_descriptor: Optional[Dict[str, Any]] = None  # offered to consumers on this host
-        self.host = ""
-        self.ring: Optional[shm.Ring] = None  # this worker's result segment
+        self.host = ""  # shared-memory host id ("": no shared memory here)
+        self.shm_mb = 0
+        self.ring: Optional[shm.Ring] = None  # this worker's result segment, made for the first consumer on this host
         self.holders: Dict[bytes, Process] = {}  # consumers welcomed with shared memory: their process
         self.departed: Dict[bytes, Process] = {}  # consumers gone (or out of reach) whose process may hold blocks
         self._reaped_at = 0.0
@@ -100,7 +100,7 @@ class Routes:
             return
         route = Route(msg.consumer, msg.endpoint, sock, time.monotonic())
         self.routes[msg.consumer] = route
-        shm = self.shm_descriptor if msg.host and msg.host == self.host else None
+        shm = self._segment() if msg.host and msg.host == self.host else None
         route.pending = protocol.encode(protocol.DirectHello(worker=self.identity, shm=shm))
         self._hello(route)
 
@@ -133,6 +133,21 @@ class Routes:
             self.departed[consumer] = proc
         else:
             self._free(consumer)
+
+    def _segment(self) -> Optional[Dict[str, Any]]:
+        """The descriptor of the result segment for consumers on this host, made on first use (a
+        worker with none on its host commits no memory for it); if it cannot be had, results go
+        over the socket (logged once)."""
+        if self.ring is None and self.host:
+            try:
+                self.ring = shm.Ring(self.shm_mb << 20)
+            except (OSError, ValueError, shm.ShmUnavailable) as exc:
+                log.warning(
+                    "results go over sockets: no shared-memory segment of %d MiB for them: %s", self.shm_mb, exc
+                )
+                self.host = ""
+                return None
+        return self.ring.descriptor.to_dict() if self.ring is not None else None
 
     def _reap(self) -> None:
         """Free the blocks of consumers whose process has exited."""

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
-from ppclient import UsageError, endpoints, keyfiles, protocol, shm
+from ppclient import UsageError, endpoints, keyfiles, protocol
 
 from .config import Config, load_config
 from .direct import Routes
@@ -64,22 +64,9 @@ class Worker:
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
-        if self.session.host_id:
-            self._share_results(cfg.shm_mb)
+        self.routes.host, self.routes.shm_mb = self.session.host_id, cfg.shm_mb  # results to consumers on this host
         self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers, self.routes)
         self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
-
-    def _share_results(self, mb: int) -> None:
-        """Results for consumers on this host go through a segment of shared memory; if it cannot
-        be had, over the socket (logged)."""
-        try:
-            ring = shm.Ring(mb << 20)
-        except (OSError, ValueError, shm.ShmUnavailable) as exc:
-            log.warning("results go over sockets: no shared-memory segment of %d MiB for them: %s", mb, exc)
-            return
-        self.routes.ring = ring
-        self.routes.shm_descriptor = ring.descriptor.to_dict()
-        self.routes.host = self.session.host_id
 
     def mappers(self) -> Mappers:
         """The config's mappers for the input templates the server sent (rebuilt if they change)."""
