@@ -15,6 +15,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import (
+    DATA_PATHS,
     REPO,
     assert_data_path,
     assert_same_epoch,
@@ -117,8 +118,8 @@ def test_worker_protocol_mismatch_is_refused(tmp_path):
         assert reply["t"] == "refuse" and "protocol version mismatch" in reply["reason"]
 
 
-@pytest.mark.parametrize("buf_size", [1, 4])
-def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
+@pytest.mark.parametrize("buf_size, path", [(1, "direct"), (4, "direct"), (4, "via-server")])
+def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size, path):
     # with buf_size 4 the seqs finished just before the poison one die unreported with it:
     # they must not be blamed
     body = f"""
@@ -130,14 +131,16 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
     max_seq_retries = 3
     buf_size = {buf_size}
     """
-    cfg = numpy_config(tmp_path, body, n=20)
-    with run_server(cfg, workers=2) as srv, srv.client() as c:
+    cfg = numpy_config(tmp_path, body, n=20, extra=DATA_PATHS[path])
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv, srv.client() as c:
         with pytest.raises(ppclient.MapperError) as info:
             collect(c.epoch(1))
         assert info.value.seq_tag == "seq-5"
         assert "3 workers" in str(info.value)
         srv.wait_workers(2)
         assert len(collect(c.epoch(2))) == 20
+    assert_data_path(read(slog), path)
 
 
 def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
@@ -407,10 +410,11 @@ class _Forwarder:
         self.thread.join(timeout=5)
 
 
-def test_reset_worker_connection_loses_nothing(tmp_path):
+@pytest.mark.parametrize("path", ["direct", "via-server"])
+def test_reset_worker_connection_loses_nothing(tmp_path, path):
     """A reset shorter than the heartbeat timeout drops queued messages; the worker registers afresh
     and its seqs are redone at once."""
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=200, extra="buf_size = 4\n")
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=200, extra="buf_size = 4\n" + DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=0, log_path=slog, wait_workers=False) as srv:
         port = int(_worker_endpoint(srv).rsplit(":", 1)[1])
@@ -432,6 +436,7 @@ def test_reset_worker_connection_loses_nothing(tmp_path):
                 got = collect_with(c.epoch(1), {50: fwd.reset_all, 120: fwd.reset_all})
             assert_same_epoch(got, reference(cfg, 1))
             assert "reconnected" in read(slog)
+            assert_data_path(read(str(tmp_path / "w.log")), path)
         finally:
             from ppserver.supervisor import stop_process
 

@@ -11,7 +11,9 @@ import time
 import pytest
 import zmq
 from conftest import (
+    DATA_PATHS,
     REPO,
+    assert_data_path,
     assert_same_epoch,
     children_of,
     collect,
@@ -259,9 +261,11 @@ def test_mapper_must_accept_kwargs(tmp_path):
             collect(c.epoch(1))
 
 
-def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n")
-    with run_server(cfg, workers=2) as srv, srv.client() as c:
+@pytest.mark.parametrize("path", ["direct", "via-server"])
+def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n" + DATA_PATHS[path])
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv, srv.client() as c:
         pids = srv.worker_pids()
         got = collect_with(c.epoch(1), {30: lambda: os.kill(pids[0], signal.SIGKILL)})
         status = c.status()
@@ -271,6 +275,7 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
         again = collect(c.epoch(2))
     assert_same_epoch(got, reference(cfg, 1))
     assert_same_epoch(again, reference(cfg, 2))
+    assert_data_path(read(slog), path)
 
 
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
@@ -284,13 +289,17 @@ def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
 
 
-def test_server_killed_client_raises_unavailable(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200)
-    with run_server(cfg, workers=2) as srv:
+@pytest.mark.parametrize("path", ["direct", "via-server"])
+def test_server_killed_client_raises_unavailable(tmp_path, path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200, extra=DATA_PATHS[path])
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv:
         kids = children_of(srv.proc.pid)
         with srv.client(timeout=2.0) as c:
             it = c.epoch(1)
             next(it)
+            if path == "direct":  # killed once results come straight from the workers
+                wait_for(lambda: next(it) and "sending results directly" in read(slog), 10, "direct results")
             srv.proc.kill()
             srv.proc.wait()
             start = time.monotonic()
@@ -303,6 +312,7 @@ def test_server_killed_client_raises_unavailable(tmp_path):
             assert time.monotonic() - start < 4.0
         # local workers follow their parent instead of lingering
         assert wait_gone(kids, 10.0) == []
+    assert_data_path(read(slog), path)
 
 
 def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
