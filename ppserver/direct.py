@@ -143,7 +143,7 @@ class Routes:
                 self.ring = shm.Ring(self.shm_mb << 20)
             except (OSError, ValueError, shm.ShmUnavailable) as exc:
                 log.warning(
-                    "results go over sockets: no shared-memory segment of %d MiB for them: %s", self.shm_mb, exc
+                    "results go over sockets: no shared-memory segment of %d MiB for them: %s", self.shm_mb, str(exc)
                 )
                 self.host = ""
                 return None

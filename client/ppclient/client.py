@@ -187,7 +187,7 @@ class Client:
             except zmq.ZMQError as exc:
                 sock.close(linger=0)
                 self.direct = False
-                log.warning("cannot bind %s for direct results (%s): they come through the server", endpoint, exc)
+                log.warning("cannot bind %s for direct results (%s): they come through the server", endpoint, str(exc))
                 return None
             last = sock.getsockopt(zmq.LAST_ENDPOINT)
             bound = last.decode() if isinstance(last, bytes) else str(last)
@@ -225,10 +225,10 @@ class Client:
                 self._mappings[ident] = shm.Mapping.open(descriptor)
                 return True
             except shm.ShmUnavailable as exc:
-                log.warning(
+                log.warning(  # the text, not the exception: a kept log record would keep its frames alive
                     "results of worker %s come over the socket: cannot map its shared memory: %s",
                     ident.decode(errors="replace"),
-                    exc,
+                    str(exc),
                 )
                 return False
         finally:
