@@ -227,6 +227,11 @@ def assert_same_epoch(got: List[dict], want: List[dict]) -> None:
                 assert g[k] == w[k], (i, k)
 
 
+# Set while the reference is computed: a mapper that sleeps only to make an epoch last long enough
+# for a fault skips `time.sleep(DELAY)` then (`if not os.environ.get(REFERENCE_RUN)`).
+REFERENCE_RUN = "PPTEST_REFERENCE_RUN"
+
+
 def reference(config: str, epoch: int, **kw) -> List[dict]:
     """The epoch computed in this process by the same definition the service implements."""
     from ppserver.apply import reference_epoch
@@ -236,7 +241,11 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
     cfg = load_config(config)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
     templates = cfg.map_outputs or ds.data_keys()
-    out = list(reference_epoch(cfg, ds, epoch, templates, **kw))
+    os.environ[REFERENCE_RUN] = "1"
+    try:
+        out = list(reference_epoch(cfg, ds, epoch, templates, **kw))
+    finally:
+        del os.environ[REFERENCE_RUN]
     # delivery enforces a non-decreasing complete_frac across the interleaved stream
     best = 0.0
     for seq in out:

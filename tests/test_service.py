@@ -39,9 +39,11 @@ def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
 """
 
 SLOW_MAP_SEQ = """
+import os
 import time
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    time.sleep({delay})
+    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
+        time.sleep({delay})
     seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
     return seq
 """
@@ -278,10 +280,15 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
     assert_data_path(read(slog), path)
 
 
+SLOW_STREAM_MAPPER = "import os\n" + STREAM_MAPPER.replace(
+    "for n, seq in enumerate(seqs):",
+    "for n, seq in enumerate(seqs):\n        if not os.environ.get('PPTEST_REFERENCE_RUN'):\n"
+    "            __import__('time').sleep(0.01)",
+)
+
+
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
-    slow_stream = STREAM_MAPPER.replace(
-        "for n, seq in enumerate(seqs):", "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)"
-    )
+    slow_stream = SLOW_STREAM_MAPPER
     cfg = numpy_config(tmp_path, slow_stream, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
@@ -603,9 +610,7 @@ def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
 
 
 def test_stream_partition_survives_repeated_kills(tmp_path):
-    slow_stream = STREAM_MAPPER.replace(
-        "for n, seq in enumerate(seqs):", "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)"
-    )
+    slow_stream = SLOW_STREAM_MAPPER
     cfg = numpy_config(tmp_path, slow_stream, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n")
     with run_server(cfg, workers=1) as srv, srv.client() as c:
 
