@@ -150,12 +150,15 @@ class Routes:
         return self.ring.descriptor.to_dict() if self.ring is not None else None
 
     def _reap(self) -> None:
-        """Free the blocks of consumers whose process has exited."""
+        """Free the blocks of consumers whose process has exited (and give them no new ones)."""
         for held in (self.departed, self.holders):
             for consumer, proc in list(held.items()):
                 if process(proc[0]) != proc:
                     del held[consumer]
                     self._free(consumer)
+                    route = self.routes.get(consumer)
+                    if route is not None:
+                        route.shm = False
 
     def _free(self, consumer: bytes) -> None:
         if self.ring is not None:
