@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -80,6 +82,34 @@ def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
         assert_same_epoch(kept, want)
 
 
+@contextmanager
+def client_holding(address: str, n: int, epoch: int) -> Iterator[subprocess.Popen]:
+    """A client in another process holding the first n seqs of `epoch`; killed with -9 at the end."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from ppclient import Client
+        c = Client({address!r}, timeout=30)
+        held = [s for _, s in zip(range({n}), c.epoch({epoch}))]
+        print("holding", len(held), flush=True)
+        sys.stdin.readline()
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"holding {n}"  # (the client's own timeout bounds the wait)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+
+
 def segments_of(pids) -> set:
     """The segments these processes map (a local worker's: its own, and the server's for its inputs)."""
     return set().union(*(mapped_segments(pid) for pid in pids))
@@ -109,29 +139,8 @@ def test_killed_workers_and_client_leave_no_segment_behind(tmp_path):
                 assert mapped_segments() <= segments_of(srv.worker_pids())  # only live workers' stay mapped
         assert mapped_segments() == set()  # closed: nothing mapped any more
         # a client in another process, killed while it holds seqs in shared memory
-        code = textwrap.dedent(
-            f"""
-            import os, signal, sys
-            from ppclient import Client
-            c = Client({srv.address!r}, timeout=30)
-            held = [s for _, s in zip(range(50), c.epoch(2))]
-            print("holding", len(held), flush=True)
-            sys.stdin.readline()
-            """
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
-        )
-        try:
-            assert proc.stdout is not None
-            assert proc.stdout.readline().strip() == "holding 50"
+        with client_holding(srv.address, 50, epoch=2) as proc:
             assert mapped_segments(proc.pid)  # it maps the workers' result segments
-            proc.kill()
-            proc.wait(timeout=10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
         # the job is free again once the client is declared gone; a new client reads epoch 2 whole
         with srv.client(timeout=60) as c2:
             again = collect(c2.epoch(2))
@@ -311,30 +320,12 @@ def test_a_killed_server_leaves_nothing_mapped_and_a_client_killed_meanwhile_blo
             assert any(is_shared(seq["data"]) for seq in got)
             del got
             wait_for(lambda: len(mapped_segments(worker)) == 2, 10, "the worker to map the server's input segment")
-            code = textwrap.dedent(
-                f"""
-                import sys
-                from ppclient import Client
-                c = Client({address!r}, timeout=30)
-                held = [s for _, s in zip(range(12), c.epoch(2))]
-                print("holding", len(held), flush=True)
-                sys.stdin.readline()
-                """
-            )
-            client = subprocess.Popen(
-                [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
-            )
-            try:
-                assert client.stdout is not None
-                assert client.stdout.readline().strip() == "holding 12"
+            with client_holding(address, 12, epoch=2):
                 srv.proc.kill()
                 srv.proc.wait(timeout=10)
                 assert wait_gone(local, 10.0) == []  # local workers follow their server
                 wait_for(lambda: "lost the server" in read(wlog), 10, "the worker to notice")
                 wait_for(lambda: len(mapped_segments(worker)) == 1, 10, "the worker to map only its own segment")
-            finally:
-                client.kill()
-                client.wait(timeout=10)
         with run_server(cfg, workers=0, bind=address, log_path=str(tmp_path / "server2.log")) as srv:
             srv.wait_workers(1)
             wait_for(lambda: "shared-memory blocks of consumer" in read(wlog), 10, "the dead client's blocks freed")
