@@ -80,14 +80,15 @@ def no_segment_left_mapped(request) -> Iterator[None]:
     yield
     if getattr(request.node, "call_failed", False):
         return
-    if mapped_segments():
+    mine = mapped_segments()
+    if mine:
         gc.collect()  # arrays in reference cycles
-    left: Dict[str, Set[int]] = {}
-    if mapped_segments():
-        left["this process"] = mapped_segments()
+        mine = mapped_segments()
+    left: Dict[str, Set[int]] = {"this process": mine} if mine else {}
     for pid in set(children_of(me)) - before:
-        if mapped_segments(pid):
-            left[f"pid {pid} ({_cmdline(pid)})"] = mapped_segments(pid)
+        segments = mapped_segments(pid)
+        if segments:
+            left[f"pid {pid} ({_cmdline(pid)})"] = segments
     assert not left, f"shared-memory segments still mapped after the test: {left}"
 
 
