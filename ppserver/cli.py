@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         "SpecAugment-style mapper, pull 2 epochs through ppclient, print seqs/s and MB/s, stop.",
     )
     d.add_argument("--epochs", type=int, default=2, help=argparse.SUPPRESS)
+    d.add_argument(
+        "--log",
+        metavar="FILE",
+        default=None,
+        help="write the server's and workers' logs to FILE and keep it (default: a temporary file, "
+        "removed when the demo ends without an error)",
+    )
     return p
 
 
@@ -321,7 +328,8 @@ DEMO_PLAIN_EVERY_S = 1.0  # progress lines when stdout is not a terminal
 
 def _demo(args) -> int:
     """The server's and workers' logs go to a file, so that they never break the progress line
-    (rewritten in place on a terminal, plain lines about once a second otherwise)."""
+    (rewritten in place on a terminal, plain lines about once a second otherwise). A temporary
+    log file is removed at a clean exit and kept when the demo fails."""
     import tempfile
 
     from ppclient import Client, Error
@@ -329,16 +337,23 @@ def _demo(args) -> int:
     from .supervisor import stop_process
 
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_config.py")
-    fd, log_path = tempfile.mkstemp(prefix="ppserver-demo-", suffix=".log")
-    with os.fdopen(fd, "w") as log_file:
+    if args.log:
+        log_path, keep = args.log, "kept"
+        log_file = open(log_path, "w")
+    else:
+        fd, log_path = tempfile.mkstemp(prefix="ppserver-demo-", suffix=".log")
+        keep = "removed at the end unless the demo fails"
+        log_file = os.fdopen(fd, "w")
+    with log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
         )
-    print(f"demo: server and worker logs go to {log_path}", flush=True)
+    print(f"demo: server and worker logs go to {log_path} ({keep})", flush=True)
     show = _DemoProgress(sys.stdout.isatty())
+    failed = True
     try:
         address = wait_ready(proc, timeout=60)
         print(f"demo: server ready at {address}", flush=True)
@@ -360,6 +375,7 @@ def _demo(args) -> int:
                     f"demo: epoch {epoch}: {n} seqs in {el:.2f} s: {n / el:.1f} seqs/s, {nbytes / el / 1e6:.1f} MB/s"
                 )
         print("demo: done", flush=True)
+        failed = False
         return 0
     except (RuntimeError, Error) as exc:
         show.done("")
@@ -367,6 +383,8 @@ def _demo(args) -> int:
         return 1
     finally:
         stop_process(proc, timeout=10)
+        if not failed and not args.log:
+            os.unlink(log_path)
 
 
 class _DemoProgress:

@@ -51,6 +51,7 @@ KNOWN_KEYS = {
 
 
 MAPPER_APIS = ("dict", "returnn")
+MAX_SHM_MB = 4096  # a segment per worker and direction; more buys nothing and risks the host's memory
 
 
 @dataclass
@@ -203,7 +204,7 @@ def from_settings(
         preserves_num_seqs=preserves,
         mapper_api=mapper_api,
         direct_results=_bool(settings, "direct_results", True),
-        shm_mb=_int(settings, "shm_mb", 64, minimum=0),
+        shm_mb=_int(settings, "shm_mb", 64, minimum=0, maximum=MAX_SHM_MB),
         buf_size=_int(settings, "buf_size", 1, minimum=1),
         num_workers=_int(settings, "num_workers", 1, minimum=1),
         seed=_int(settings, "seed", 0, minimum=0),

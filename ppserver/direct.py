@@ -6,25 +6,44 @@ per consumer and says `direct_hello`. Results go there only once the consumer ha
 gets results that would then sit in a queue; they go through the server instead. A send
 that would block (the consumer's queue is full: it is gone or stuck) also falls back to
 the server, so no worker ever waits for a consumer.
+
+A consumer on this host gets the arrays in blocks of this worker's segment (`ring`) and frees
+each block itself when it drops the arrays. The blocks of a consumer are freed once its
+process has exited (only then can none of its arrays be in use), whether the server said it
+is gone, this worker lost the server, or nobody has noticed yet (a kill -9): the worker
+looks at its consumers' processes about once a second.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
 from ppclient import keyfiles, protocol, shm
 from ppclient.protocol import Channel, Item, Peer
+from ppclient.throttle import Throttled
 
 log = logging.getLogger("ppserver.worker")
 
 SNDHWM = 64  # messages queued per consumer before sends fall back to the server
 UNREACHABLE_S = 10.0  # no welcome within this long: logged once (results keep going through the server)
+FALLBACK_LOG_S = 10.0  # at most one log line this often about results that took a slower path
+
+Process = Tuple[int, int]  # pid and start time: a later process reusing the pid is another one
+
+
+def process(pid: int) -> Optional[Process]:
+    """The live process `pid` (on this host), or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] == b"Z" else (pid, int(fields[19]))  # field 22 of the line: its start time
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @dataclass
@@ -35,7 +54,6 @@ class Route:
     since: float
     ready: bool = False
     shm: bool = False
-    pid: int = 0  # the consumer's process (shared memory: its exit frees what it held)
     warned: bool = False
     sent: int = 0
     fell_back: int = 0
@@ -48,11 +66,14 @@ class Routes:
         self.keys = keys
         self.identity = b""
         self.routes: Dict[bytes, Route] = {}
-        self.shm_descriptor: Optional[Dict[str, Any]] = None  # offered to consumers on this host
-        self.host = ""
-        self.ring: Optional[shm.Ring] = None  # this worker's result segment
-        self.departed: Dict[bytes, int] = {}  # consumers gone, whose process still holds blocks: their pid
+        self.host = ""  # shared-memory host id ("": no shared memory here)
+        self.shm_mb = 0
+        self.ring: Optional[shm.Ring] = None  # this worker's result segment, made for the first consumer on this host
+        self.holders: Dict[bytes, Process] = {}  # consumers welcomed with shared memory: their process
+        self.departed: Dict[bytes, Process] = {}  # consumers gone (or out of reach) whose process may hold blocks
         self._reaped_at = 0.0
+        self.over_socket = Throttled(log, "results went over the socket", FALLBACK_LOG_S)  # the ring was full
+        self.via_server = Throttled(log, "results went through the server", FALLBACK_LOG_S)  # a send failed
 
     def set(self, msg: protocol.ConsumerRoute) -> None:
         old = self.routes.get(msg.consumer)
@@ -79,7 +100,7 @@ class Routes:
             return
         route = Route(msg.consumer, msg.endpoint, sock, time.monotonic())
         self.routes[msg.consumer] = route
-        shm = self.shm_descriptor if msg.host and msg.host == self.host else None
+        shm = self._segment() if msg.host and msg.host == self.host else None
         route.pending = protocol.encode(protocol.DirectHello(worker=self.identity, shm=shm))
         self._hello(route)
 
@@ -100,30 +121,69 @@ class Routes:
         route = self.routes.pop(consumer, None)
         if route is not None:
             route.sock.close(linger=0)
-        if gone and self.ring is not None:
-            pid = route.pid if route is not None and route.shm else 0
-            if pid and os.path.exists(f"/proc/{pid}"):
-                self.departed[consumer] = pid
-            else:
-                self.ring.release_owner(consumer)
+        if gone:
+            self._depart(consumer)
 
-    def _reap_departed(self) -> None:
-        for consumer, pid in list(self.departed.items()):
-            if not os.path.exists(f"/proc/{pid}"):
-                del self.departed[consumer]
-                if self.ring is not None:
-                    self.ring.release_owner(consumer)
+    def _depart(self, consumer: bytes) -> None:
+        """Free the consumer's blocks once its process is gone (at once if it is, or never held any)."""
+        proc = self.holders.pop(consumer, None)
+        if self.ring is None:
+            return
+        if proc is not None and process(proc[0]) == proc:
+            self.departed[consumer] = proc
+        else:
+            self._free(consumer)
+
+    def _segment(self) -> Optional[Dict[str, Any]]:
+        """The descriptor of the result segment for consumers on this host, made on first use (a
+        worker with none on its host commits no memory for it); if it cannot be had, results go
+        over the socket (logged once)."""
+        if self.ring is None and self.host:
+            try:
+                self.ring = shm.Ring(self.shm_mb << 20)
+            except (OSError, ValueError, shm.ShmUnavailable) as exc:
+                log.warning(
+                    "results go over sockets: no shared-memory segment of %d MiB for them: %s", self.shm_mb, str(exc)
+                )
+                self.host = ""
+                return None
+        return self.ring.descriptor.to_dict() if self.ring is not None else None
+
+    def _reap(self) -> None:
+        """Free the blocks of consumers whose process has exited (and give them no new ones)."""
+        for held in (self.departed, self.holders):
+            for consumer, proc in list(held.items()):
+                if process(proc[0]) != proc:
+                    del held[consumer]
+                    self._free(consumer)
+                    route = self.routes.get(consumer)
+                    if route is not None:
+                        route.shm = False
+
+    def _free(self, consumer: bytes) -> None:
+        if self.ring is not None:
+            n = self.ring.release_owner(consumer)
+            if n:
+                log.info("freed %d shared-memory blocks of consumer %s, which is gone", n, consumer.hex()[:12])
 
     def clear(self) -> None:
+        """Drop every route (the server was lost). A consumer may come back through the next
+        server, or die meanwhile, unheard of: either way its blocks are freed when its process exits."""
         for consumer in list(self.routes):
             self.drop(consumer)
+        for consumer in list(self.holders):
+            self._depart(consumer)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters for the worker's heartbeats (see docs/protocol.md)."""
+        return {"results_over_socket": self.over_socket.count, "results_via_server": self.via_server.count}
 
     def poll(self) -> None:
         """Take welcomes; (re)send hellos not yet sent; log consumers that never answer."""
         now = time.monotonic()
-        if self.departed and now - self._reaped_at >= 1.0:
+        if (self.departed or self.holders) and now - self._reaped_at >= 1.0:
             self._reaped_at = now
-            self._reap_departed()
+            self._reap()
         for route in self.routes.values():
             if route.ready:
                 continue
@@ -137,7 +197,7 @@ class Routes:
                 if isinstance(msg, protocol.DirectWelcome):
                     route.ready = True
                     route.shm = msg.shm
-                    route.pid = msg.pid
+                    self._hold(route.consumer, msg.pid if route.shm else 0)
                     log.info(
                         "sending results directly to consumer %s at %s%s",
                         route.consumer.hex()[:12],
@@ -158,23 +218,45 @@ class Routes:
         route = self.routes.get(consumer)
         return route is not None and route.ready and route.shm and self.ring is not None
 
+    def _hold(self, consumer: bytes, pid: int) -> None:
+        """The consumer maps this worker's segment: note its process, whose exit frees its blocks."""
+        proc = process(pid) if pid > 0 else None
+        if proc is not None:
+            self.holders[consumer] = proc
+
+    def _pack(self, consumer: bytes, items: List[Item]) -> Tuple[List[Item], Optional[shm.Block]]:
+        """The items with their arrays in one block of the ring; if it has no room, they keep
+        them (counted, logged now and then)."""
+        assert self.ring is not None
+        wire, block = protocol.to_block(items, self.ring, consumer)
+        if block is None:
+            self.over_socket.hit(
+                f"the shared-memory segment is full ({self.ring.used() / 2**20:.1f} of "
+                f"{self.ring.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})",
+                len(items),
+            )
+        return wire, block
+
     def send(self, consumer: bytes, run: int, items: List[Item]) -> bool:
         """Send results straight to their consumer; False if they must go through the server."""
         route = self.routes.get(consumer)
         if route is None or not route.ready:
             return False
-        block = None
+        block: Optional[shm.Block] = None
         wire = items
         if route.shm and self.ring is not None:
-            wire, block = protocol.to_block(items, self.ring, consumer)
+            wire, block = self._pack(consumer, items)
         try:
             route.sock.send_multipart(
                 protocol.encode(protocol.DirectSeqs(run=run), wire), copy=False, flags=zmq.NOBLOCK
             )
-        except zmq.ZMQError:  # full queue (Again), or a socket in trouble
+        except BaseException as exc:  # full queue (Again), a socket in trouble, or nothing sent at all
             if block is not None:
                 block.release()  # nobody will read it: the results go through the server
+            if not isinstance(exc, zmq.ZMQError):
+                raise
             route.fell_back += 1
+            self.via_server.hit(f"consumer {consumer.hex()[:12]} cannot take them now ({exc})", len(items))
             return False
         route.sent += len(items)
         return True

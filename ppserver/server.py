@@ -30,7 +30,8 @@ import zmq
 
 import ppclient
 from ppclient import endpoints, keyfiles, protocol, shm
-from ppclient.protocol import Channel, Peer
+from ppclient.protocol import Channel, Item, Peer
+from ppclient.throttle import Throttled
 
 from . import cma, memory
 from . import reader as rd
@@ -48,6 +49,7 @@ log = logging.getLogger("ppserver.server")
 LOOP_MS = 100
 TICK_S = 0.01
 DRAIN_LIMIT = 256  # messages taken from one socket before the others get a turn
+SHARED_ITEM_BYTES = 64  # room an input's header may need beyond its frames' (a block or its addresses)
 READER_STOP_S = 1.0
 # A control message, as the control ROUTER receives it: the sender's identity, the empty
 # delimiter and the header. A message of more frames is junk.
@@ -146,15 +148,16 @@ class Server:
         }
         # Shared memory for the inputs of workers on this host: one segment each, used once the
         # worker has mapped it.
-        self.host_id = shm.host_id() if cfg.shm_mb > 0 and shm.probe() is None else ""
+        self.host_id = shm.usable_host_id(log, "inputs of local workers go") if cfg.shm_mb > 0 else ""
         self.rings: Dict[bytes, shm.Ring] = {}
         self.shm_ready: Set[bytes] = set()
         # Workers on this host that read their inputs in this process's memory (cma.py): they are
         # told only where each array lies. The token lets a worker check that reading works.
         self.cma_token = numpy.frombuffer(os.urandom(32), numpy.uint8).copy()
         self.cma_ready: Set[bytes] = set()
-        self.malformed = _Throttled("dropped a malformed message")
-        self.refused = _Throttled("refused a connection")
+        self.malformed = Throttled(log, "dropped a malformed message")
+        self.rings_full = Throttled(log, "inputs went over the socket", interval=10.0)
+        self.refused = Throttled(log, "refused a connection")
         self.given_back_at = float("-inf")
 
     # ---- sockets ------------------------------------------------------------------------------
@@ -291,16 +294,33 @@ class Server:
     def _to_worker(self, instr: ToWorker) -> None:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
         items = instr.items
-        if items:
-            wid = instr.wid
-            spans = protocol.to_spans(items) if wid in self.cma_ready and type(instr.msg) is protocol.Tasks else None
-            if spans is not None:
-                items = spans  # the scheduler keeps each input until its result is settled
-            elif wid in self.shm_ready:
-                items = protocol.to_block(items, self.rings[wid])[0]  # the worker frees it when done
         self.stages.to_worker(instr, self.sched.now)
-        for frames in protocol.encode_fitting(instr.msg, items):  # one message unless headers are huge
-            self._send(self.workers_sock, [ident, *frames])
+        if not items:
+            self._send(self.workers_sock, [ident, *protocol.encode(instr.msg)])
+            return
+        # one message unless headers are huge; a block or addresses are made per message (a
+        # receiver's lease on a block covers the seqs of one message)
+        for msg, part in protocol.split_fitting(instr.msg, items, reserve=SHARED_ITEM_BYTES):
+            self._send_inputs(ident, instr.wid, msg, part)
+
+    def _send_inputs(self, ident: bytes, wid: bytes, msg: protocol.Message, items: List[Item]) -> None:
+        """Inputs by address (a worker reading this process's memory), in a block of the worker's
+        segment, or in the message; a block of a message that was not sent is given back."""
+        block = None
+        spans = protocol.to_spans(items) if wid in self.cma_ready and type(msg) is protocol.Tasks else None
+        if spans is not None:
+            items = spans  # the scheduler keeps each input until its result is settled
+        elif wid in self.shm_ready:
+            ring = self.rings[wid]
+            items, block = protocol.to_block(items, ring)  # the worker frees it when done
+            if block is None:
+                self.rings_full.hit(
+                    f"worker {wid.decode(errors='replace')}'s shared-memory segment is full "
+                    f"({ring.used() / 2**20:.1f} of {ring.capacity / 2**20:.1f} MiB in use)",
+                    len(items),
+                )
+        if not self._send(self.workers_sock, [ident, *protocol.encode(msg, items)]) and block is not None:
+            block.release()
 
     def _to_client(self, instr: ToClient) -> None:
         self.stages.to_client(instr, self.sched.now)
@@ -588,23 +608,6 @@ class Server:
 def _endpoint_of(sock: zmq.Socket) -> str:
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
-
-
-class _Throttled:
-    """Counts events a peer can cause at will and logs at most one line per second about them."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.count = 0
-        self.logged_at = 0.0
-
-    def hit(self, detail: str) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.logged_at >= 1.0:
-            self.logged_at = now
-            total = f" ({self.count} so far)" if self.count > 1 else ""
-            log.warning("%s: %s%s", self.what, detail, total)
 
 
 def serve(

@@ -123,7 +123,7 @@ class Session:
         self.inputs: Dict[str, Any] = {}
         # Shared memory: the host id offered in hello (when segments work here), the server's
         # input segment once mapped.
-        self.host_id = shm.host_id() if shm_mb > 0 and shm.probe() is None else ""
+        self.host_id = shm.usable_host_id(log, "inputs and results go") if shm_mb > 0 else ""
         self.input_mapping: Optional[shm.Mapping] = None
         self.input_reader: Optional[cma.Reader] = None  # reads inputs in the server's memory
         self.identity: Optional[bytes] = None
@@ -238,6 +238,14 @@ class Session:
             self._hb.stop_event.set()
             self._hb.join(timeout=2)
             self._hb = None
+        self._unmap_inputs()
+
+    def _unmap_inputs(self) -> None:
+        """The server's input segment is of no use without it (another server offers its own)."""
+        if self.input_mapping is not None:
+            self.input_mapping.close()  # unmapped once the arrays of it are gone
+            self.input_mapping = None
+        self.input_reader = None
 
     # ---- while registered -----------------------------------------------------------------------
     def lost(self) -> bool:
@@ -285,10 +293,7 @@ class Session:
         self, sock: zmq.Socket, descriptor: Optional[Dict[str, Any]], offer: Optional[Dict[str, Any]]
     ) -> None:
         """Map the server's segment and check whether its memory can be read; say which works."""
-        if self.input_mapping is not None:
-            self.input_mapping.close()  # of an earlier registration: unmapped once its arrays are gone
-        self.input_mapping = None
-        self.input_reader = None
+        self._unmap_inputs()  # of an earlier registration
         if descriptor is None and offer is None:
             return
         ok, reason = False, "no segment offered"

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
-from ppclient import UsageError, endpoints, keyfiles, protocol, shm
+from ppclient import UsageError, endpoints, keyfiles, protocol
 
 from .config import Config, load_config
 from .direct import Routes
@@ -60,17 +60,13 @@ class Worker:
             worker_endpoint=worker_endpoint,
             local_index=local_index,
             shm_mb=cfg.shm_mb,
-            stats=lambda: heartbeat_stats(self.seqs.clock, self.streams.clock),
+            stats=lambda: {**heartbeat_stats(self.seqs.clock, self.streams.clock), **self.routes.stats()},
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
-        if self.session.host_id:
-            # results for consumers on this host go through shared memory
-            self.routes.ring = shm.Ring(cfg.shm_mb << 20)
-            self.routes.shm_descriptor = self.routes.ring.descriptor.to_dict()
-            self.routes.host = self.session.host_id
+        self.routes.host, self.routes.shm_mb = self.session.host_id, cfg.shm_mb  # results to consumers on this host
         self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers, self.routes)
         self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
 
@@ -114,10 +110,13 @@ class Worker:
             s.unregister(say_bye=s.stopping)
             self.ctx.term()
         log.info(
-            "worker stopped after %d seqs (%d task and %d result messages)",
+            "worker stopped after %d seqs (%d task and %d result messages; direct results over the socket with "
+            "the shared memory full: %d, through the server when their client could not take them: %d)",
             self.seqs.done + self.streams.done,
             self.seqs.messages_in,
             self.seqs.messages_out,
+            self.routes.over_socket.count,
+            self.routes.via_server.count,
         )
         return 0
 
@@ -156,7 +155,7 @@ class Worker:
         self.streams.clock.paused += time.perf_counter() - since
 
     def _receive(self, timeout_ms: int) -> None:
-        if self.routes.routes or self.routes.departed:
+        if self.routes.routes or self.routes.departed or self.routes.holders:
             self.routes.poll()
         for decoded in self.session.receive(timeout_ms):
             self._handle(decoded.msg, decoded.items, decoded.bad)

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Set
 
 import numpy as np
 import pytest
@@ -34,6 +34,81 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
     yield
     new = sorted(_dev_shm() - before)
     assert not new, f"left in /dev/shm: {new}"
+
+
+def mapped_segments(pid: object = "self") -> Set[int]:
+    """The shared-memory segments (memfds named ppshm) a process maps, by inode."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if "/memfd:ppshm" in line:
+                    found.add(int(line.split()[4]))
+    except OSError:
+        pass
+    return found
+
+
+def open_segments(pid: object = "self") -> Set[int]:
+    """The shared-memory segments a process holds open (made, or mapped: a mapping keeps an fd), by inode."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:ppshm"):
+                    found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        item.call_failed = outcome.get_result().failed
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_mapped(request) -> Iterator[None]:
+    """After each test, neither this process nor a process the test started and left running
+    maps a shared-memory segment (memfds never show in /dev/shm, so look at the mappings).
+    Not after a failed test, whose traceback may hold its arrays."""
+    me = os.getpid()
+    before = set(children_of(me))
+    yield
+    if getattr(request.node, "call_failed", False):
+        return
+    mine = mapped_segments()
+    if mine:
+        gc.collect()  # arrays in reference cycles
+        mine = mapped_segments()
+    left: Dict[str, Set[int]] = {"this process": mine} if mine else {}
+    for pid in set(children_of(me)) - before:
+        segments = mapped_segments(pid)
+        if segments:
+            left[f"pid {pid} ({_cmdline(pid)})"] = segments
+    assert not left, f"shared-memory segments still mapped after the test: {left}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+# The two data paths of map_seq results, as config lines: straight from the workers to the client
+# (through shared memory on one host), and everything through the server over sockets.
+DATA_PATHS = {"direct": "", "via-server": "direct_results = False\nshm_mb = 0\n"}
+
+
+def assert_data_path(log: str, path: str) -> None:
+    """A server's (or worker host's) log shows the results took `path`."""
+    assert ("sending results directly" in log) == (path == "direct"), path
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,6 +271,11 @@ def assert_same_epoch(got: List[dict], want: List[dict]) -> None:
                 assert g[k] == w[k], (i, k)
 
 
+# Set while the reference is computed: a mapper that sleeps only to make an epoch last long enough
+# for a fault skips `time.sleep(DELAY)` then (`if not os.environ.get(REFERENCE_RUN)`).
+REFERENCE_RUN = "PPTEST_REFERENCE_RUN"
+
+
 def reference(config: str, epoch: int, **kw) -> List[dict]:
     """The epoch computed in this process by the same definition the service implements."""
     from ppserver.apply import reference_epoch
@@ -205,7 +285,11 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
     cfg = load_config(config)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
     templates = cfg.map_outputs or ds.data_keys()
-    out = list(reference_epoch(cfg, ds, epoch, templates, **kw))
+    os.environ[REFERENCE_RUN] = "1"
+    try:
+        out = list(reference_epoch(cfg, ds, epoch, templates, **kw))
+    finally:
+        del os.environ[REFERENCE_RUN]
     # delivery enforces a non-decreasing complete_frac across the interleaved stream
     best = 0.0
     for seq in out:

@@ -13,8 +13,12 @@ client link lives in the root namespace; its /30 is chosen so that it overlaps n
 already configured there, so two labs can coexist.
 
 Processes run inside with `ip netns exec NS ...` (which execs the command, so the Popen pid
-is the process itself). Lab.destroy() kills whatever still runs in the lab's namespaces,
-then deletes the namespaces and the root end of the client link.
+is the process itself). A worker host's processes also get a UTS namespace of their own with
+the host's name as hostname (`unshare --uts`, which execs too), as a real host has its own
+name: their shared-memory host id then differs from the client's and the server's, so array
+bytes between them go over the sockets, as between hosts, not through shared memory.
+Lab.destroy() kills whatever still runs in the lab's namespaces, then deletes the namespaces
+and the root end of the client link.
 """
 
 from __future__ import annotations
@@ -197,6 +201,10 @@ class Lab:
 
     def host_ip(self, host: int) -> str:
         return f"198.18.{host}.2"
+
+    def hostname(self, host: int) -> str:
+        """Worker host `host`'s hostname (its processes' UTS namespace)."""
+        return self.host_ns[host - 1]
 
     def host_if(self, host: int) -> str:
         """Name of worker host `host`'s end of its link to the server (inside its namespace)."""
@@ -412,8 +420,16 @@ class Lab:
         name: Optional[str] = None,
         env: Optional[Dict[str, str]] = None,
     ) -> Proc:
-        """`ppserver worker --procs N` in worker host `host` (1-based), connecting across its link."""
+        """`ppserver worker --procs N` in worker host `host` (1-based), connecting across its link,
+        under the host's own hostname."""
         argv = [
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.hostname(host),
             sys.executable,
             "-m",
             "ppserver",

@@ -3,23 +3,31 @@ through shared memory on one host, and what happens to both when processes die."
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
+from typing import Iterator
 
+import numpy as np
 import pytest
 from conftest import (
     REPO,
     assert_same_epoch,
+    children_of,
     collect,
     collect_with,
     free_port,
+    mapped_segments,
     numpy_config,
+    open_segments,
     read,
     reference,
     run_server,
+    run_worker_host,
     wait_for,
     wait_gone,
 )
@@ -27,28 +35,14 @@ from conftest import (
 import ppclient
 
 SLOW = """
+import os
 import time
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    time.sleep({delay})
+    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
+        time.sleep({delay})
     seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
     return seq
 """
-
-
-def memfds(pid: int) -> int:
-    """Shared-memory segments (memfds) a process holds open, counted once each."""
-    found = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            path = f"/proc/{pid}/fd/{fd}"
-            try:
-                if os.readlink(path).startswith("/memfd:"):
-                    found.add(os.stat(path).st_ino)
-            except OSError:
-                pass
-    except OSError:
-        return 0
-    return len(found)
 
 
 def shm_files() -> set:
@@ -88,47 +82,70 @@ def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
         assert_same_epoch(kept, want)
 
 
-def test_killed_worker_and_client_leave_no_segment_behind(tmp_path):
-    """kill -9 of a worker mid-epoch: its seqs are redone, the epoch is exact, the server keeps a
-    segment only for live workers; a client killed while it maps workers' segments leaves nothing
-    either, and nothing ever appears in /dev/shm."""
+@contextmanager
+def client_holding(address: str, n: int, epoch: int) -> Iterator[subprocess.Popen]:
+    """A client in another process holding the first n seqs of `epoch`; killed with -9 at the end."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from ppclient import Client
+        c = Client({address!r}, timeout=30)
+        held = [s for _, s in zip(range({n}), c.epoch({epoch}))]
+        print("holding", len(held), flush=True)
+        sys.stdin.readline()
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"holding {n}"  # (the client's own timeout bounds the wait)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+
+
+def segments_of(pids) -> set:
+    """The segments these processes map (a local worker's: its own, and the server's for its inputs)."""
+    return set().union(*(mapped_segments(pid) for pid in pids))
+
+
+def test_killed_workers_and_client_leave_no_segment_behind(tmp_path):
+    """kill -9 of a worker in each of two epochs: its seqs are redone, the epochs are exact, the
+    server keeps a segment only for live workers, and the client gives a dead worker's segment
+    back (the arrays it still holds stay intact) and every one once closed. A client killed while
+    it holds seqs in shared memory leaves nothing either: the workers free its blocks once it is
+    gone. Nothing ever appears in /dev/shm."""
     before = shm_files()
     log_path = str(tmp_path / "server.log")
     cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=200, extra="buf_size = 4\n")
-    with run_server(cfg, workers=2, log_path=log_path) as srv, srv.client() as c:
-        pids = srv.worker_pids()
-        got = collect_with(c.epoch(1), {40: lambda: os.kill(pids[0], signal.SIGKILL)})
-        assert_same_epoch(got, reference(cfg, 1))
-        srv.wait_workers(2)
-        wait_for(lambda: memfds(srv.proc.pid) == 2, 10.0, "the server to keep segments of its 2 live workers only")
+    with run_server(cfg, workers=2, log_path=log_path) as srv:
+        with srv.client() as c:
+            for epoch in (1, 3):
+                pids = srv.worker_pids()
+                got = collect_with(c.epoch(epoch), {40: lambda victim=pids[0]: os.kill(victim, signal.SIGKILL)})
+                wait_for(
+                    lambda gone=pids[0]: gone not in srv.worker_pids() and len(srv.worker_pids()) == 2, 30, "a respawn"
+                )
+                wait_for(lambda: len(open_segments(srv.proc.pid)) == 2, 10, "the server to keep 2 workers' segments")
+                c.epoch(2)  # the client gives back the segments of workers that are gone...
+                assert_same_epoch(got, reference(cfg, epoch))  # ...while the arrays in them stay intact
+                del got
+                assert mapped_segments() <= segments_of(srv.worker_pids())  # only live workers' stay mapped
+        assert mapped_segments() == set()  # closed: nothing mapped any more
         # a client in another process, killed while it holds seqs in shared memory
-        code = textwrap.dedent(
-            f"""
-            import os, signal, sys
-            from ppclient import Client
-            c = Client({srv.address!r}, timeout=30)
-            held = [s for _, s in zip(range(50), c.epoch(2))]
-            print("holding", len(held), flush=True)
-            sys.stdin.readline()
-            """
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
-        )
-        try:
-            assert proc.stdout is not None
-            assert proc.stdout.readline().strip() == "holding 50"
-            assert memfds(proc.pid) >= 1  # it maps the workers' result segments
-            proc.kill()
-            proc.wait(timeout=10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        with client_holding(srv.address, 50, epoch=2) as proc:
+            assert mapped_segments(proc.pid)  # it maps the workers' result segments
         # the job is free again once the client is declared gone; a new client reads epoch 2 whole
         with srv.client(timeout=60) as c2:
             again = collect(c2.epoch(2))
         assert_same_epoch(again, reference(cfg, 2))
+        wait_for(lambda: "shared-memory blocks of consumer" in read(log_path), 10, "the dead client's blocks freed")
         kids = srv.worker_pids()
     assert wait_gone(kids, 5.0) == []
     assert shm_files() - before == set()
@@ -219,3 +236,197 @@ def test_arrays_stay_valid_after_their_client_is_closed(tmp_path):
             later = collect(c2.epoch(2))
     assert_same_epoch(held, reference(cfg, 1))
     assert_same_epoch(later, reference(cfg, 2))
+
+
+# Loaded by every Python process started with its directory on PYTHONPATH: breaks shared memory
+# the way PPTEST_BREAK_SHM says (memfds refused by the kernel, or no memory for a segment).
+SITECUSTOMIZE = """
+import errno, os
+
+def _no_memfd(*args, **kwargs):
+    raise OSError(errno.EMFILE, "memfd_create refused for this test")
+
+def _no_memory(fd, offset, length):
+    raise OSError(errno.ENOSPC, "no memory for a segment in this test")
+
+if os.environ.get("PPTEST_BREAK_SHM") == "memfd":
+    os.memfd_create = _no_memfd
+elif os.environ.get("PPTEST_BREAK_SHM") == "fallocate":
+    os.posix_fallocate = _no_memory
+"""
+
+
+@pytest.mark.parametrize("broken", ["memfd", "fallocate", "client"])
+def test_without_shared_memory_results_take_sockets_and_the_log_says_why(tmp_path, monkeypatch, caplog, broken):
+    """memfds refused in the server and its workers, no memory for their segments, or a client that
+    cannot map a worker's segment: the epoch is exact over sockets, nothing crashes or respawns,
+    and the log says why in one line per process."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"PPTEST_BREAK_SHM": broken, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    if broken == "client":
+
+        def refuse(descriptor):
+            raise ppclient.shm.ShmUnavailable("cannot map in this test")
+
+        monkeypatch.setattr(ppclient.shm, "_map", refuse)
+    log_path = str(tmp_path / "server.log")
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=60, extra="buf_size = 4\n")
+    with run_server(cfg, workers=2, log_path=log_path, env=env) as srv, srv.client() as c:
+        with caplog.at_level("WARNING", logger="ppclient"):
+            got = collect(c.epoch(1))
+        assert mapped_segments() == set()
+    assert_same_epoch(got, reference(cfg, 1))
+    log = read(log_path)
+    assert "sending results directly" in log and "(shared memory)" not in log
+    assert "respawning" not in log and "Traceback" not in log
+    if broken == "memfd":
+        assert "inputs of local workers go over sockets: shared memory does not work here: memfd_create" in log
+        assert log.count("inputs and results go over sockets: shared memory does not work here: memfd_create") == 2
+    elif broken == "fallocate":
+        assert log.count("results go over sockets: no shared-memory segment of 64 MiB for them") == 2, log
+        assert "no memory for a segment in this test" in log
+        assert log.count("no shared memory for worker") == 2  # the server's segments for their inputs
+    else:
+        assert "cannot map its shared memory: cannot map in this test" in caplog.text
+
+
+def is_shared(array) -> bool:
+    """The array is a view of shared memory (not of a message's frame)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return isinstance(array.obj if isinstance(array, memoryview) else array, mmap.mmap)
+
+
+def test_a_killed_server_leaves_nothing_mapped_and_a_client_killed_meanwhile_blocks_no_segment(tmp_path):
+    """kill -9 of the server: its local worker exits, a worker host on the same machine drops the
+    server's input segment once it noticed, and the client maps nothing once closed. A client that
+    held results in the worker's 1 MiB segment dies while no server runs (nobody tells the worker it
+    left): back at work with the next server, the worker frees its blocks (its process is gone), and
+    results come through shared memory again."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    cfg = str(tmp_path / "config.py")
+    with open(cfg, "w") as f:
+        f.write(BIG + "heartbeat_interval = 0.2\nheartbeat_timeout = 1.0\n")
+    wlog = str(tmp_path / "worker.log")
+    with run_worker_host(cfg, address, procs=1, log_path=wlog) as host:
+        worker = wait_for(lambda: (children_of(host.pid) or [None])[0], 30, "the worker process")
+        with run_server(cfg, workers=1, bind=address, log_path=str(tmp_path / "server1.log")) as srv:
+            srv.wait_workers(2)
+            local = [pid for pid in srv.worker_pids() if pid != worker]
+            with srv.client() as c:
+                got = collect(c.epoch(1))
+            assert_same_epoch(got, reference(cfg, 1))
+            assert any(is_shared(seq["data"]) for seq in got)
+            del got
+            wait_for(lambda: len(mapped_segments(worker)) == 2, 10, "the worker to map the server's input segment")
+            with client_holding(address, 12, epoch=2):
+                srv.proc.kill()
+                srv.proc.wait(timeout=10)
+                assert wait_gone(local, 10.0) == []  # local workers follow their server
+                wait_for(lambda: "lost the server" in read(wlog), 10, "the worker to notice")
+                wait_for(lambda: len(mapped_segments(worker)) == 1, 10, "the worker to map only its own segment")
+        with run_server(cfg, workers=0, bind=address, log_path=str(tmp_path / "server2.log")) as srv:
+            srv.wait_workers(1)
+            wait_for(lambda: "shared-memory blocks of consumer" in read(wlog), 10, "the dead client's blocks freed")
+            want = reference(cfg, 3)
+            shared = []
+            with srv.client(window=8) as c:  # at most 8 seqs in flight: they fit in the segment
+                for i, seq in enumerate(c.epoch(3)):
+                    shared.append(is_shared(seq["data"]))
+                    assert_same_epoch([dict(seq)], want[i : i + 1])
+            assert len(shared) == len(want)
+            del seq
+            # once the worker heard the client, every result came through shared memory (the dead
+            # client's 12 blocks, left in the segment, would have sent all but a few over the socket)
+            assert True in shared and all(shared[shared.index(True) :]), shared
+            assert mapped_segments() == set()
+    assert "(shared memory)" in read(wlog)
+
+
+def test_a_worker_frees_a_consumers_blocks_only_once_its_process_has_exited():
+    """A consumer's blocks outlive its route being replaced, its leaving while the new route is not
+    welcomed yet and the server being lost: its arrays may still be in use. They are freed once its
+    process has exited; a process that merely has the same pid is not taken for it."""
+    import zmq
+
+    from ppserver.direct import Routes
+
+    consumer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    ctx = zmq.Context()
+    routes = Routes(ctx, None)
+    routes.identity = b"worker-1"
+    routes.ring = ppclient.shm.Ring(1 << 16)
+    try:
+        assert routes.ring.alloc(1000, b"c1") is not None and routes.ring.alloc(1000, b"c2") is not None
+        routes._hold(b"c1", consumer.pid)  # welcomed with shared memory
+        routes._hold(b"c2", os.getpid())
+        pid, start = routes.holders[b"c2"]
+        routes.holders[b"c2"] = (pid, start - 1)  # an earlier process with this pid
+        endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody answers: the new route is never welcomed
+        routes.set(ppclient.protocol.ConsumerRoute(consumer=b"c1", endpoint=endpoint))
+        routes.drop(b"c1", gone=True)
+        routes.clear()
+        routes.poll()
+        assert routes.ring.used() == routes.ring.capacity - routes.ring.free() > 0
+        assert list(routes.departed) == [b"c1"]  # c2's process is gone: its block is free
+        assert consumer.stdin is not None
+        consumer.stdin.close()
+        consumer.wait(timeout=10)
+        routes._reap()
+        assert routes.ring.used() == 0 and not routes.departed and not routes.holders
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+            consumer.wait(timeout=10)
+        routes.ring.close()
+        ctx.destroy(linger=0)
+
+
+def test_malformed_direct_results_are_counted_logged_and_made_again(tmp_path, caplog):
+    """A peer on the client's result socket sends an undecodable message and a result with a bad
+    item while the client waits for its first seq: both are dropped, counted and logged, and the
+    epoch is exact."""
+    import threading
+
+    import zmq
+
+    flag = tmp_path / "go"
+    body = f"""
+    import os, time
+    def map_seq(seq, **kwargs):
+        deadline = time.monotonic() + 30
+        while seq["seq_tag"] == "seq-0" and not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first seq waits until the client has seen the bad messages
+        return seq
+    """
+    cfg = numpy_config(tmp_path, body, n=20, extra="buf_size = 2\n")
+    ctx = zmq.Context()
+    with run_server(cfg, workers=2) as srv, srv.client() as c:
+        try:
+            it = c.epoch(1)
+            fake = ctx.socket(zmq.DEALER)
+            fake.linger = 0
+            fake.identity = b"not-a-worker"
+            fake.connect(c._direct_endpoint)
+            fake.send_multipart([b"\xc1 is no msgpack"])
+            bad = {"i": 0, "meta": ["seq_tag", "x"], "arrays": []}  # meta is not a map
+            fake.send_multipart(ppclient.protocol.encode_batch(ppclient.protocol.DirectSeqs(run=it.run), [bad], []))
+
+            def release() -> None:
+                wait_for(lambda: c.malformed_results == 2, 20, "the client to drop both messages")
+                flag.touch()
+
+            thread = threading.Thread(target=release, daemon=True)
+            thread.start()
+            with caplog.at_level("WARNING", logger="ppclient"):
+                got = collect(it)
+            thread.join(timeout=30)
+        finally:
+            flag.touch()
+            ctx.destroy(linger=0)
+    assert_same_epoch(got, reference(cfg, 1))
+    assert c.malformed_results == 2
+    assert "dropped a malformed direct result: from worker not-a-worker" in caplog.text

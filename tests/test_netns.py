@@ -5,7 +5,9 @@ Each test runs real `ppserver serve --workers 0` and `ppserver worker --procs N`
 thread consumes an epoch, and checks that the delivered epoch equals the fault-free
 reference bit for bit: no seq lost, duplicated, reordered or changed.
 
-The mapper sleeps only in the worker processes (PP_NETNS_MAP_DELAY is set in their
+Each worker host has a hostname of its own (see tests/netns.py), so array bytes cross between
+the hosts over sockets, as between real hosts; every test checks that, and which way the results
+took. The mapper sleeps only in the worker processes (PP_NETNS_MAP_DELAY is set in their
 environment), so the in-process reference runs at full speed. Heartbeats are fast (0.2 s,
 declared dead after 1 s) to keep the module short. Needs root and iproute2; skipped otherwise.
 """
@@ -21,7 +23,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import pytest
-from conftest import assert_same_epoch, numpy_config, reference
+from conftest import assert_same_epoch, mapped_segments, numpy_config, reference
 from netns import Lab, NetnsUnavailable, Proc, ServerHandle, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -95,9 +97,15 @@ def make_config(tmp_path, n: int, data_path: str) -> str:
 
 
 def assert_path(data_path: str, *hosts: Proc) -> None:
-    """The results took the path the test is about."""
-    direct = any("sending results directly" in host.log() for host in hosts)
-    assert direct == (data_path == "direct"), data_path
+    """The results took the path the test is about, and array bytes crossed between hosts over the
+    sockets: no result went through shared memory, and no worker maps a segment (not the server's
+    for its inputs, nor one of its own for results)."""
+    logs = [host.log() for host in hosts]
+    assert any("sending results directly" in log for log in logs) == (data_path == "direct"), data_path
+    assert not any("(shared memory)" in log for log in logs)
+    for host in hosts:
+        for pid in host.children():
+            assert mapped_segments(pid) == set(), (host.name, pid)
 
 
 def start_host(lab: Lab, host: int, cfg: str, procs: int = 2, port: int = PORT) -> Proc:
@@ -190,9 +198,11 @@ def lost_lines(srv: ServerHandle, pid: int) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------
-def test_worker_host_joins_mid_epoch(net, tmp_path, data_path):
+def test_worker_host_joins_mid_epoch(net, tmp_path):
+    """A host joining is no fault, so only in the direct path, where the new host must also reach
+    the client (the faults below run in both)."""
     n = 1000
-    cfg = make_config(tmp_path, n, data_path)
+    cfg = make_config(tmp_path, n, "direct")
     host_a = start_host(net, 1, cfg)
     srv = net.start_server(cfg, port=PORT)
     a_pids = host_pids(host_a, 2)
@@ -213,7 +223,8 @@ def test_worker_host_joins_mid_epoch(net, tmp_path, data_path):
     assert set(a_pids) | set(joined["b_pids"]) <= set(workers), workers
     for pid in joined["b_pids"]:
         assert workers[pid]["seqs_done"] > 0, (pid, workers[pid])
-    assert_path(data_path, host_a)
+        assert workers[pid]["host"] == net.hostname(2)  # a host of its own, as far as its processes know
+    assert_path("direct", host_a)
 
 
 def test_link_down_then_up(net, tmp_path, data_path):
@@ -303,6 +314,7 @@ def test_sigstop_worker_declared_dead_then_rejoins(net, tmp_path, data_path):
     # the stopped process itself comes back (not a respawned one)
     srv.wait_pids([pid], REJOIN_TIMEOUT)
     assert sorted(host_a.children()) == sorted(a_pids)
+    assert_path(data_path, host_a, host_b)
 
 
 def test_twenty_kills_during_one_epoch(net, tmp_path, data_path):

@@ -15,7 +15,9 @@ import msgpack
 import pytest
 import zmq
 from conftest import (
+    DATA_PATHS,
     REPO,
+    assert_data_path,
     assert_same_epoch,
     collect,
     collect_with,
@@ -29,12 +31,14 @@ from conftest import (
 )
 
 import ppclient
-from ppclient import protocol, wire
+from ppclient import keyfiles, protocol, wire
 
 SLOW = """
+import os
 import time
 def map_seq(seq, *, rng, **kwargs):
-    time.sleep({delay})
+    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
+        time.sleep({delay})
     seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
     return seq
 """
@@ -116,8 +120,8 @@ def test_worker_protocol_mismatch_is_refused(tmp_path):
         assert reply["t"] == "refuse" and "protocol version mismatch" in reply["reason"]
 
 
-@pytest.mark.parametrize("buf_size", [1, 4])
-def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
+@pytest.mark.parametrize("buf_size, path", [(1, "direct"), (4, "direct"), (4, "via-server")])
+def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size, path):
     # with buf_size 4 the seqs finished just before the poison one die unreported with it:
     # they must not be blamed
     body = f"""
@@ -129,17 +133,19 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size):
     max_seq_retries = 3
     buf_size = {buf_size}
     """
-    cfg = numpy_config(tmp_path, body, n=20)
-    with run_server(cfg, workers=2) as srv, srv.client() as c:
+    cfg = numpy_config(tmp_path, body, n=20, extra=DATA_PATHS[path])
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv, srv.client() as c:
         with pytest.raises(ppclient.MapperError) as info:
             collect(c.epoch(1))
         assert info.value.seq_tag == "seq-5"
         assert "3 workers" in str(info.value)
         srv.wait_workers(2)
         assert len(collect(c.epoch(2))) == 20
+    assert_data_path(read(slog), path)
 
 
-def test_curve_keys_admit_authorised_peers_only(tmp_path):
+def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
     good, bad = str(tmp_path / "keys"), str(tmp_path / "other")
     for d in (good, bad):
         res = subprocess.run(
@@ -154,6 +160,21 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path):
         with ppclient.Client(srv.address, keys=good, timeout=20) as c:
             wait_for(lambda: c.status()["workers_alive"] == 2, 20, "keyed workers")
             assert_same_epoch(collect(c.epoch(1)), reference(cfg, 1))
+            assert_data_path(read(slog), "direct")  # the workers' keys are authorised at the client too
+            # a stranger who knows the client's public key is refused at its result socket
+            stranger = keyfiles.client_keys(bad)
+            ctx = zmq.Context()
+            try:
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.curve_publickey, sock.curve_secretkey = stranger.public, stranger.secret
+                sock.curve_serverkey = keyfiles.client_keys(good).public
+                sock.connect(c._direct_endpoint)
+                with caplog.at_level("WARNING", logger="ppclient"):
+                    wait_for(lambda: c.refused_workers >= 1, 10, "the client to refuse the stranger")
+                assert "is not authorised" in caplog.text
+            finally:
+                ctx.destroy(linger=0)
         for keys in (bad, None):
             with ppclient.Client(srv.address, keys=keys, timeout=1.5) as c:
                 with pytest.raises(ppclient.ServerUnavailable):
@@ -391,10 +412,11 @@ class _Forwarder:
         self.thread.join(timeout=5)
 
 
-def test_reset_worker_connection_loses_nothing(tmp_path):
+@pytest.mark.parametrize("path", ["direct", "via-server"])
+def test_reset_worker_connection_loses_nothing(tmp_path, path):
     """A reset shorter than the heartbeat timeout drops queued messages; the worker registers afresh
     and its seqs are redone at once."""
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=200, extra="buf_size = 4\n")
+    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=200, extra="buf_size = 4\n" + DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=0, log_path=slog, wait_workers=False) as srv:
         port = int(_worker_endpoint(srv).rsplit(":", 1)[1])
@@ -416,6 +438,7 @@ def test_reset_worker_connection_loses_nothing(tmp_path):
                 got = collect_with(c.epoch(1), {50: fwd.reset_all, 120: fwd.reset_all})
             assert_same_epoch(got, reference(cfg, 1))
             assert "reconnected" in read(slog)
+            assert_data_path(read(str(tmp_path / "w.log")), path)
         finally:
             from ppserver.supervisor import stop_process
 

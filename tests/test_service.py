@@ -11,7 +11,9 @@ import time
 import pytest
 import zmq
 from conftest import (
+    DATA_PATHS,
     REPO,
+    assert_data_path,
     assert_same_epoch,
     children_of,
     collect,
@@ -37,9 +39,11 @@ def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
 """
 
 SLOW_MAP_SEQ = """
+import os
 import time
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    time.sleep({delay})
+    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
+        time.sleep({delay})
     seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
     return seq
 """
@@ -260,9 +264,11 @@ def test_mapper_must_accept_kwargs(tmp_path):
             collect(c.epoch(1))
 
 
-def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n")
-    with run_server(cfg, workers=2) as srv, srv.client() as c:
+@pytest.mark.parametrize("path", ["direct", "via-server"])
+def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n" + DATA_PATHS[path])
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv, srv.client() as c:
         pids = srv.worker_pids()
         got = collect_with(c.epoch(1), {30: lambda: os.kill(pids[0], signal.SIGKILL)})
         status = c.status()
@@ -272,12 +278,18 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path):
         again = collect(c.epoch(2))
     assert_same_epoch(got, reference(cfg, 1))
     assert_same_epoch(again, reference(cfg, 2))
+    assert_data_path(read(slog), path)
+
+
+SLOW_STREAM_MAPPER = "import os\n" + STREAM_MAPPER.replace(
+    "for n, seq in enumerate(seqs):",
+    "for n, seq in enumerate(seqs):\n        if not os.environ.get('PPTEST_REFERENCE_RUN'):\n"
+    "            __import__('time').sleep(0.01)",
+)
 
 
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
-    slow_stream = STREAM_MAPPER.replace(
-        "for n, seq in enumerate(seqs):", "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)"
-    )
+    slow_stream = SLOW_STREAM_MAPPER
     cfg = numpy_config(tmp_path, slow_stream, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
@@ -285,13 +297,17 @@ def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
 
 
-def test_server_killed_client_raises_unavailable(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200)
-    with run_server(cfg, workers=2) as srv:
+@pytest.mark.parametrize("path", ["direct", "via-server"])
+def test_server_killed_client_raises_unavailable(tmp_path, path):
+    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200, extra=DATA_PATHS[path])
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv:
         kids = children_of(srv.proc.pid)
         with srv.client(timeout=2.0) as c:
             it = c.epoch(1)
             next(it)
+            if path == "direct":  # killed once results come straight from the workers
+                wait_for(lambda: next(it) and "sending results directly" in read(slog), 10, "direct results")
             srv.proc.kill()
             srv.proc.wait()
             start = time.monotonic()
@@ -304,6 +320,7 @@ def test_server_killed_client_raises_unavailable(tmp_path):
             assert time.monotonic() - start < 4.0
         # local workers follow their parent instead of lingering
         assert wait_gone(kids, 10.0) == []
+    assert_data_path(read(slog), path)
 
 
 def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
@@ -406,21 +423,23 @@ def test_status_cli_and_json(tmp_path):
     assert res.returncode == 1 and "no answer" in res.stderr
 
 
-def test_demo_runs_two_epochs_and_exits_0():
+def test_demo_runs_two_epochs_and_exits_0(tmp_path):
+    log_path = str(tmp_path / "demo.log")
     res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "demo"], capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "-m", "ppserver", "demo", "--log", log_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
     assert "seqs/s" in res.stdout and "MB/s" in res.stdout
-    # not a terminal: plain lines of its own, no carriage returns, the logs in a file
+    # not a terminal: plain lines of its own, no carriage returns, the logs in the file it was given (kept)
     assert "\r" not in res.stdout and res.stderr == ""
     assert all(line.startswith("demo: ") for line in res.stdout.splitlines()), res.stdout
-    log_path = res.stdout.splitlines()[0].split(" go to ")[1]
-    try:
-        assert "serving" in read(log_path) and "registered with" in read(log_path)
-    finally:
-        os.unlink(log_path)
+    assert res.stdout.splitlines()[0] == f"demo: server and worker logs go to {log_path} (kept)"
+    assert "serving" in read(log_path) and "registered with" in read(log_path)
 
 
 def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
@@ -453,7 +472,9 @@ def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
     text = out.decode()
     assert "\rdemo: epoch 1: 20/400 seqs" in text and "epoch 2: 400 seqs in" in text
     assert "INFO" not in text and "WARNING" not in text, text[-2000:]
-    os.unlink(text.split(" go to ")[1].split()[0])
+    log_path = text.split(" go to ")[1].split()[0]
+    assert "(removed at the end unless the demo fails)" in text
+    assert not os.path.exists(log_path)  # a clean exit leaves no temporary log behind
 
 
 def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
@@ -587,12 +608,12 @@ def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
                 got.append(seq)
         assert time.monotonic() - start < 8
         assert [s["seq_tag"] for s in got] == ["seq-0", "seq-1", "seq-2"]
+        for pid in srv.worker_pids():  # stuck for ten minutes: spare the shutdown the wait for it
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_stream_partition_survives_repeated_kills(tmp_path):
-    slow_stream = STREAM_MAPPER.replace(
-        "for n, seq in enumerate(seqs):", "for n, seq in enumerate(seqs):\n        __import__('time').sleep(0.01)"
-    )
+    slow_stream = SLOW_STREAM_MAPPER
     cfg = numpy_config(tmp_path, slow_stream, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n")
     with run_server(cfg, workers=1) as srv, srv.client() as c:
 

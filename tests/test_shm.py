@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
+import ppclient.protocol
 from ppclient import shm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -557,6 +558,61 @@ def test_open_refuses_what_is_not_the_segment(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_mapping_is_shared_by_its_users_and_tells_when_its_producer_is_gone():
+    ring = shm.Ring(1 << 16)
+    a = shm.Mapping.open(ring.descriptor)
+    b = shm.Mapping.open(ring.descriptor)  # a second client of this process: the same mapping
+    assert a is b and not a.producer_gone()
+    block, specs = put(ring, make(1))
+    a.close()  # one user leaves: the other one keeps reading
+    assert_seq_equal(b.arrays(block.ref(), specs), make(1))
+    ring.close()  # the producer is gone (as after a kill): no block will come any more
+    assert b.producer_gone()
+    b.close()
+    with pytest.raises(shm.ShmUnavailable, match="closed"):
+        b.arrays(block.ref(), specs)
+
+
+@pytest.mark.unit
+def test_discard_frees_a_block_whose_message_was_not_used():
+    with shm.Ring(1 << 16) as ring:
+        mapping = shm.Mapping.open(ring.descriptor)
+        block, _ = put(ring, make(1))
+        frames = ppclient.protocol.encode_batch(
+            ppclient.protocol.DirectSeqs(run=1), [{"i": 7, "meta": [], "arrays": [], "b": [*block.ref(), []]}], []
+        )
+        assert ppclient.protocol.block_refs(frames) == [(7, list(block.ref()))]
+        assert ppclient.protocol.block_refs([b"\xc1"]) == []
+        wrong = [(block.offset + 8, 1, block.seq), (block.offset, block.nbytes, block.seq + 1), ("x",), (1 << 40, 0, 1)]
+        for junk in wrong:
+            mapping.discard(junk)  # not this block, or no block at all: nothing happens
+        assert ring.used() > 0
+        mapping.discard(block.ref())
+        assert ring.used() == 0
+        again, _ = put(ring, make(2))
+        mapping.discard(block.ref())  # a stale reference does not free the block now in its place
+        assert ring.used() > 0
+        again.release()
+
+
+@pytest.mark.unit
+def test_a_segment_is_made_only_with_memory_to_spare(monkeypatch):
+    """A segment must fit four times into the memory available, and committing it stops while
+    RESERVE is still free (a memfd's pages would otherwise come from the OOM killer)."""
+    fds_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(shm, "_available_memory", lambda: 3 << 20)
+    with pytest.raises(shm.ShmUnavailable, match=r"more than 1/4 of the memory available \(3 MiB\)"):
+        shm.Ring(1 << 20)
+    looks = iter([shm.RESERVE + 100 * shm.COMMIT_STEP, shm.RESERVE + shm.COMMIT_STEP // 2])
+    monkeypatch.setattr(shm, "_available_memory", lambda: next(looks))  # others take memory meanwhile
+    with pytest.raises(shm.ShmUnavailable, match="memory ran short while committing"):
+        shm.Ring(2 * shm.COMMIT_STEP)
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # nothing left open
+    monkeypatch.setattr(shm, "_available_memory", lambda: None)  # unknown: no bound
+    shm.Ring(1 << 20).close()
+
+
+@pytest.mark.unit
 def test_mappings_are_cached_and_bounded():
     rings = [shm.Ring(4096) for _ in range(shm.MAX_MAPPINGS + 2)]
     try:
@@ -565,6 +621,9 @@ def test_mappings_are_cached_and_bounded():
         for r in rings[1:]:
             shm.Mapping.open(r.descriptor)
         assert shm.Mapping.open(rings[0].descriptor) is not first  # evicted, mapped again
+        first.close()  # opened twice: one user is left, for whom it stays mapped
+        with pytest.raises(shm.ShmUnavailable, match="stale"):
+            first.arrays((128, 0, 1), [])
         first.close()
         with pytest.raises(shm.ShmUnavailable, match="closed"):
             first.arrays((128, 0, 1), [])

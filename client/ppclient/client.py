@@ -13,6 +13,7 @@ validation pass, a checkpoint) keeps its shard and its job.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,9 @@ import zmq
 from . import endpoints, keyfiles, protocol, shm, wire
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
 from .protocol import Channel, Item, Peer
+from .throttle import Throttled
+
+log = logging.getLogger("ppclient")
 
 # The server is alive if something came within this many of its heartbeat intervals.
 KEEPALIVE_MISSES = 2
@@ -111,8 +115,12 @@ class Client:
         self._auth: Any = None
         self._poller: Optional[zmq.Poller] = None
         self._authorized: Tuple[bytes, ...] = ()
-        self._mappings: Dict[bytes, Any] = {}  # worker identity -> its result segment, mapped
+        self._mappings: Dict[bytes, shm.Mapping] = {}  # worker identity -> its result segment, mapped
         self._host = ""  # shared-memory host id, once known ("": segments do not work here)
+        # Direct results (or whole messages) from workers that were dropped as malformed (each is
+        # made again as missing), and workers whose CURVE key was refused; both logged now and then.
+        self._malformed = Throttled(log, "dropped a malformed direct result")
+        self._refused = Throttled(log, "refused a worker's connection to the result socket")
         if self.direct and self._keys is not None:
             self._authorized = tuple(keyfiles.authorized_keys(keys))  # type: ignore[arg-type]
 
@@ -174,7 +182,7 @@ class Client:
             sock.linger = 0
             sock.rcvhwm = 0
             if self._keys is not None:
-                self._auth = _authenticator(self._ctx, self._authorized)
+                self._auth = _authenticator(self._ctx, self._authorized, self._refused)
                 sock.curve_server = True
                 sock.curve_publickey = self._keys.public
                 sock.curve_secretkey = self._keys.secret
@@ -186,11 +194,7 @@ class Client:
             except zmq.ZMQError as exc:
                 sock.close(linger=0)
                 self.direct = False
-                import logging
-
-                logging.getLogger("ppclient").warning(
-                    "cannot bind %s for direct results (%s): they come through the server", endpoint, exc
-                )
+                log.warning("cannot bind %s for direct results (%s): they come through the server", endpoint, str(exc))
                 return None
             last = sock.getsockopt(zmq.LAST_ENDPOINT)
             bound = last.decode() if isinstance(last, bytes) else str(last)
@@ -199,8 +203,7 @@ class Client:
                 bound = f"tcp://{endpoints.local_address_toward(server)}:{endpoints.host_port(bound)[1]}"
             self._direct_endpoint = bound
             self._direct = sock
-            if shm.probe() is None:
-                self._host = shm.host_id()
+            self._host = shm.usable_host_id(log, "results from workers on this host come")
             self._poller = zmq.Poller()
             self._poller.register(self._data_socket(), zmq.POLLIN)
             self._poller.register(sock, zmq.POLLIN)
@@ -209,19 +212,58 @@ class Client:
     def _welcome(self, ident: bytes, hello: protocol.DirectHello) -> None:
         """A worker connected: it may send results directly from now on."""
         assert self._direct is not None
-        mapped = False
-        if hello.shm is not None and self._host and hello.shm.get("host") == self._host:
-            try:
-                self._mappings[ident] = shm.Mapping.open(hello.shm)
-                mapped = True
-            except shm.ShmUnavailable:
-                pass  # results come in the messages
+        self._unmap_gone()
+        mapped = self._map(ident, hello.shm)
         try:
             self._direct.send_multipart(
                 [ident, *protocol.encode(protocol.DirectWelcome(shm=mapped, pid=os.getpid()))], flags=zmq.NOBLOCK
             )
         except zmq.ZMQError:
             pass
+
+    def _map(self, ident: bytes, descriptor: Optional[Dict[str, Any]]) -> bool:
+        """Map the result segment a worker on this host offers; what that identity had mapped
+        before is given back. False: its results come in the messages."""
+        old = self._mappings.pop(ident, None)
+        try:
+            if descriptor is None or not self._host or descriptor.get("host") != self._host:
+                return False  # none offered, another host, or no shared memory here
+            try:
+                self._mappings[ident] = shm.Mapping.open(descriptor)
+                return True
+            except shm.ShmUnavailable as exc:
+                log.warning(  # the text, not the exception: a kept log record would keep its frames alive
+                    "results of worker %s come over the socket: cannot map its shared memory: %s",
+                    ident.decode(errors="replace"),
+                    str(exc),
+                )
+                return False
+        finally:
+            if old is not None:
+                old.close()
+
+    def _unmap_gone(self) -> None:
+        """Give back the segments of workers that exited or closed them (no block will come from
+        them any more); each is unmapped once the arrays of it are dropped."""
+        for ident, mapping in list(self._mappings.items()):
+            if mapping.producer_gone():
+                del self._mappings[ident]
+                mapping.close()
+
+    def _unmap_all(self) -> None:
+        mappings, self._mappings = list(self._mappings.values()), {}
+        for mapping in mappings:
+            mapping.close()
+
+    @property
+    def malformed_results(self) -> int:
+        """Direct results (or whole messages) dropped as malformed; each seq was made again."""
+        return self._malformed.count
+
+    @property
+    def refused_workers(self) -> int:
+        """Connections to the result socket refused for a worker key that is not authorised."""
+        return self._refused.count
 
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
@@ -269,6 +311,7 @@ class Client:
         _int_arg("start", start, 0)
         data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
         self._direct_socket()
+        self._unmap_gone()
         self._keep_alive()
         reply = self._request(
             protocol.EpochRequest(
@@ -379,15 +422,32 @@ class Client:
             return None
         try:
             decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DIRECT,))
-        except protocol.ProtocolError:
+        except protocol.ProtocolError as exc:
+            self._drop_malformed(frames, str(exc))
             return None  # a worker's bad message: what it should have carried is made again (missing)
         if isinstance(decoded.msg, protocol.DirectHello):
             self._welcome(frames[0].bytes, decoded.msg)
             return None
         if any(item.block is not None for item in decoded.items):
-            protocol.resolve_blocks(decoded.items, self._mappings.get(frames[0].bytes))
-        decoded.bad = []  # bad items: reported missing in time, made again
+            decoded.bad += protocol.resolve_blocks(decoded.items, self._mappings.get(frames[0].bytes))
+        if decoded.bad:  # bad items: reported missing in time, made again
+            self._drop_malformed(frames, decoded.bad[0].reason, decoded)
         return decoded
+
+    def _drop_malformed(self, frames: List[Any], reason: str, decoded: Optional[protocol.Decoded] = None) -> None:
+        """Count and log (now and then) a worker's message, or the items of it, that cannot be
+        used, and give back the shared-memory blocks they name: nobody else would."""
+        ident = frames[0].bytes
+        bad = decoded.bad if decoded is not None else []
+        self._malformed.hit(f"from worker {ident.decode(errors='replace')}: {reason}", max(len(bad), 1))
+        mapping = self._mappings.get(ident)
+        if mapping is not None:
+            kept = {item.pos for item in decoded.items} if decoded is not None else set()
+            for pos, ref in protocol.block_refs(frames[1:]):
+                if pos not in kept:
+                    mapping.discard(ref)
+        if decoded is not None:
+            decoded.bad = []
 
     def close(self) -> None:
         """Tell the server (its shards may be taken over at once) and close every socket."""
@@ -406,6 +466,9 @@ class Client:
             if sock is not None:
                 sock.close(linger=100 if sock is self._data else 0)
         self._req = self._data = self._direct = None
+        self._inbox.clear()  # seqs of runs no iterator holds: their blocks are freed
+        self._current = None
+        self._unmap_all()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -424,15 +487,18 @@ class Client:
         self.close()
 
 
-def _authenticator(ctx: zmq.Context, authorized: Tuple[bytes, ...]) -> Any:
-    """Only workers with an authorised key may send results to this client."""
+def _authenticator(ctx: zmq.Context, authorized: Tuple[bytes, ...], refused: Throttled) -> Any:
+    """Only workers with an authorised key may send results to this client; refusals are logged."""
     from zmq.auth.thread import ThreadAuthenticator
 
     keys = set(authorized)
 
     class KeyRing:
         def callback(self, domain: str, client_key: bytes) -> bool:
-            return client_key in keys
+            if client_key in keys:
+                return True
+            refused.hit(f"CURVE key {client_key.decode(errors='replace')[:16]}... is not authorised")
+            return False
 
     auth = ThreadAuthenticator(ctx)
     auth.start()

@@ -955,6 +955,22 @@ def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
     return bad
 
 
+def block_refs(frames: Sequence[Any]) -> List[Tuple[Optional[int], List[int]]]:
+    """(position, [offset, nbytes, seq]) of each shared-memory block a batch message names, read
+    leniently: for giving back the blocks of a message, or items, that did not check."""
+    try:
+        header, _ = wire.split(frames)
+    except wire.WireError:
+        return []
+    specs = header.get("items")
+    out: List[Tuple[Optional[int], List[int]]] = []
+    for spec in specs if isinstance(specs, list) else []:
+        block = spec.get("b") if isinstance(spec, dict) else None
+        if isinstance(block, list) and len(block) >= 3 and all(_is_int(x) for x in block[:3]):
+            out.append((_position(spec), block[:3]))
+    return out
+
+
 class BadItem(typing.NamedTuple):
     pos: Optional[int]  # the position the item claimed, if it was an int
     reason: str
@@ -1109,16 +1125,22 @@ def encode(msg: Message, items: Sequence[Item] = ()) -> List[Any]:
 
 def encode_fitting(msg: Message, items: Sequence[Item]) -> List[List[Any]]:
     """The frames of a batch message, as one message or, if its header would exceed
+    wire.MAX_HEADER_BYTES, as several (see split_fitting)."""
+    return [encode(m, part) for m, part in split_fitting(msg, items)]
+
+
+def split_fitting(msg: Message, items: Sequence[Item], reserve: int = 0) -> List[Tuple[Message, List[Item]]]:
+    """A batch message as one or, if its header (plus `reserve` bytes per item) would exceed
     wire.MAX_HEADER_BYTES, as several, each with a run of the items in order (and of the
     `per_item` fields). An item whose header alone does not fit still goes, alone."""
-    frames = encode(msg, items)
-    if len(frames[0]) <= wire.MAX_HEADER_BYTES or len(items) < 2:
-        return [frames]
+    size = len(encode(msg, items)[0])
+    if size + reserve * len(items) <= wire.MAX_HEADER_BYTES or len(items) < 2:
+        return [(msg, list(items))]
     half = len(items) // 2
-    out: List[List[Any]] = []
+    out: List[Tuple[Message, List[Item]]] = []
     for part in (slice(0, half), slice(half, len(items))):
         fields = {name: getattr(msg, name)[part] for name in msg.per_item if len(getattr(msg, name)) == len(items)}
-        out += encode_fitting(dataclasses.replace(msg, **fields), items[part])
+        out += split_fitting(dataclasses.replace(msg, **fields), items[part], reserve)
     return out
 
 

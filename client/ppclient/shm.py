@@ -17,6 +17,15 @@ may reuse its memory; `release()` does that earlier, by hand, after which the bl
 arrays must not be used. A consumer that holds arrays forever never blocks a producer: the
 ring fills up, `alloc` returns None and the bytes travel over the socket.
 
+Memory: a segment is committed when it is created (posix_fallocate), so a machine short of
+memory fails there, not later inside a write. On a memfd that commit does not fail with
+ENOSPC when memory runs out (there is no size limit to hit): the kernel's OOM killer runs
+instead. So a segment is created only if it takes at most a quarter of the memory available
+(MemAvailable, and the headroom of this process's memory cgroup), and it is committed in
+steps that stop once less than RESERVE bytes would be left; either way ShmUnavailable says
+why and the caller uses sockets. A consumer cannot shrink the segment under the producer's
+writes (SIGBUS): it is sealed against that.
+
 Memory ordering, kept simple: the producer fills a block before it hands the Ref to
 ZeroMQ, whose send and receive (system calls, locks) order the data before the consumer's
 first read. The consumer releases a block with one aligned 8-byte store to its state word
@@ -31,6 +40,7 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -50,6 +60,9 @@ MAGIC = b"ppshm\x00\x00\x01"
 OWNER_TAG_BYTES = 32  # the owner tag in shared memory is informational: the ring keeps the full owner
 MIN_SIZE = 4096
 MAX_MAPPINGS = 16  # mappings the cache keeps; beyond this the oldest is forgotten (still usable by its holders)
+MEMORY_SHARE = 4  # a segment may take at most 1/MEMORY_SHARE of the memory available when it is created
+RESERVE = 256 << 20  # committing a segment stops (and fails) rather than leave less memory available than this
+COMMIT_STEP = 16 << 20  # bytes committed between two looks at the memory available
 
 # Block states, the low byte of a block's state word; the rest of the word is the block's
 # seq, so a release through a stale Ref (the block reused since) changes nothing.
@@ -144,19 +157,95 @@ def probe() -> Optional[str]:
     return None
 
 
+def usable_host_id(log: logging.Logger, what: str) -> str:
+    """This process's host id if segments work here; else "", after one log line saying that
+    `what` goes over sockets and why."""
+    reason = probe()
+    if reason is None:
+        return host_id()
+    log.warning("%s over sockets: shared memory does not work here: %s", what, reason)
+    return ""
+
+
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _available_memory() -> Optional[int]:
+    """Bytes this process could still get without swapping or hitting its cgroup's limit (None: unknown)."""
+    found: List[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) << 10)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        found.append(headroom)
+    return min(found) if found else None
+
+
+def _cgroup_headroom() -> Optional[int]:
+    """A cgroup v2 memory limit minus what the cgroup uses (less its inactive file cache), if there is one."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+        if path is None:
+            return None
+        base = f"/sys/fs/cgroup{path.rstrip('/')}"
+        with open(f"{base}/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(f"{base}/memory.current") as f:
+            current = int(f.read())
+        inactive_file = 0
+        with open(f"{base}/memory.stat") as f:
+            for line in f:
+                if line.startswith("inactive_file "):
+                    inactive_file = int(line.split()[1])
+                    break
+        return max(int(limit) - current + inactive_file, 0)
+    except (OSError, ValueError):
+        return None
+
+
+def _check_memory(size: int) -> None:
+    available = _available_memory()
+    if available is not None and size * MEMORY_SHARE > available:
+        raise ShmUnavailable(
+            f"a segment of {size >> 20} MiB would take more than 1/{MEMORY_SHARE} of the memory "
+            f"available ({available >> 20} MiB)"
+        )
+
+
+def _commit(fd: int, size: int) -> None:
+    """Allocate the segment's pages now, in steps, stopping while the machine still has RESERVE left."""
+    for start in range(0, size, COMMIT_STEP):
+        n = min(COMMIT_STEP, size - start)
+        available = _available_memory()
+        if available is not None and available - n < RESERVE:
+            raise ShmUnavailable(
+                f"memory ran short while committing a segment of {size >> 20} MiB "
+                f"({available >> 20} MiB available, {RESERVE >> 20} MiB kept free)"
+            )
+        try:
+            os.posix_fallocate(fd, start, n)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):  # then the pages come on first touch
+                return
+            raise
+
+
 def _create_segment(size: int) -> Tuple[int, mmap.mmap]:
+    _check_memory(size)
     fd = os.memfd_create("ppshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        try:  # commit the memory now, so a full machine fails here rather than with SIGBUS mid-write
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):  # then the pages come on first touch
-                raise
+        _commit(fd, size)
         try:  # a consumer that truncates the segment must not make the producer's writes SIGBUS
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         except (AttributeError, OSError):
@@ -411,12 +500,19 @@ def _release_block(words: np.ndarray, index: int, seq: int, key: int, pid: int) 
 
 
 class Mapping:
-    """A consumer's mapping of one producer's segment, shared by every message naming it."""
+    """A consumer's mapping of one producer's segment, shared by every message naming it.
 
-    def __init__(self, descriptor: Descriptor, mm: mmap.mmap):
+    Each `open()` is one use, given back by one `close()`; the last close unmaps the segment
+    (at once, or when the last array of it is gone), so clients in one process share a
+    mapping without closing it under each other.
+    """
+
+    def __init__(self, descriptor: Descriptor, mm: mmap.mmap, inode: int = 0):
         self.descriptor = descriptor
         self._mm: Optional[mmap.mmap] = mm
         self._words: Optional[np.ndarray] = np.frombuffer(mm, np.uint64)
+        self._inode = inode  # the segment's, to tell when the producer has closed it
+        self._users = 0
 
     @classmethod
     def open(cls, descriptor: Union[Descriptor, Dict[str, Any]]) -> Mapping:
@@ -427,21 +523,30 @@ class Mapping:
             m = _mappings.get(key)
             if m is not None:
                 _mappings.move_to_end(key)
-                return m
-            m = cls(d, _map(d))
-            for old in [k for k in _mappings if not os.path.exists(f"/proc/{k[1]}")]:
-                del _mappings[old]  # its producer is gone: it sends no new blocks
-            _mappings[key] = m
-            while len(_mappings) > MAX_MAPPINGS:
-                _mappings.popitem(last=False)  # forgotten, not closed: its holders keep using it
+            else:
+                m = cls(d, *_map(d))
+                for old in [k for k in _mappings if not os.path.exists(f"/proc/{k[1]}")]:
+                    del _mappings[old]  # its producer is gone: it sends no new blocks
+                _mappings[key] = m
+                while len(_mappings) > MAX_MAPPINGS:
+                    _mappings.popitem(last=False)  # forgotten, not closed: its holders keep using it
+            m._users += 1
             return m
 
     @staticmethod
     def close_all() -> None:
-        """Drop every cached mapping (each unmapped once its arrays are gone)."""
+        """Drop every cached mapping, whoever uses it (each unmapped once its arrays are gone)."""
         with _mappings_lock:
             for m in list(_mappings.values()):
-                m.close()
+                m._unmap()
+
+    def producer_gone(self) -> bool:
+        """True once the producer has exited or closed the segment: no new block will come."""
+        d = self.descriptor
+        try:
+            return os.stat(f"/proc/{d.pid}/fd/{d.fd}").st_ino != self._inode
+        except OSError:
+            return True
 
     def arrays(self, ref: Sequence[int], specs: Sequence[Spec]) -> Dict[str, np.ndarray]:
         """The arrays of block `ref` as writable views of the shared memory (no copy), by key.
@@ -481,10 +586,33 @@ class Mapping:
             out.append(owner[off : off + n].view(dtype).reshape(shape))
         return out
 
+    def discard(self, ref: Sequence[Any]) -> None:
+        """Release block `ref` without making arrays of it (its message could not be used)."""
+        words = self._words
+        try:
+            offset, nbytes, seq = (int(x) for x in ref[:3])
+        except (TypeError, ValueError):
+            return
+        if words is None or offset % ALIGN or offset < SEGMENT_HEADER + BLOCK_HEADER:
+            return
+        if not 0 <= nbytes <= self.descriptor.size - offset:
+            return
+        index = (offset - BLOCK_HEADER) // 8
+        if seq >= 0 and int(words[index]) == (seq << 8) | IN_USE and int(words[index + 2]) == nbytes:
+            words[index] = (seq << 8) | RELEASED
+
     def close(self) -> None:
-        """Forget this mapping; it is unmapped now or, if arrays of it live, when they are gone."""
+        """Give back one use; after the last, this mapping is forgotten and unmapped now or, if
+        arrays of it live, when they are gone."""
+        with _mappings_lock:
+            self._users -= 1
+            if self._users <= 0:
+                self._unmap()
+
+    def _unmap(self) -> None:
         key = (self.descriptor.host, self.descriptor.pid, self.descriptor.fd, self.descriptor.token)
         with _mappings_lock:
+            self._users = 0
             if _mappings.get(key) is self:
                 del _mappings[key]
         self._words = None
@@ -514,7 +642,7 @@ def release(arrays: Union[np.ndarray, Dict[str, np.ndarray], Sequence[np.ndarray
             obj = obj.base
 
 
-def _map(d: Descriptor) -> mmap.mmap:
+def _map(d: Descriptor) -> Tuple[mmap.mmap, int]:
     here = host_id()
     if d.host != here:
         raise ShmUnavailable(f"segment of another host or pid namespace ({d.host}; here {here})")
@@ -536,7 +664,7 @@ def _map(d: Descriptor) -> mmap.mmap:
             raise ShmUnavailable(f"{path} is not a segment (stale descriptor: pid or fd reused)")
         if int.from_bytes(head[8:16], "little") != d.token:
             raise ShmUnavailable(f"token mismatch at {path}: another segment (stale descriptor)")
-        return _mmap(fd, d.size)
+        return _mmap(fd, d.size), st.st_ino
     except OSError as exc:
         raise ShmUnavailable(f"cannot map {path}: {exc.strerror or exc}") from None
     finally:
