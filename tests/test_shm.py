@@ -298,37 +298,50 @@ def test_alloc_is_aligned_and_contiguous():
 
 
 @pytest.mark.unit
-def test_wrap_pads_the_end_and_full_ring_returns_none():
+def test_blocks_wrap_to_the_first_gap_that_fits_and_a_full_ring_returns_none():
     with shm.Ring(4096) as ring:  # 4032 bytes of blocks: 63 lines
         assert ring.capacity == 4032
         a, b, c = (ring.alloc(960) for _ in range(3))  # 1024 bytes each with the header
         assert a and b and c and ring.used() == 3072
         assert ring.alloc(960) is None  # 960 left at the end, the start is taken
         a.release()
-        d = ring.alloc(960)  # does not fit at the end: starts over where a was
+        d = ring.alloc(960)  # does not fit at the end: goes where a was
         assert d is not None and d.offset == a.offset
-        assert ring.used() == ring.capacity  # b, c, d and 960 bytes of padding
-        assert ring.alloc(0) is None
+        assert ring.used() == 3072
+        small = ring.alloc(800)  # fits in the 960 bytes at the end
+        assert small is not None and small.offset == c.offset + 1024
+        assert ring.alloc(960) is None  # nothing is free anywhere
         b.release()
-        c.release()  # the tail passes b, c and the padding
-        assert ring.used() == 1024
-        e = ring.alloc(2000)
+        c.release()
+        assert ring.used() == 1024 + 896  # d and small
+        e = ring.alloc(1900)  # 1984 bytes with the header: the room of b and c, together
         assert e is not None and e.offset == d.offset + 1024
 
 
 @pytest.mark.unit
-def test_out_of_order_release_reclaims_from_the_oldest():
+def test_a_released_block_is_reused_whatever_older_ones_are_held():
+    """A consumer that keeps one seq's arrays for long holds only their block."""
     with shm.Ring(4096) as ring:
         a, b, c = (ring.alloc(100) for _ in range(3))
         assert a and b and c
-        used = ring.used()
         c.release()
         b.release()
-        assert ring.used() == used  # a still holds the tail
+        assert ring.used() == 192  # a alone
+        blocks = [ring.alloc(100) for _ in range(20)]  # 192 bytes each: the rest of the segment
+        assert all(blocks) and ring.alloc(100) is None
+        for blk in blocks:
+            assert blk is not None
+            blk.release()
+        assert ring.used() == 192
+        again = [ring.alloc(100) for _ in range(20)]
+        assert all(again)  # a is still held: the rest is used again
         a.release()
+        for blk in again:
+            assert blk is not None
+            blk.release()
         assert ring.used() == 0
-        again = ring.alloc(100)
-        assert again is not None and again.offset == a.offset  # an empty ring starts over
+        first = ring.alloc(100)
+        assert first is not None and first.offset == a.offset  # an empty ring starts over
 
 
 @pytest.mark.unit
@@ -345,7 +358,7 @@ def test_release_owner():
         blocks = [ring.alloc(100, owner) for owner in (b"gone", b"alive", b"gone", b"gone")]
         assert all(blocks)
         assert ring.release_owner(b"gone") == 3
-        assert ring.used() == 3 * 192  # the first is reclaimed, the last two wait for "alive"'s
+        assert ring.used() == 192  # "alive"'s alone
         assert ring.release_owner(b"gone") == 0
         assert blocks[1] is not None
         blocks[1].release()
@@ -498,6 +511,7 @@ def test_stale_and_bad_refs():
         block.release()
         with pytest.raises(shm.ShmUnavailable, match="stale"):
             mapping.arrays(ref, specs)
+        assert ring.used() == 0  # an empty ring starts over at its start
         block2, _ = put(ring, make(2))
         assert block2.offset == ref.offset
         with pytest.raises(shm.ShmUnavailable, match="stale"):

@@ -37,6 +37,7 @@ and in practice elsewhere, since the store runs only after the arrays became gar
 
 from __future__ import annotations
 
+import bisect
 import collections
 import errno
 import fcntl
@@ -47,7 +48,7 @@ import stat
 import threading
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -68,7 +69,6 @@ COMMIT_STEP = 16 << 20  # bytes committed between two looks at the memory availa
 # seq, so a release through a stale Ref (the block reused since) changes nothing.
 IN_USE = 1
 RELEASED = 2
-PADDING = 3
 
 _PLAIN_KINDS = set("biufcUSmM")  # what raw bytes rebuild without running code
 
@@ -282,13 +282,14 @@ class Block:
 
 
 class Ring:
-    """A ring allocator over one segment, for the producer (one thread).
+    """A next-fit allocator over one segment, for the producer (one thread).
 
-    Blocks are contiguous, in allocation order; one that does not fit before the end of
-    the segment starts over at the beginning (the rest of the end becomes padding).
-    Released blocks are reclaimed from the oldest end, so a block released out of order
-    is reused once every older one is released too. The ring trusts only the state
-    words in shared memory: the layout of its blocks it keeps to itself.
+    Blocks are placed one after the other from where the last one ended, wrapping to the
+    start of the segment; a block goes into the first gap from there that is large enough.
+    A released block's room is reused as soon as it is released, whatever blocks before it
+    are still held: a consumer that keeps one seq's arrays for long holds only their block.
+    The allocator trusts only the state words in shared memory: the layout of its blocks it
+    keeps to itself (their offsets in order, so a gap is found by looking at neighbours).
     """
 
     def __init__(self, size: int):
@@ -304,11 +305,12 @@ class Ring:
         self.descriptor = Descriptor(host_id(), os.getpid(), self._fd, size, token)
         self._start = SEGMENT_HEADER
         self._end = size
-        self._head = self._tail = self._start
-        self._used = 0
+        self._head = self._start  # where the next block is tried first
+        self._used = 0  # bytes of the blocks in the lists below
         self._seq = 0
-        # (header offset, span, seq, owner) per block from the oldest; owner None: padding
-        self._blocks: Deque[Tuple[int, int, int, Optional[bytes]]] = collections.deque()
+        # blocks not known to be released, by offset: their header offsets, and (span, seq, owner)
+        self._offsets: List[int] = []
+        self._blocks: List[Tuple[int, int, bytes]] = []
 
     @property
     def capacity(self) -> int:
@@ -324,10 +326,12 @@ class Ring:
         if os.getpid() != self.descriptor.pid:  # a forked child would overwrite its parent's blocks
             raise ValueError("a ring belongs to the process that created it")
         span = BLOCK_HEADER + _round_up(nbytes)
-        self._reclaim()
-        at = self._fit(span)
+        at = self._at_head(span)
         if at is None:
-            return None
+            self._reclaim()
+            at = self._fit(span)
+            if at is None:
+                return None
         self._seq += 1
         seq = self._seq
         i = at // 8
@@ -338,48 +342,55 @@ class Ring:
         if tag:
             data[at + 32 : at + 32 + len(tag)] = np.frombuffer(tag, np.uint8)
         words[i] = (seq << 8) | IN_USE
-        self._blocks.append((at, span, seq, bytes(owner)))
+        k = bisect.bisect_left(self._offsets, at)
+        self._offsets.insert(k, at)
+        self._blocks.insert(k, (span, seq, bytes(owner)))
+        self._used += span
+        end = at + span
+        self._head = end if end < self._end else self._start
         offset = at + BLOCK_HEADER
         return Block(self, offset, nbytes, seq, data[offset : offset + nbytes])
 
+    def _at_head(self, span: int) -> Optional[int]:
+        """The head, if a block of `span` bytes fits there before the next block (the usual case)."""
+        head = self._head
+        k = bisect.bisect_left(self._offsets, head)
+        limit = self._offsets[k] if k < len(self._offsets) else self._end
+        return head if limit - head >= span else None
+
     def _fit(self, span: int) -> Optional[int]:
-        """Where a block of `span` bytes goes (header offset), bookkeeping done; None if nowhere."""
-        if self._used == 0:
-            self._head = self._tail = self._start
-        head, tail = self._head, self._tail
-        if head > tail or self._used == 0:  # free: [head, end) and [start, tail)
-            if span <= self._end - head:
-                at = head
-            elif span <= tail - self._start:
-                pad = self._end - head
-                assert self._words is not None
-                self._words[head // 8] = PADDING
-                self._blocks.append((head, pad, 0, None))
-                self._used += pad
-                at = self._start
-            else:
-                return None
-        elif head < tail:  # free: [head, tail)
-            if span > tail - head:
-                return None
-            at = head
-        else:  # head == tail and something in use: full
-            return None
-        self._head = at + span if at + span < self._end else self._start
-        self._used += span
-        return at
+        """The start of the first gap of `span` bytes from the head on, wrapping; None if none."""
+        gaps: List[Tuple[int, int]] = []
+        prev = self._start
+        for at, (size, _, _) in zip(self._offsets, self._blocks):
+            if at > prev:
+                gaps.append((prev, at))
+            prev = at + size
+        if self._end > prev:
+            gaps.append((prev, self._end))
+        head = self._head
+        for lo, hi in [g for g in gaps if g[1] > head] + [g for g in gaps if g[1] <= head]:
+            lo = max(lo, head) if lo <= head < hi and hi - head >= span else lo
+            if hi - lo >= span:
+                return lo
+        return None
 
     def _reclaim(self) -> None:
-        """Advance the tail over released blocks and padding."""
+        """Forget the blocks whose consumers released them: their room is free."""
         words = self._words
-        blocks = self._blocks
-        while blocks and words is not None:
-            at, span, seq, owner = blocks[0]
-            if owner is not None and int(words[at // 8]) != (seq << 8) | RELEASED:
-                break
-            blocks.popleft()
-            self._used -= span
-            self._tail = at + span if at + span < self._end else self._start
+        if words is None:
+            return
+        keep_at: List[int] = []
+        keep: List[Tuple[int, int, bytes]] = []
+        used = 0
+        for at, block in zip(self._offsets, self._blocks):
+            if int(words[at // 8]) != (block[1] << 8) | RELEASED:
+                keep_at.append(at)
+                keep.append(block)
+                used += block[0]
+        self._offsets, self._blocks, self._used = keep_at, keep, used
+        if not keep:
+            self._head = self._start
 
     def _release(self, at: int, seq: int) -> None:
         words = self._words
@@ -396,7 +407,7 @@ class Ring:
         if words is None:
             return 0
         n = 0
-        for at, _span, seq, who in self._blocks:
+        for at, (_span, seq, who) in zip(self._offsets, self._blocks):
             if who == owner and int(words[at // 8]) == (seq << 8) | IN_USE:
                 words[at // 8] = (seq << 8) | RELEASED
                 n += 1
@@ -404,7 +415,7 @@ class Ring:
         return n
 
     def used(self) -> int:
-        """Bytes not reusable yet: blocks in use, released ones behind them, headers and padding."""
+        """Bytes not reusable yet: the blocks in use, with their headers."""
         self._reclaim()
         return self._used
 
