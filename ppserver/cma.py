@@ -132,7 +132,7 @@ def offer(token: np.ndarray) -> Dict[str, Any]:
 def resolve_spans(items: List[Any], reader: Optional[Reader]) -> List[Any]:
     """Give items whose arrays lie in the sender's memory (`Item.spans`) arrays of their own, read
     with one call; if that fails, every such item is taken out and returned as bad."""
-    from ppclient.protocol import BadItem
+    from ppclient.protocol import BadItem, give_arrays
 
     todo = [item for item in items if item.spans is not None]
     if not todo:
@@ -152,12 +152,7 @@ def resolve_spans(items: List[Any], reader: Optional[Reader]) -> List[Any]:
         except (OSError, ValueError, TypeError) as exc:
             reason = f"cannot read the inputs in the server's memory: {exc}"
         else:
-            at = 0
-            for item in todo:
-                n = len(item.arrays)
-                item.frames = arrays[at : at + n]
-                item.spans = None
-                at += n
+            give_arrays(todo, arrays)
             return []
     bad = [BadItem(item.pos, reason) for item in todo]
     items[:] = [item for item in items if item.spans is None]

@@ -15,6 +15,8 @@ import sys
 import textwrap
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import zmq
@@ -337,23 +339,31 @@ def _fingerprint(cfg: str) -> str:
     return load_config(cfg).fingerprint
 
 
+@contextmanager
+def fake_worker(srv, c, cfg: str, workers: int, breaks=FakeWorker.BREAKS) -> Iterator[FakeWorker]:
+    """A FakeWorker answering the server's tasks from a thread until the block ends; `workers`:
+    how many workers the server then has."""
+    fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg), breaks=breaks)
+    stop = threading.Event()
+    thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
+    thread.start()
+    try:
+        srv.wait_workers(workers)
+        yield fake
+    finally:
+        stop.set()
+        thread.join(timeout=15)
+        fake.close()
+
+
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path, path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=60, extra="buf_size = 2\n" + DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
-    stop = threading.Event()
     with run_server(cfg, workers=1, log_path=slog) as srv, srv.client(timeout=20) as c:
-        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg))
-        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
-        thread.start()
-        try:
-            srv.wait_workers(2)
+        with fake_worker(srv, c, cfg, 2) as fake:
             got = collect(c.epoch(1))
             st = c.status()
-        finally:
-            stop.set()
-            thread.join(timeout=15)
-            fake.close()
     assert_same_epoch(got, reference(cfg, 1))
     assert fake.answered >= 3
     assert st["malformed_results"] >= fake.answered - 1
@@ -362,39 +372,19 @@ def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path, pa
 
 def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
-    stop = threading.Event()
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
-        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg))
-        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
-        thread.start()
-        try:
-            srv.wait_workers(1)
+        with fake_worker(srv, c, cfg, 1):
             with pytest.raises(ppclient.MapperError, match="3 malformed results") as info:
                 collect(c.epoch(1))
             assert info.value.seq_tag == "seq-0"
-        finally:
-            stop.set()
-            thread.join(timeout=15)
-            fake.close()
 
 
 def test_undecodable_results_are_redone_elsewhere(tmp_path):
-    import threading
-
     cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=40, extra="buf_size = 2\n")
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
-        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg), breaks=("undecodable",))
-        stop = threading.Event()
-        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
-        thread.start()
-        try:
-            srv.wait_workers(2)
+        with fake_worker(srv, c, cfg, 2, breaks=("undecodable",)) as fake:
             got = collect(c.epoch(1))
             st = c.status()
-        finally:
-            stop.set()
-            thread.join(timeout=15)
-            fake.close()
     assert_same_epoch(got, reference(cfg, 1))
     assert fake.answered >= 1
     assert st["malformed_results"] >= 1 and st["malformed_messages"] >= 1
@@ -402,23 +392,12 @@ def test_undecodable_results_are_redone_elsewhere(tmp_path):
 
 
 def test_seq_with_only_undecodable_results_fails_naming_it(tmp_path):
-    import threading
-
     cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
-        fake = FakeWorker(c.status()["worker_address"], _fingerprint(cfg), breaks=("undecodable",))
-        stop = threading.Event()
-        thread = threading.Thread(target=fake.serve, args=(20.0, stop), daemon=True)
-        thread.start()
-        try:
-            srv.wait_workers(1)
+        with fake_worker(srv, c, cfg, 1, breaks=("undecodable",)):
             with pytest.raises(ppclient.MapperError, match=r"3 malformed results \(header of \d+ bytes") as info:
                 collect(c.epoch(1))
             assert info.value.seq_tag == "seq-0"
-        finally:
-            stop.set()
-            thread.join(timeout=15)
-            fake.close()
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------

@@ -940,12 +940,7 @@ def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
             except (shm.ShmUnavailable, ValueError) as exc:
                 reason = str(exc)
             else:
-                at = 0
-                for item in group:
-                    n = len(item.arrays)
-                    item.frames = views[at : at + n]
-                    item.block = None
-                    at += n
+                give_arrays(group, views)
                 continue
         for item in group:
             bad.append(BadItem(item.pos, reason))
@@ -969,6 +964,16 @@ def block_refs(frames: Sequence[Any]) -> List[Tuple[Optional[int], List[int]]]:
         if isinstance(block, list) and len(block) >= 3 and all(_is_int(x) for x in block[:3]):
             out.append((_position(spec), block[:3]))
     return out
+
+
+def give_arrays(items: Sequence[Item], arrays: Sequence[Any]) -> None:
+    """Items that named where their arrays lie (a block, the sender's memory) get them, in order."""
+    at = 0
+    for item in items:
+        n = len(item.arrays)
+        item.frames = list(arrays[at : at + n])
+        item.block = item.spans = None
+        at += n
 
 
 class BadItem(typing.NamedTuple):
