@@ -11,9 +11,10 @@ server does not lift that for its workers; a container's seccomp profile may for
 too. `check_offer` says whether it works before anything depends on it, and the worker then
 takes its inputs through the shared-memory ring (or the socket) instead.
 
-The server must keep every array alive until the worker's result for it is settled (the
-scheduler keeps each input until then): a read of memory the server has freed meanwhile gives
-garbage or fails, and the result of such a seq is never used.
+The server keeps every array alive while a worker may still read it (see the scheduler's
+`SeqDispatch`: inputs of tasks in flight, also of dropped seqs and of runs that ended, until the
+worker settles the task or answers `run_close`); a read that fails all the same is reported
+and the task redone.
 """
 
 from __future__ import annotations
@@ -58,11 +59,6 @@ def available() -> Optional[str]:
     if _LIBC is None:
         return "process_vm_readv is not available (Linux only)"
     return None
-
-
-def span(array: np.ndarray) -> Tuple[int, int]:
-    """(address, size) of a C-contiguous array's bytes, as a reader is told."""
-    return int(array.ctypes.data), int(array.nbytes)
 
 
 class Reader:
@@ -113,15 +109,18 @@ class Reader:
         return None
 
 
-def check_offer(offer: Any) -> Optional[str]:
-    """None if the server's memory can be read as `offer` (welcome.cma) says, else why not."""
+def check_offer(offer: Any) -> Tuple[Optional[Reader], str]:
+    """A reader of the server's memory if it can be read as `offer` (welcome.cma) says, else
+    (None, why not)."""
     try:
         pid, address, token = int(offer["pid"]), int(offer["address"]), bytes.fromhex(offer["token"])
     except (KeyError, TypeError, ValueError):
-        return f"malformed offer {offer!r:.100}"
+        return None, f"malformed offer {offer!r:.100}"
     if not token:
-        return "empty token"
-    return Reader(pid).check(address, token)
+        return None, "empty token"
+    reader = Reader(pid)
+    why_not = reader.check(address, token)
+    return (reader, "") if why_not is None else (None, why_not)
 
 
 def offer(token: np.ndarray) -> Dict[str, Any]:

@@ -230,9 +230,12 @@ class Routes:
         assert self.ring is not None
         wire, block = protocol.to_block(items, self.ring, consumer)
         if block is None:
+            ring = self.ring
             self.over_socket.hit(
-                f"the shared-memory segment is full ({self.ring.used() / 2**20:.1f} of "
-                f"{self.ring.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})",
+                lambda: (
+                    f"the shared-memory segment is full ({ring.used() / 2**20:.1f} of "
+                    f"{ring.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})"
+                ),
                 len(items),
             )
         return wire, block

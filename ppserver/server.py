@@ -49,7 +49,6 @@ log = logging.getLogger("ppserver.server")
 LOOP_MS = 100
 TICK_S = 0.01
 DRAIN_LIMIT = 256  # messages taken from one socket before the others get a turn
-SHARED_ITEM_BYTES = 64  # room an input's header may need beyond its frames' (a block or its addresses)
 READER_STOP_S = 1.0
 # A control message, as the control ROUTER receives it: the sender's identity, the empty
 # delimiter and the header. A message of more frames is junk.
@@ -300,7 +299,8 @@ class Server:
             return
         # one message unless headers are huge; a block or addresses are made per message (a
         # receiver's lease on a block covers the seqs of one message)
-        for msg, part in protocol.split_fitting(instr.msg, items, reserve=SHARED_ITEM_BYTES):
+        placed = instr.wid in self.cma_ready or instr.wid in self.shm_ready
+        for msg, part in protocol.split_fitting(instr.msg, items, placed):
             self._send_inputs(ident, instr.wid, msg, part)
 
     def _send_inputs(self, ident: bytes, wid: bytes, msg: protocol.Message, items: List[Item]) -> None:
@@ -315,8 +315,10 @@ class Server:
             items, block = protocol.to_block(items, ring)  # the worker frees it when done
             if block is None:
                 self.rings_full.hit(
-                    f"worker {wid.decode(errors='replace')}'s shared-memory segment is full "
-                    f"({ring.used() / 2**20:.1f} of {ring.capacity / 2**20:.1f} MiB in use)",
+                    lambda: (
+                        f"worker {wid.decode(errors='replace')}'s shared-memory segment is full "
+                        f"({ring.used() / 2**20:.1f} of {ring.capacity / 2**20:.1f} MiB in use)"
+                    ),
                     len(items),
                 )
         if not self._send(self.workers_sock, [ident, *protocol.encode(msg, items)]) and block is not None:
@@ -501,20 +503,20 @@ class Server:
         if kind is protocol.Results:
             return ev.ResultsReceived(now, wid, msg.run, decoded.items, decoded.bad)
         if kind is protocol.ShmMapped:
-            if self._on_shm_mapped(wid, msg):
-                return ev.InputsShared(now, wid)
-            return ev.HeartbeatReceived(now, wid)
+            return ev.InputsShared(now, wid, self._on_shm_mapped(wid, msg))
         if kind is protocol.Completed:
             return ev.CompletedReceived(now, wid, msg.run, msg.pos, msg.nbytes)
         if kind is protocol.InputsLost:
-            lost = self.sched.lost_inputs
-            self.handle(ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:500]))
-            if self.sched.lost_inputs > lost and (wid in self.cma_ready or wid in self.shm_ready):
-                # inputs the server still held could not be read: from now on they travel in the messages
+            if wid in self.sched.workers and (wid in self.cma_ready or wid in self.shm_ready):
+                # the server keeps every input a worker may still read, so this way of getting them
+                # failed: from now on (the redone ones included) they travel in the messages
                 log.warning("worker %s gets its inputs over the socket from now on", wid.decode(errors="replace"))
                 self.cma_ready.discard(wid)
                 self._drop_ring(wid)
-            return None
+                self.handle(ev.InputsShared(now, wid, None))
+            return ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:500])
+        if kind is protocol.RunDropped:
+            return ev.RunDropped(now, wid, msg.run)
         if kind is protocol.StreamOutputs:
             return ev.StreamOutputsReceived(
                 now, wid, msg.run, msg.partition, msg.incarnation, decoded.items, decoded.bad
@@ -566,21 +568,24 @@ class Server:
         )
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
 
-    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> bool:
-        """True if the worker now takes its inputs without their bytes in the messages."""
-        if wid not in self.rings and not msg.cma:
-            return False
+    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> Optional[float]:
+        """How the worker gets its inputs from now on, as bytes per task message (see
+        ev.InputsShared); the segment is kept only where it is of use."""
         name = wid.decode(errors="replace")
+        ring = self.rings.get(wid)
         if msg.cma:
             self.cma_ready.add(wid)
             log.info("worker %s reads its inputs in the server's memory", name)
-        if msg.ok:
+            if not self.cfg.is_stream:
+                self._drop_ring(wid)  # tasks name their inputs by address: the segment would sit unused
+                return float("inf")
+        if msg.ok and ring is not None:
             self.shm_ready.add(wid)
-            return True
-        if not msg.cma:
+            return float("inf") if msg.cma else ring.capacity / 4  # blocks of a quarter of it fit well
+        if ring is not None:
             log.warning("worker %s gets its inputs over the socket: %s", name, msg.reason)
-        self._drop_ring(wid)
-        return msg.cma
+            self._drop_ring(wid)
+        return float("inf") if msg.cma else None
 
     def _drop_ring(self, wid: bytes) -> None:
         self.shm_ready.discard(wid)

@@ -279,13 +279,12 @@ class Session:
             if isinstance(decoded.msg, protocol.Unknown):
                 self.forgotten = True
                 raise Stopped()
-            items = decoded.items
-            if items:
-                first = items[0]
-                if first.spans is not None:
-                    decoded.bad += cma.resolve_spans(items, self.input_reader)
-                elif first.block is not None or any(item.block is not None for item in items):
-                    decoded.bad += protocol.resolve_blocks(items, self.input_mapping)
+            if decoded.items:
+                decoded.unreadable = cma.resolve_spans(decoded.items, self.input_reader)
+                decoded.unreadable += protocol.resolve_blocks(decoded.items, self.input_mapping)
+            if (decoded.bad or decoded.unreadable) and self.input_mapping is not None:
+                for ref in protocol.unused_blocks(frames, decoded.items):
+                    self.input_mapping.discard(ref)  # nobody else would give them back
             out.append(decoded)
         return out
 
@@ -303,16 +302,15 @@ class Session:
                 ok, reason = True, ""
             except shm.ShmUnavailable as exc:
                 reason = str(exc)[:500]
-        why_not = cma.check_offer(offer) if offer is not None else "not offered"
-        if why_not is None:
-            assert offer is not None
-            self.input_reader = cma.Reader(offer["pid"])
+        self.input_reader, why_not = cma.check_offer(offer) if offer is not None else (None, "not offered")
+        if self.input_reader is not None:
             log.info("inputs are read in the server's memory (process_vm_readv)")
         elif ok:
             log.info("inputs come through the server's shared memory (reading its memory: %s)", why_not)
         else:
             log.warning("inputs come over the socket: cannot map the server's shared memory: %s", reason)
-        sock.send_multipart(protocol.encode(protocol.ShmMapped(ok=ok, reason=reason, cma=why_not is None)))
+        reply = protocol.ShmMapped(ok=ok, reason=reason, cma=self.input_reader is not None)
+        sock.send_multipart(protocol.encode(reply))
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

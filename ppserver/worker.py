@@ -158,15 +158,16 @@ class Worker:
         if self.routes.routes or self.routes.departed or self.routes.holders:
             self.routes.poll()
         for decoded in self.session.receive(timeout_ms):
-            self._handle(decoded.msg, decoded.items, decoded.bad)
+            self._handle(decoded)
 
-    def _handle(self, msg: protocol.Message, items: List[Any], bad: List[protocol.BadItem]) -> None:
-        if bad:
-            log.warning("dropped %d inputs from the server that cannot be used (first: %s)", len(bad), bad[0].reason)
-            lost = [b.pos for b in bad if b.pos is not None]
-            if isinstance(msg, protocol.Tasks) and lost:
-                # the server takes these tasks back (and redoes them, if it still wants them)
-                self.session.send(protocol.InputsLost(run=msg.run, pos=lost, reason=bad[0].reason[:500]))
+    def _handle(self, decoded: protocol.Decoded) -> None:
+        msg, items = decoded.msg, decoded.items
+        if decoded.bad:
+            log.warning(
+                "dropped %d malformed inputs from the server (first: %s)", len(decoded.bad), decoded.bad[0].reason
+            )
+        if decoded.unreadable:
+            self._unreadable(msg, decoded.unreadable)
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags)
         elif isinstance(msg, protocol.ConsumerRoute):
@@ -178,6 +179,7 @@ class Worker:
             self.runs.pop(msg.run, None)
             self.seqs.drop_run(msg.run)
             self.streams.close(msg.run)
+            self.session.send(protocol.RunDropped(run=msg.run))  # every input of the run is read by now
         elif getattr(msg, "run", None) not in self.runs:
             return  # of a run that is not open here (closed, or never opened)
         elif isinstance(msg, protocol.Tasks):
@@ -188,6 +190,20 @@ class Worker:
             self.streams.close(msg.run, msg.partition)
         else:
             self.streams.on_message(msg, items)
+
+    def _unreadable(self, msg: protocol.Message, lost: List[protocol.BadItem]) -> None:
+        """Inputs whose arrays could not be read (a block or the server's memory gone): a task goes
+        back to the server to be redone; a stream's input cannot be, so this worker registers
+        again and the server restarts its partitions elsewhere."""
+        reason = lost[0].reason[:500]
+        log.warning("could not read %d inputs from the server (first: %s)", len(lost), reason)
+        if isinstance(msg, protocol.Tasks):
+            positions = [b.pos for b in lost if b.pos is not None]
+            if positions:
+                self.session.send(protocol.InputsLost(run=msg.run, pos=positions, reason=reason))
+        elif getattr(msg, "run", None) in self.runs:
+            self.session.forgotten = True
+            raise Stopped()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

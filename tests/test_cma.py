@@ -27,7 +27,8 @@ def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
 def test_a_reader_copies_spans_of_a_process_into_new_arrays():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     b = np.arange(5, dtype=np.int64)
-    got = cma.Reader(os.getpid()).read([cma.span(a), cma.span(b)], [a.dtype, b.dtype], [a.shape, b.shape])
+    spans = [(x.ctypes.data, x.nbytes) for x in (a, b)]
+    got = cma.Reader(os.getpid()).read(spans, [a.dtype, b.dtype], [a.shape, b.shape])
     assert [g.tolist() for g in got] == [a.tolist(), b.tolist()]
     assert all(g.flags.writeable and g.ctypes.data not in (a.ctypes.data, b.ctypes.data) for g in got)
     with pytest.raises(OSError, match="Bad address"):
@@ -40,7 +41,7 @@ def test_another_process_reads_the_token_of_an_offer():
     """The check a worker makes: its parent's token read back; a wrong token or pid is a reason."""
     token = np.frombuffer(os.urandom(32), np.uint8).copy()
     offer = cma.offer(token)
-    code = "import json, sys; from ppserver import cma; print(cma.check_offer(json.loads(sys.argv[1])))"
+    code = "import json, sys; from ppserver import cma; print(cma.check_offer(json.loads(sys.argv[1]))[1] or None)"
     import json
 
     def check(o) -> str:
@@ -105,7 +106,7 @@ def test_where_memory_cannot_be_read_inputs_come_through_the_ring(tmp_path):
         tmp_path,
         """
         import ppserver.cma
-        ppserver.cma.check_offer = lambda offer: "not permitted here (test)"
+        ppserver.cma.check_offer = lambda offer: (None, "not permitted here (test)")
         """,
     )
     log_path = str(tmp_path / "server.log")

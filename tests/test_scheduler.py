@@ -1240,3 +1240,65 @@ def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
     assert sim(ev.InputsLost, b"w1", sim.run, [3], "late") == []  # not a task it holds: nothing
     out = sim.results(b"w1", [0, 1])
     assert delivered(out) == [0, 1] and sim.s.lost_inputs == 2
+
+
+def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_are_ignored():
+    """A worker reading the server's memory reads a task's input when the message arrives: the
+    input stays while the task is in flight, also after its rank left (its failure then fails
+    nothing) and after the run ended, until the worker says it dropped the run."""
+    sim = ranks_sim(2, 8, buf_size=2)
+    sim.feed(range(4))
+    held = {wid: tasks(sim.out, wid) for wid in (b"w1", b"w2")}
+    d = sim.s.runs[sim.run].dispatch
+    rank1 = [p for ps in held.values() for p in ps if p % 2 == 1]
+    assert rank1, held
+    sim(ev.ConsumerClosed, b"r1")  # rank 1 leaves: its seqs are dropped while in flight
+    sim.results(b"w1", [p for p in held.get(b"w1", []) if p % 2 == 0])
+    sim.results(b"w2", [p for p in held.get(b"w2", []) if p % 2 == 0])
+    assert set(d.orphans) == set(rank1)  # no rank wants them, but a worker may still read them
+    pos = rank1[0]
+    wid = b"w1" if pos in held.get(b"w1", []) else b"w2"
+    out = sim(ev.TaskFailed, wid, sim.run, pos, f"s{pos}", "garbage in", "")
+    assert not client_msgs(out, protocol.RunFailed)  # a dropped seq fails nothing
+    assert pos not in d.orphans and sim.s.workers[wid].tasks == {(sim.run, p) for p in rank1[1:] if p in held[wid]}
+    # the run ends (superseded) with tasks in flight: their inputs stay with their workers
+    left = {(w, p) for w, ps in held.items() for p in ps if p in rank1[1:]}
+    sim(ev.ConsumerClosed, b"r0")
+    assert sim.run not in sim.s.runs
+    kept = {(w, it.pos) for w, ws in sim.s.workers.items() for it in ws.retained.get(sim.run, [])}
+    assert kept == left
+    for w in sim.s.workers:
+        sim(ev.RunDropped, w, sim.run)
+    assert all(not ws.retained for ws in sim.s.workers.values())
+
+
+def test_a_seq_whose_input_cannot_be_read_fails_after_max_seq_retries():
+    sim = Sim(buf_size=1, max_seq_retries=3)
+    sim.join(b"w1")
+    sim.start(2)
+    sim.feed(range(2))
+    for _ in range(3):
+        assert tasks(sim.out, b"w1")[-1] == 0
+        out = sim(ev.InputsLost, b"w1", sim.run, [0], "gone")
+    assert [m.msg.message for m in client_msgs(out, protocol.RunFailed)] == [
+        "the input of seq 's0' could not be read by 3 workers"
+    ]
+
+
+def test_how_a_worker_gets_its_inputs_caps_its_batches():
+    """In the messages: dispatch_bytes; in shared memory: what the segment holds well; read in
+    the server's memory: no cap but the credit."""
+    sim = Sim(buf_size=8, dispatch_bytes=16)  # 8 bytes of data per seq in these tests
+    sim.join(b"w1")
+    sim.start(24)
+    sim.feed(range(24))
+    assert [len(i.items) for i in sent(sim.out, protocol.Tasks)] == [2, 2, 2, 2]  # cut at 16 bytes
+    sim(ev.InputsShared, b"w1", 24)
+    out = sim.results(b"w1", [0, 1, 2, 3])
+    assert [len(i.items) for i in sent(out, protocol.Tasks)] == [3, 1]  # 24 bytes a message
+    sim(ev.InputsShared, b"w1", float("inf"))
+    out = sim.results(b"w1", [4, 5, 6, 7])
+    assert [len(i.items) for i in sent(out, protocol.Tasks)] == [4]  # half the credit, as always
+    sim(ev.InputsShared, b"w1", None)
+    out = sim.results(b"w1", [8, 9, 10, 11])
+    assert [len(i.items) for i in sent(out, protocol.Tasks)] == [2, 2]

@@ -799,3 +799,24 @@ def test_a_forked_child_neither_allocates_nor_releases(children):
         assert_seq_equal(got, make(1))
         del got
         assert ring.used() == 0
+
+
+@pytest.mark.unit
+def test_a_block_good_seqs_of_a_message_use_is_not_given_back_with_a_bad_one():
+    """The seqs of one message share a block: a bad item gives it back only if no good one uses it."""
+    from ppclient import protocol, wire
+
+    with shm.Ring(1 << 16) as ring:
+        items = [protocol.seq_to_item({"data": np.full(3, i, np.float32), "seq_tag": f"s{i}"}, i) for i in range(2)]
+        placed, block = protocol.to_block(items, ring)
+        assert block is not None and len({tuple(it.block[:3]) for it in placed}) == 1  # type: ignore[index]
+        header = wire.unpack(protocol.encode(protocol.DirectSeqs(run=1), placed)[0])
+        header["items"][1]["meta"] = ["not a map"]
+        frames = [wire.pack(header)]
+        decoded = protocol.decode(frames, protocol.Peer.CLIENT, (protocol.Channel.DIRECT,))
+        assert [it.pos for it in decoded.items] == [0] and [b.pos for b in decoded.bad] == [1]
+        assert protocol.unused_blocks(frames, decoded.items) == []  # seq 0 still needs it
+        header["items"][0]["meta"] = ["not a map"]
+        frames = [wire.pack(header)]
+        decoded = protocol.decode(frames, protocol.Peer.CLIENT, (protocol.Channel.DIRECT,))
+        assert decoded.items == [] and protocol.unused_blocks(frames, decoded.items) == [list(block.ref())]

@@ -385,12 +385,12 @@ class Client:
         data = self._data_socket()
         direct = self._direct
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
             # What is queued already is taken without a poll (a system call per message saved).
             ready: Any = [s for s in (data, direct) if s is not None and int(s.get(zmq.EVENTS)) & zmq.POLLIN]
             if not ready:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
                 if direct is None:
                     ready = (data,) if data.poll(int(left * 1000) + 1) else ()
                 else:
@@ -442,10 +442,8 @@ class Client:
         self._malformed.hit(f"from worker {ident.decode(errors='replace')}: {reason}", max(len(bad), 1))
         mapping = self._mappings.get(ident)
         if mapping is not None:
-            kept = {item.pos for item in decoded.items} if decoded is not None else set()
-            for pos, ref in protocol.block_refs(frames[1:]):
-                if pos not in kept:
-                    mapping.discard(ref)
+            for ref in protocol.unused_blocks(frames[1:], decoded.items if decoded is not None else []):
+                mapping.discard(ref)  # a block good seqs of the message use stays theirs
         if decoded is not None:
             decoded.bad = []
 

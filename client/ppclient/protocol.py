@@ -480,6 +480,18 @@ class RunClose(Message):
 
 
 @dataclass(frozen=True)
+class RunDropped(Message):
+    """The worker's answer to `run_close`: everything of `run` is dropped, and every message of it
+    sent before the close has been received (so inputs it named in the server's memory are read)."""
+
+    kind = "run_dropped"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+
+
+@dataclass(frozen=True)
 class Tasks(Message):
     """map_seq inputs. `to[k]`: the consumer item k's result goes to directly (b"": to the server);
     empty: every result to the server."""
@@ -764,6 +776,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         Bye,
         RunOpen,
         RunClose,
+        RunDropped,
         Tasks,
         Results,
         Completed,
@@ -894,17 +907,11 @@ def to_spans(items: Sequence[Item]) -> Optional[List[Item]]:
     for item in items:
         spans = []
         for f in item.frames:
-            if type(f) is not _numpy().ndarray or not f.flags.c_contiguous:
+            if type(f) is not wire.numpy.ndarray or not f.flags.c_contiguous:
                 return None
             spans.append([f.ctypes.data, f.nbytes])
         out.append(Item(item.pos, item.meta, item.arrays, [], item.nbytes, spans=spans))
     return out
-
-
-def _numpy() -> Any:
-    import numpy
-
-    return numpy
 
 
 def _as_array(frame: Any) -> Any:
@@ -963,6 +970,21 @@ def block_refs(frames: Sequence[Any]) -> List[Tuple[Optional[int], List[int]]]:
         block = spec.get("b") if isinstance(spec, dict) else None
         if isinstance(block, list) and len(block) >= 3 and all(_is_int(x) for x in block[:3]):
             out.append((_position(spec), block[:3]))
+    return out
+
+
+def unused_blocks(frames: Sequence[Any], kept: Sequence[Item]) -> List[List[int]]:
+    """The blocks a batch message names that none of its `kept` items uses: the seqs of a message
+    share a block, so one is given back only when no seq of it is kept."""
+    refs = block_refs(frames)
+    positions = {item.pos for item in kept}
+    live = {tuple(ref) for pos, ref in refs if pos in positions}
+    out: List[List[int]] = []
+    for pos, ref in refs:
+        key = tuple(ref)
+        if pos not in positions and key not in live:
+            live.add(key)  # each block once
+            out.append(ref)
     return out
 
 
@@ -1131,21 +1153,32 @@ def encode(msg: Message, items: Sequence[Item] = ()) -> List[Any]:
 def encode_fitting(msg: Message, items: Sequence[Item]) -> List[List[Any]]:
     """The frames of a batch message, as one message or, if its header would exceed
     wire.MAX_HEADER_BYTES, as several (see split_fitting)."""
+    frames = encode(msg, items)
+    if len(frames[0]) <= wire.MAX_HEADER_BYTES or len(items) < 2:
+        return [frames]
     return [encode(m, part) for m, part in split_fitting(msg, items)]
 
 
-def split_fitting(msg: Message, items: Sequence[Item], reserve: int = 0) -> List[Tuple[Message, List[Item]]]:
-    """A batch message as one or, if its header (plus `reserve` bytes per item) would exceed
-    wire.MAX_HEADER_BYTES, as several, each with a run of the items in order (and of the
-    `per_item` fields). An item whose header alone does not fit still goes, alone."""
+# what naming an item's arrays elsewhere (a block, the sender's memory) may add to its header
+PLACE_ITEM_BYTES = 40  # "b": offset, nbytes, seq (or "m" and its list)
+PLACE_ARRAY_BYTES = 16  # an array's offset, or its address and size
+
+
+def split_fitting(msg: Message, items: Sequence[Item], placed: bool = False) -> List[Tuple[Message, List[Item]]]:
+    """A batch message as one or, if its header would exceed wire.MAX_HEADER_BYTES, as several,
+    each with a run of the items in order (and of the `per_item` fields). An item whose header
+    alone does not fit still goes, alone. `placed`: the items' arrays will be named by place (a
+    block or addresses) instead of frames, so their room is counted too."""
     size = len(encode(msg, items)[0])
-    if size + reserve * len(items) <= wire.MAX_HEADER_BYTES or len(items) < 2:
+    if placed:
+        size += sum(PLACE_ITEM_BYTES + PLACE_ARRAY_BYTES * len(item.arrays) for item in items)
+    if size <= wire.MAX_HEADER_BYTES or len(items) < 2:
         return [(msg, list(items))]
     half = len(items) // 2
     out: List[Tuple[Message, List[Item]]] = []
     for part in (slice(0, half), slice(half, len(items))):
         fields = {name: getattr(msg, name)[part] for name in msg.per_item if len(getattr(msg, name)) == len(items)}
-        out += split_fitting(dataclasses.replace(msg, **fields), items[part], reserve)
+        out += split_fitting(dataclasses.replace(msg, **fields), items[part], placed)
     return out
 
 
@@ -1163,6 +1196,7 @@ class Decoded:
     msg: Message
     items: List[Item] = field(default_factory=list)
     bad: List[BadItem] = field(default_factory=list)  # items of a batch that did not check
+    unreadable: List[BadItem] = field(default_factory=list)  # checked, but their arrays could not be read
 
 
 def decode(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Union
 
 
 class Throttled:
@@ -17,10 +18,11 @@ class Throttled:
         self.count = 0
         self.logged_at = -interval
 
-    def hit(self, detail: str, n: int = 1) -> None:
+    def hit(self, detail: Union[str, Callable[[], str]], n: int = 1) -> None:
+        """Count `n` events; `detail` may be a function, called only when a line is logged."""
         self.count += n
         now = time.monotonic()
         if now - self.logged_at >= self.interval:
             self.logged_at = now
             total = f" ({self.count} so far)" if self.count > 1 else ""
-            self.log.warning("%s: %s%s", self.what, detail, total)
+            self.log.warning("%s: %s%s", self.what, detail() if callable(detail) else detail, total)

@@ -76,12 +76,6 @@ def plain_dtype(dtype: numpy.dtype) -> bool:
     return dtype.kind in _SAFE_KINDS and dtype.fields is None and not dtype.hasobject
 
 
-def seq_to_item(seq: Dict[str, Any], *, i: int) -> Tuple[Dict[str, Any], List[Any]]:
-    """Split a seq dict into an item header and its buffers, one per array (see split_seq)."""
-    meta, arrays, bufs, _ = split_seq(seq)
-    return {"i": i, "meta": meta, "arrays": arrays}, bufs
-
-
 def split_seq(seq: Dict[str, Any]) -> Tuple[Dict[str, Any], List[List[Any]], List[Any], int]:
     """(meta, array specs, buffers, total bytes) of a seq dict.
 
@@ -122,11 +116,6 @@ def _meta_value(key: str, value: Any) -> Any:
     if key == "seq_idx":
         return int(value)
     return float(value)
-
-
-def item_to_seq(item: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:
-    """Rebuild a seq dict from an item header that protocol.check_item accepted (no copy)."""
-    return build_seq(item["arrays"], item["meta"], bufs)
 
 
 def build_seq(arrays: Sequence[Any], meta: Dict[str, Any], bufs: Sequence[Any]) -> Dict[str, Any]:

@@ -82,6 +82,7 @@ class Scheduler:
             ev.WorkerJoined: self._on_worker_joined,
             ev.HeartbeatReceived: lambda e, out: None,
             ev.InputsShared: self._on_inputs_shared,
+            ev.RunDropped: self._on_run_dropped,
             ev.WorkerLeft: lambda e, out: self._remove(e.wid, Departure.DEPARTED, out),
             ev.ResultsReceived: self._on_results,
             ev.WorkerMessageMalformed: self._on_malformed_message,
@@ -133,7 +134,10 @@ class Scheduler:
 
     # ---- workers ------------------------------------------------------------------------------
     def _on_inputs_shared(self, e: ev.InputsShared, out: List[Instruction]) -> None:
-        self.workers[e.wid].shared_inputs = True
+        self.workers[e.wid].input_bytes = e.max_bytes
+
+    def _on_run_dropped(self, e: ev.RunDropped, out: List[Instruction]) -> None:
+        self.workers[e.wid].retained.pop(e.run, None)
 
     def _on_worker_joined(self, e: ev.WorkerJoined, out: List[Instruction]) -> None:
         if e.wid in self.workers:
@@ -286,7 +290,7 @@ class Scheduler:
     def _on_inputs_lost(self, e: ev.InputsLost, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)
         if d is not None:
-            redone = d.inputs_lost(self.workers[e.wid], e.positions)
+            redone, failure = d.inputs_lost(self.workers[e.wid], e.positions)
             self.lost_inputs += redone
             if redone:
                 log.warning(
@@ -296,10 +300,11 @@ class Scheduler:
                     self.runs[e.run].epoch,
                     e.reason,
                 )
+            self._maybe_fail(e.run, failure, out)
 
     def _on_task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)
-        if d is not None and d.owns_task(self.workers[e.wid], e.pos):  # not a late word on a seq redone elsewhere
+        if d is not None and d.task_failed(self.workers[e.wid], e.pos):  # not a late word, not a dropped seq
             self._fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
 
     def _on_stream_acked(self, e: ev.StreamAcked, out: List[Instruction]) -> None:

@@ -46,8 +46,18 @@ class HeartbeatReceived(WorkerEvent):
 
 @dataclass(slots=True)
 class InputsShared(WorkerEvent):
-    """The worker mapped the server's shared-memory segment: its inputs' bytes no longer travel
-    in messages, so its task batches are not cut by size."""
+    """How the worker gets its inputs changed: `max_bytes` of inputs per task message (None: they
+    travel in the messages again, cut at dispatch_bytes; shared memory: what its segment holds
+    well; reading the server's memory: inf)."""
+
+    max_bytes: Optional[float] = None
+
+
+@dataclass(slots=True)
+class RunDropped(WorkerEvent):
+    """The worker dropped a closed run: the inputs of that run's tasks it held may go."""
+
+    run: int = 0
 
 
 @dataclass(slots=True)

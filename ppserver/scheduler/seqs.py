@@ -65,6 +65,10 @@ class SeqDispatch:
         self.kept_order: Dict[int, Deque[int]] = {}  # lane -> its kept positions, in order
         self.relay: Set[int] = set()  # lost direct results, being made again to go through the server
         self.late: List[Item] = []  # such results, to send to their consumer now
+        # inputs of in-flight tasks whose position was dropped: a worker reading the server's memory
+        # may not have read them yet, so they stay until the task is settled
+        self.orphans: Dict[int, Item] = {}
+        self.unreadable: Dict[int, int] = {}  # times a position's input could not be read by its worker
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: List[Item]) -> None:
@@ -199,9 +203,10 @@ class SeqDispatch:
             self.results[pos] = Item(pos, {}, [], [], size, direct=True)
             self._keep(pos, item)
 
-    def inputs_lost(self, w: WorkerState, positions: List[int]) -> int:
+    def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:
         """Tasks the worker could not read the inputs of: its slots are freed and the seqs still
-        wanted go back to the queue (nobody is blamed). Returns how many go back."""
+        wanted go back to the queue (nobody is blamed). Returns how many go back, and the failure
+        of the run if one seq's input could not be read `max_seq_retries` times."""
         redone = 0
         for pos in positions:
             if self.inflight.get(pos) != w.wid:
@@ -209,9 +214,26 @@ class SeqDispatch:
             wanted = pos in self.pending
             self._settle(w, pos, keep_input=wanted)
             if wanted:
+                self.unreadable[pos] = self.unreadable.get(pos, 0) + 1
+                if self.unreadable[pos] >= self.settings.max_seq_retries:
+                    tag = self._tag(pos)
+                    return redone, Failure(
+                        FailureKind.SERVER,
+                        f"the input of seq {tag!r} could not be read by {self.unreadable[pos]} workers",
+                    )
                 heapq.heappush(self.todo, pos)
                 redone += 1
-        return redone
+        return redone, None
+
+    def task_failed(self, w: WorkerState, pos: int) -> bool:
+        """Whether a mapper failure the worker reports fails the run: not for a task it does not hold
+        (late: redone elsewhere) nor for a position no one wants any more (its input may be gone)."""
+        if self.inflight.get(pos) != w.wid:
+            return False
+        if pos not in self.pending:
+            self._settle(w, pos)
+            return False
+        return True
 
     def _keep(self, pos: int, task: Item) -> None:
         self.kept[pos] = task
@@ -236,17 +258,16 @@ class SeqDispatch:
 
     def _settle(self, w: WorkerState, pos: int, keep_input: bool = False) -> None:
         del self.inflight[pos]
+        self.orphans.pop(pos, None)
         w.tasks.discard((self.run, pos))
         if not w.tasks:
             w.isolating = False
         if not keep_input:
             self.deaths.pop(pos, None)
             self.malformed.pop(pos, None)
+            self.unreadable.pop(pos, None)
             self.avoid.pop(pos, None)
             self.pending.pop(pos, None)
-
-    def owns_task(self, w: WorkerState, pos: int) -> bool:
-        return self.inflight.get(pos) == w.wid
 
     # ---- dispatch -------------------------------------------------------------------------
     def dispatch(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
@@ -289,7 +310,7 @@ class SeqDispatch:
             batch: List[Item] = []
             to: List[bytes] = []
             nbytes = 0
-            max_bytes = s.dispatch_bytes if not w.shared_inputs else float("inf")
+            max_bytes = s.dispatch_bytes if w.input_bytes is None else w.input_bytes
             while self.todo and len(batch) < limit and nbytes < max_bytes:
                 pos = self.todo[0]
                 if batch and (pos in self.deaths or self.avoid.get(pos) == w.wid):
@@ -334,26 +355,36 @@ class SeqDispatch:
         return None
 
     def _drop(self, pos: int) -> None:
-        """Forget a position (an in-flight task keeps its worker's slot until its result comes)."""
+        """Forget a position (an in-flight task keeps its worker's slot, and its input, until its
+        result comes)."""
         self.requested.discard(pos)
-        self.pending.pop(pos, None)
+        item = self.pending.pop(pos, None)
+        if item is not None and pos in self.inflight:
+            self.orphans[pos] = item
         self.results.pop(pos, None)
         self.deaths.pop(pos, None)
         self.malformed.pop(pos, None)
+        self.unreadable.pop(pos, None)
         self.avoid.pop(pos, None)
 
     def total(self) -> Optional[int]:
         return self.num_seqs
 
     def close(self, workers: Dict[bytes, WorkerState]) -> None:
-        """Forget everything of the run (it ended); workers' slots are freed."""
+        """Forget everything of the run (it ended); workers' slots are freed. The inputs of tasks in
+        flight stay with their workers until each says it dropped the run (`run_dropped`): one
+        reading the server's memory may not have read them yet."""
         for pos, wid in self.inflight.items():
             w = workers.get(wid)
             if w is not None:
                 w.tasks.discard((self.run, pos))
                 if not w.tasks:
                     w.isolating = False
+                item = self.pending.get(pos) or self.orphans.get(pos)
+                if item is not None:
+                    w.retained.setdefault(self.run, []).append(item)
         self.pending.clear()
+        self.orphans.clear()
         self.results.clear()
         self.todo.clear()
         self.inflight.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 
 class Departure(enum.Enum):
@@ -34,7 +34,12 @@ class WorkerState:
     partitions: Set[Tuple[int, int]] = field(default_factory=set)  # (run, partition) of streams run here
     done: int = 0
     isolating: bool = False  # runs one suspect seq alone, so that a crash names the right seq
-    shared_inputs: bool = False  # gets its inputs through shared memory (batches not cut by size)
+    # bytes of inputs per task message: None, dispatch_bytes (the inputs travel in the message);
+    # else what its way of getting them allows (shared memory: a part of the segment; reading the
+    # server's memory: no limit)
+    input_bytes: Optional[float] = None
+    # inputs of tasks in flight when their run ended, by run: kept until the worker drops the run
+    retained: Dict[int, List[Any]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
