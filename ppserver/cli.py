@@ -339,7 +339,11 @@ def _demo(args) -> int:
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_config.py")
     if args.log:
         log_path, keep = args.log, "kept"
-        log_file = open(log_path, "w")
+        try:
+            log_file = open(log_path, "w")
+        except OSError as exc:
+            print(f"ppserver demo: error: cannot write --log {log_path}: {exc.strerror}", file=sys.stderr)
+            return EXIT_CONFIG
     else:
         fd, log_path = tempfile.mkstemp(prefix="ppserver-demo-", suffix=".log")
         keep = "removed at the end unless the demo fails"

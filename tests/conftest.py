@@ -75,16 +75,18 @@ def pytest_runtest_makereport(item, call):
 def no_segment_left_mapped(request) -> Iterator[None]:
     """After each test, neither this process nor a process the test started and left running
     maps a shared-memory segment (memfds never show in /dev/shm, so look at the mappings).
-    Not after a failed test, whose traceback may hold its arrays."""
+    Not after a failed test, whose traceback may hold its arrays; and what was mapped before the
+    test (left by such a failure) is another test's doing."""
     me = os.getpid()
     before = set(children_of(me))
+    mapped_before = mapped_segments()
     yield
     if getattr(request.node, "call_failed", False):
         return
-    mine = mapped_segments()
+    mine = mapped_segments() - mapped_before
     if mine:
         gc.collect()  # arrays in reference cycles
-        mine = mapped_segments()
+        mine = mapped_segments() - mapped_before
     left: Dict[str, Set[int]] = {"this process": mine} if mine else {}
     for pid in set(children_of(me)) - before:
         segments = mapped_segments(pid)
@@ -126,6 +128,17 @@ def _proc_env(cwd: str) -> Optional[dict]:
         [REPO, os.path.join(REPO, "client")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     return env
+
+
+def sitecustomize_env(tmp_path, body: str) -> Dict[str, str]:
+    """Environment for started processes that first run `body` (a patch of a test's making, e.g.
+    to break shared memory), as Python runs a sitecustomize module on its path at start-up."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(body))
+    base = _proc_env(PROC_CWD) or os.environ
+    path = [str(site), REPO, os.path.join(REPO, "client")] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
+    return {"PYTHONPATH": os.pathsep.join(path)}
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +287,18 @@ def assert_same_epoch(got: List[dict], want: List[dict]) -> None:
 # Set while the reference is computed: a mapper that sleeps only to make an epoch last long enough
 # for a fault skips `time.sleep(DELAY)` then (`if not os.environ.get(REFERENCE_RUN)`).
 REFERENCE_RUN = "PPTEST_REFERENCE_RUN"
+
+# A map_seq that takes `delay` seconds per seq in the service (so that a fault lands mid-epoch)
+# and none in the reference run; fill in with SLOW_MAPPER.format(delay=...).
+SLOW_MAPPER = f"""
+import os
+import time
+def map_seq(seq, *, rng, **kwargs):
+    if not os.environ.get("{REFERENCE_RUN}"):
+        time.sleep({{delay}})
+    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
 
 
 def reference(config: str, epoch: int, **kw) -> List[dict]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_same_epoch, collect, numpy_config, read, reference, run_server
+from conftest import REPO, assert_same_epoch, collect, numpy_config, read, reference, run_server, sitecustomize_env
 
 from ppclient import protocol
 from ppserver import cma
@@ -79,14 +78,6 @@ def test_items_by_address_check_and_resolve():
     assert protocol.to_spans([protocol.seq_to_item({"x": np.arange(4)[::2]}, 0)]) is not None  # made contiguous
 
 
-def _sitecustomize(tmp_path, body: str) -> dict:
-    """Environment for a server whose processes first run `body` (a patch of this test's making)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(body))
-    return {"PYTHONPATH": os.pathsep.join([str(site), REPO, os.path.join(REPO, "client")])}
-
-
 def test_local_workers_read_their_inputs_in_the_servers_memory(tmp_path):
     log_path = str(tmp_path / "server.log")
     cfg = numpy_config(tmp_path, MAPPER, n=80, extra="buf_size = 4\n")
@@ -102,7 +93,7 @@ def test_local_workers_read_their_inputs_in_the_servers_memory(tmp_path):
 
 def test_where_memory_cannot_be_read_inputs_come_through_the_ring(tmp_path):
     """A worker whose check fails (as under a ptrace restriction) says why and uses the ring."""
-    env = _sitecustomize(
+    env = sitecustomize_env(
         tmp_path,
         """
         import ppserver.cma
@@ -123,7 +114,7 @@ def test_inputs_that_cannot_be_read_are_redone_and_travel_in_messages_after(tmp_
     """Reads that fail mid-epoch (the server's memory gone from under a worker): the worker
     reports the tasks, the server redoes them, and that worker gets its inputs in the messages
     from then on. The epoch is exact."""
-    env = _sitecustomize(
+    env = sitecustomize_env(
         tmp_path,
         """
         import ppserver.cma

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import (
     REPO,
+    SLOW_MAPPER,
     assert_same_epoch,
     children_of,
     collect,
@@ -28,21 +29,12 @@ from conftest import (
     reference,
     run_server,
     run_worker_host,
+    sitecustomize_env,
     wait_for,
     wait_gone,
 )
 
 import ppclient
-
-SLOW = """
-import os
-import time
-def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
-        time.sleep({delay})
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
 
 
 def shm_files() -> set:
@@ -56,7 +48,7 @@ def test_every_data_path_gives_the_reference_epoch(tmp_path, extra):
     """Direct with shared memory (the default), direct over sockets, through the server with
     shared inputs, through the server over sockets: the same bytes."""
     log_path = str(tmp_path / "server.log")
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=120, extra="buf_size = 4\n" + extra)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=120, extra="buf_size = 4\n" + extra)
     with run_server(cfg, workers=2, log_path=log_path) as srv, srv.client() as c:
         got = {e: collect(c.epoch(e)) for e in (1, 2)}
         status = c.status()
@@ -72,7 +64,7 @@ def test_every_data_path_gives_the_reference_epoch(tmp_path, extra):
 
 def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
     """Arrays from shared memory can be written to and outlive the epoch and the client."""
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=60, extra="buf_size = 4\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=60, extra="buf_size = 4\n")
     with run_server(cfg, workers=2) as srv:
         with srv.client() as c:
             kept = collect(c.epoch(1))
@@ -83,15 +75,21 @@ def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
 
 
 @contextmanager
-def client_holding(address: str, n: int, epoch: int) -> Iterator[subprocess.Popen]:
-    """A client in another process holding the first n seqs of `epoch`; killed with -9 at the end."""
+def client_holding(address: str, n: int, epoch: int, window: int = 32) -> Iterator[subprocess.Popen]:
+    """A client in another process holding the first n seqs of `epoch`; killed with -9 at the end.
+    `proc.shared` tells how many of them are in shared memory."""
     code = textwrap.dedent(
         f"""
-        import sys
+        import mmap, sys
+        import numpy as np
         from ppclient import Client
-        c = Client({address!r}, timeout=30)
+        def shared(a):
+            while isinstance(a, np.ndarray) and a.base is not None:
+                a = a.base
+            return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+        c = Client({address!r}, timeout=30, window={window})
         held = [s for _, s in zip(range({n}), c.epoch({epoch}))]
-        print("holding", len(held), flush=True)
+        print("holding", len(held), sum(shared(s["data"]) for s in held), flush=True)
         sys.stdin.readline()
         """
     )
@@ -100,7 +98,9 @@ def client_holding(address: str, n: int, epoch: int) -> Iterator[subprocess.Pope
     )
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == f"holding {n}"  # (the client's own timeout bounds the wait)
+        words = proc.stdout.readline().split()  # (the client's own timeout bounds the wait)
+        assert words[:2] == ["holding", str(n)], words
+        proc.shared = int(words[2])  # type: ignore[attr-defined]
         yield proc
     finally:
         proc.kill()
@@ -123,7 +123,7 @@ def test_killed_workers_and_client_leave_no_segment_behind(tmp_path):
     gone. Nothing ever appears in /dev/shm."""
     before = shm_files()
     log_path = str(tmp_path / "server.log")
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=200, extra="buf_size = 4\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.005), n=200, extra="buf_size = 4\n")
     with run_server(cfg, workers=2, log_path=log_path) as srv:
         with srv.client() as c:
             for epoch in (1, 3):
@@ -187,7 +187,7 @@ def test_a_client_binds_its_result_socket_where_it_is_told(tmp_path):
     """direct="tcp://HOST:PORT" (a port a firewall lets through): workers send there; a bad
     value is a UsageError before anything is sent."""
     log_path = str(tmp_path / "server.log")
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=40, extra="buf_size = 4\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=40, extra="buf_size = 4\n")
     port = free_port()
     with run_server(cfg, workers=2, log_path=log_path) as srv:
         with pytest.raises(ppclient.UsageError, match="direct"):
@@ -203,7 +203,7 @@ def test_direct_results_lost_at_the_end_of_an_epoch_are_made_again(tmp_path):
     a cut link would drop them), although the server heard they were done: the client reports
     them missing, the server still holds their inputs and sends them itself."""
     n = 30
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=n, extra="buf_size = 2\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=n, extra="buf_size = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client(timeout=60) as c:
         first = collect(c.epoch(0))  # both workers reach the client directly from now on
         receive = c._recv
@@ -267,10 +267,7 @@ def test_without_shared_memory_results_take_sockets_and_the_log_says_why(tmp_pat
     """memfds refused in the server and its workers, no memory for their segments, or a client that
     cannot map a worker's segment: the epoch is exact over sockets, nothing crashes or respawns,
     and the log says why in one line per process."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {"PPTEST_BREAK_SHM": broken, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = {"PPTEST_BREAK_SHM": broken, **sitecustomize_env(tmp_path, SITECUSTOMIZE)}
     if broken == "client":
 
         def refuse(descriptor):
@@ -278,7 +275,7 @@ def test_without_shared_memory_results_take_sockets_and_the_log_says_why(tmp_pat
 
         monkeypatch.setattr(ppclient.shm, "_map", refuse)
     log_path = str(tmp_path / "server.log")
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=60, extra="buf_size = 4\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=60, extra="buf_size = 4\n")
     with run_server(cfg, workers=2, log_path=log_path, env=env) as srv, srv.client() as c:
         with caplog.at_level("WARNING", logger="ppclient"):
             got = collect(c.epoch(1))
@@ -328,7 +325,9 @@ def test_a_killed_server_leaves_nothing_mapped_and_a_client_killed_meanwhile_blo
             assert any(is_shared(seq["data"]) for seq in got)
             del got
             wait_for(lambda: len(mapped_segments(worker)) == 2, 10, "the worker to map the server's input segment")
-            with client_holding(address, 12, epoch=2):
+            # a window of 12: the seqs it holds are all it is sent, and they fit the empty segment
+            with client_holding(address, 12, epoch=2, window=12) as holder:
+                assert holder.shared > 0  # type: ignore[attr-defined]  # (the first may come before its route)
                 srv.proc.kill()
                 srv.proc.wait(timeout=10)
                 assert wait_gone(local, 10.0) == []  # local workers follow their server
@@ -345,9 +344,10 @@ def test_a_killed_server_leaves_nothing_mapped_and_a_client_killed_meanwhile_blo
                     assert_same_epoch([dict(seq)], want[i : i + 1])
             assert len(shared) == len(want)
             del seq
-            # once the worker heard the client, every result came through shared memory (the dead
-            # client's 12 blocks, left in the segment, would have sent all but a few over the socket)
-            assert True in shared and all(shared[shared.index(True) :]), shared
+            # most results came through shared memory (the dead client's blocks, left in the 1 MiB
+            # segment, would have sent all but a few over the socket; a seq sent while the segment
+            # is full of ones this client still holds may take the socket)
+            assert sum(shared) >= len(shared) // 2, shared
             assert mapped_segments() == set()
     assert "(shared memory)" in read(wlog)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import REPO
 
 import ppclient
 
@@ -14,8 +15,6 @@ except ImportError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 pytestmark = pytest.mark.unit
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_ppserver_requires_the_ppclient_of_its_version():

@@ -17,6 +17,7 @@ import zmq
 from conftest import (
     DATA_PATHS,
     REPO,
+    SLOW_MAPPER,
     assert_data_path,
     assert_same_epoch,
     collect,
@@ -33,20 +34,11 @@ from conftest import (
 import ppclient
 from ppclient import keyfiles, protocol, wire
 
-SLOW = """
-import os
-import time
-def map_seq(seq, *, rng, **kwargs):
-    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
-        time.sleep({delay})
-    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
-    return seq
-"""
 FAST_HB = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.5\n"
 
 
 def test_worker_host_joins_mid_epoch_and_leaves_on_sigterm(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=240, extra=FAST_HB + "buf_size = 2\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=240, extra=FAST_HB + "buf_size = 2\n")
     slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
     with run_server(cfg, workers=1, log_path=slog) as srv, srv.client() as c:
         got = []
@@ -74,7 +66,7 @@ def test_worker_host_joins_mid_epoch_and_leaves_on_sigterm(tmp_path):
 
 
 def test_worker_started_before_server_waits_and_joins(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=30, extra=FAST_HB)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=30, extra=FAST_HB)
     port = free_port()
     wlog = str(tmp_path / "worker.log")
     address = f"tcp://127.0.0.1:{port}"
@@ -87,8 +79,8 @@ def test_worker_started_before_server_waits_and_joins(tmp_path):
 
 
 def test_config_fingerprint_mismatch_is_refused(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=10)
-    other = numpy_config(tmp_path, SLOW.format(delay=0.0) + "# edited\n", n=10, name="other.py")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=10)
+    other = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0) + "# edited\n", n=10, name="other.py")
     slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
     with run_server(cfg, workers=1, log_path=slog) as srv:
         with run_worker_host(other, srv.address, procs=1, log_path=wlog) as host:
@@ -106,7 +98,7 @@ def _worker_endpoint(srv) -> str:
 
 
 def test_worker_protocol_mismatch_is_refused(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=5)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=5)
     with run_server(cfg, workers=1) as srv:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -154,7 +146,7 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
         assert res.returncode == 0, res.stderr
     # the stranger knows the server's public key, but its own key is not authorised
     shutil.copy(os.path.join(good, "server.key"), os.path.join(bad, "server.key"))
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=12)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=12)
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=2, extra=["--keys", good], log_path=slog, wait_workers=False) as srv:
         with ppclient.Client(srv.address, keys=good, timeout=20) as c:
@@ -184,7 +176,7 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
 
 
 def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=6)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=6)
     res = subprocess.run(
         [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://0.0.0.0:0"],
         capture_output=True,
@@ -278,7 +270,7 @@ def _mutate(rng: random.Random, msg):
 
 
 def test_fuzzed_frames_never_break_the_server(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=30, extra="max_message_bytes = 65536\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=30, extra="max_message_bytes = 65536\n")
     rng = random.Random(1234)
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=1, log_path=slog) as srv:
@@ -341,7 +333,7 @@ def test_curve_keys_in_flat_directories(tmp_path):
         shutil.copy(os.path.join(made, name), server_dir / name)
     for name in ("client.key", "client.key_secret", "server.key"):
         shutil.copy(os.path.join(made, name), worker_dir / name)
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.0), n=8)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=8)
     with run_server(cfg, workers=0, extra=["--keys", str(server_dir)], wait_workers=False) as srv:
         with run_worker_host(cfg, srv.address, procs=1, extra=["--keys", str(worker_dir)]):
             with ppclient.Client(srv.address, keys=str(worker_dir), timeout=20) as c:
@@ -416,7 +408,7 @@ class _Forwarder:
 def test_reset_worker_connection_loses_nothing(tmp_path, path):
     """A reset shorter than the heartbeat timeout drops queued messages; the worker registers afresh
     and its seqs are redone at once."""
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=200, extra="buf_size = 4\n" + DATA_PATHS[path])
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=200, extra="buf_size = 4\n" + DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=0, log_path=slog, wait_workers=False) as srv:
         port = int(_worker_endpoint(srv).rsplit(":", 1)[1])

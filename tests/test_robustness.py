@@ -7,6 +7,7 @@ real sockets) on loopback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ import zmq
 from conftest import (
     DATA_PATHS,
     REPO,
+    SLOW_MAPPER,
     assert_data_path,
     assert_same_epoch,
     children_of,
@@ -39,16 +41,6 @@ from conftest import (
 import ppclient
 from ppclient import protocol
 from ppclient.protocol import Channel, Peer
-
-SLOW = """
-import os
-import time
-def map_seq(seq, *, rng, **kwargs):
-    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
-        time.sleep({delay})
-    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
-    return seq
-"""
 
 # A corpus whose reads can be made slow or stuck, from a module next to the config.
 DATA_MODULE = """
@@ -218,7 +210,7 @@ def test_results_with_large_headers_travel_in_several_messages(tmp_path):
 
 # ---- 4. a refused epoch request leaves the running epoch alone ---------------------------------------
 def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.01), n=60)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=60)
     with run_server(cfg, workers=2) as srv, srv.client(timeout=20) as a, srv.client(timeout=20) as b:
         it = a.epoch(1)
         got = [next(it) for _ in range(5)]
@@ -246,7 +238,7 @@ def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
     ],
 )
 def test_bad_address_or_keys_is_one_line_and_exit_2(tmp_path, argv):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=3)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
     argv = [cfg if a == "CONFIG" else a for a in argv]
     res = subprocess.run(
         [sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=30, cwd=REPO
@@ -259,7 +251,7 @@ def test_bad_address_or_keys_is_one_line_and_exit_2(tmp_path, argv):
 
 
 def test_worker_process_with_a_bad_address_exits_2(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=3)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
     res = subprocess.run(
         [sys.executable, "-m", "ppserver.worker", cfg, "--connect", "garbage"],
         capture_output=True,
@@ -358,7 +350,7 @@ def fake_worker(srv, c, cfg: str, workers: int, breaks=FakeWorker.BREAKS) -> Ite
 
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path, path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=60, extra="buf_size = 2\n" + DATA_PATHS[path])
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.005), n=60, extra="buf_size = 2\n" + DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=1, log_path=slog) as srv, srv.client(timeout=20) as c:
         with fake_worker(srv, c, cfg, 2) as fake:
@@ -371,7 +363,7 @@ def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path, pa
 
 
 def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=10, extra="max_seq_retries = 3\n")
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
         with fake_worker(srv, c, cfg, 1):
             with pytest.raises(ppclient.MapperError, match="3 malformed results") as info:
@@ -380,7 +372,7 @@ def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
 
 
 def test_undecodable_results_are_redone_elsewhere(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.005), n=40, extra="buf_size = 2\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.005), n=40, extra="buf_size = 2\n")
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
         with fake_worker(srv, c, cfg, 2, breaks=("undecodable",)) as fake:
             got = collect(c.epoch(1))
@@ -392,7 +384,7 @@ def test_undecodable_results_are_redone_elsewhere(tmp_path):
 
 
 def test_seq_with_only_undecodable_results_fails_naming_it(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=10, extra="max_seq_retries = 3\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=10, extra="max_seq_retries = 3\n")
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
         with fake_worker(srv, c, cfg, 1, breaks=("undecodable",)):
             with pytest.raises(ppclient.MapperError, match=r"3 malformed results \(header of \d+ bytes") as info:
@@ -402,7 +394,7 @@ def test_seq_with_only_undecodable_results_fails_naming_it(tmp_path):
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------
 def test_control_junk_of_many_frames_does_not_grow_the_server(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0), n=8)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=8)
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
         c.status()
         before = rss_kib(srv.proc.pid)
@@ -457,12 +449,13 @@ def test_server_killed_during_a_slow_seq_is_unavailable_not_stuck(tmp_path):
             next(it)
         assert time.monotonic() - start < 6
         for pid in stuck:  # its worker sits in the mapper for a minute yet: not what this test is about
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---- 9. superseded by another client's request --------------------------------------------------------
 def test_superseded_epoch_raises_at_once(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW.format(delay=0.02), n=200)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.02), n=200)
     with run_server(cfg, workers=2) as srv, srv.client(timeout=30) as a, srv.client(timeout=30) as b:
         old = a.epoch(1)
         next(old)

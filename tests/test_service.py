@@ -12,7 +12,9 @@ import pytest
 import zmq
 from conftest import (
     DATA_PATHS,
+    REFERENCE_RUN,
     REPO,
+    SLOW_MAPPER,
     assert_data_path,
     assert_same_epoch,
     children_of,
@@ -35,16 +37,6 @@ from ppserver.scheduler import Settings
 NOISY_MAP_SEQ = """
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
     seq["data"] = seq["data"] * 2 + rng.randn(*seq["data"].shape).astype("float32")
-    return seq
-"""
-
-SLOW_MAP_SEQ = """
-import os
-import time
-def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    if not os.environ.get("PPTEST_REFERENCE_RUN"):  # (tests/conftest.py: reference)
-        time.sleep({delay})
-    seq["data"] = seq["data"] + rng.randn(*seq["data"].shape).astype("float32")
     return seq
 """
 
@@ -131,7 +123,7 @@ def test_seq_list_and_seq_order(tmp_path):
 
 def test_new_epoch_cancels_old_feeder(tmp_path):
     # 200 seqs x 50 ms on 2 workers: finishing the old epoch would take 5 s.
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200, extra="buf_size = 8\n")
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=200, extra="buf_size = 8\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         old = c.epoch(1)
         first = [next(old) for _ in range(5)]
@@ -266,7 +258,7 @@ def test_mapper_must_accept_kwargs(tmp_path):
 
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.01), n=150, extra="buf_size = 4\n" + DATA_PATHS[path])
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=150, extra="buf_size = 4\n" + DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=2, log_path=slog) as srv, srv.client() as c:
         pids = srv.worker_pids()
@@ -283,14 +275,13 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
 
 SLOW_STREAM_MAPPER = "import os\n" + STREAM_MAPPER.replace(
     "for n, seq in enumerate(seqs):",
-    "for n, seq in enumerate(seqs):\n        if not os.environ.get('PPTEST_REFERENCE_RUN'):\n"
+    f"for n, seq in enumerate(seqs):\n        if not os.environ.get('{REFERENCE_RUN}'):\n"
     "            __import__('time').sleep(0.01)",
 )
 
 
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
-    slow_stream = SLOW_STREAM_MAPPER
-    cfg = numpy_config(tmp_path, slow_stream, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
+    cfg = numpy_config(tmp_path, SLOW_STREAM_MAPPER, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
         got = collect_with(c.epoch(1), {15: lambda: os.kill(pids[1], signal.SIGKILL)})
@@ -299,7 +290,7 @@ def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
 
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_server_killed_client_raises_unavailable(tmp_path, path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=200, extra=DATA_PATHS[path])
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=200, extra=DATA_PATHS[path])
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=2, log_path=slog) as srv:
         kids = children_of(srv.proc.pid)
@@ -324,7 +315,7 @@ def test_server_killed_client_raises_unavailable(tmp_path, path):
 
 
 def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
-    cfg = numpy_config(tmp_path, SLOW_MAP_SEQ.format(delay=0.05), n=100)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=100)
     for sig in (signal.SIGTERM, signal.SIGINT):
         with run_server(cfg, workers=2) as srv, srv.client() as c:
             it = c.epoch(1)
@@ -613,8 +604,9 @@ def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
 
 
 def test_stream_partition_survives_repeated_kills(tmp_path):
-    slow_stream = SLOW_STREAM_MAPPER
-    cfg = numpy_config(tmp_path, slow_stream, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n")
+    cfg = numpy_config(
+        tmp_path, SLOW_STREAM_MAPPER, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n"
+    )
     with run_server(cfg, workers=1) as srv, srv.client() as c:
 
         def crash():
