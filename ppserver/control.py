@@ -54,7 +54,7 @@ class Control:
         if isinstance(msg, protocol.Missing):
             return None, self._handle(ev.MissingReported(now, ident, msg.run, msg.pos))
         if isinstance(msg, protocol.BatchSize):
-            return None, self._handle(ev.BatchSizeProposed(now, ident, msg.run, msg.index, msg.size))
+            return None, self._handle(ev.BatchSizeProposed(now, ident, msg.run, msg.index, msg.size, msg.start))
         if isinstance(msg, protocol.ClientAlive):
             return None, self._handle(ev.ConsumerAlive(now, msg.consumer))
         if isinstance(msg, protocol.ClientClosed):

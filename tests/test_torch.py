@@ -6,15 +6,16 @@ import copy
 import gc
 import importlib
 import threading
+import time
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import pytest
-from conftest import assert_same_epoch, have_modules, numpy_config, reference, run_server, write_config
+from conftest import assert_same_epoch, have_modules, numpy_config, reference, run_server, wait_for, write_config
 
 from ppclient.client import EpochIterator
-from ppclient.errors import UsageError
+from ppclient.errors import Superseded, UsageError
 
 # torch loads when a test first uses it, so collecting this module (e.g. for `-m unit`) stays cheap
 pytestmark = pytest.mark.skipif(not have_modules("torch", "torchdata"), reason="needs torch and torchdata")
@@ -47,6 +48,56 @@ def map_seq(seq, *, rng, **kwargs):
 
 def as_numpy(seq: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in seq.items()}
+
+
+# DataLoader workers of a loader started in a rank thread come from a forkserver: forked while
+# other threads run (the other rank, clients' keepalive threads), a worker could inherit a lock
+# held by one of them and hang. "spawn" is as safe, but each of its workers imports torch again
+# (about 25 s more for the rank tests here on 2 busy cores); the forkserver imports it once.
+START_METHOD = "forkserver"
+
+
+def from_thread(workers: int) -> Dict[str, Any]:
+    """DataLoader arguments for `workers` workers of a loader started from a rank thread."""
+    if not workers:
+        return {}
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(START_METHOD)
+    ctx.set_forkserver_preload(["torch", "ppclient.torch"])  # (once it runs, this changes nothing)
+    return {"num_workers": workers, "multiprocessing_context": ctx}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver_reaped() -> Iterator[None]:
+    """The forkserver the rank tests started ends with this module, reaped."""
+    yield
+    from multiprocessing import forkserver
+
+    # (as CPython's own tests do: it is told to exit, and waited for)
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+
+
+def run_ranks(world: int, rank_main: Callable[[int], Any]) -> Tuple[Dict[int, Any], Dict[int, str]]:
+    """`rank_main(rank)` for every rank at once, each in a thread (as DDP ranks pull): what each
+    returned, and the error of each that raised."""
+    got: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+
+    def main(rank: int) -> None:
+        try:
+            got[rank] = rank_main(rank)
+        except Exception as exc:  # (the test asserts on it)
+            errors[rank] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    for t in threads:
+        t.join(timeout=max(deadline - time.monotonic(), 0))
+    assert not any(t.is_alive() for t in threads), f"a rank still runs after 120 s (errors: {errors})"
+    return got, errors
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +135,13 @@ def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
 def test_loader_workers_take_subshards_and_the_loader_yields_epoch_order(server, world, workers):
     srv, cfg = server
     want = reference(cfg, 1)
-    got: Dict[int, List[Dict[str, Any]]] = {}
 
-    def rank_main(rank: int) -> None:  # the ranks pull at once, as DDP ranks do
+    def rank_main(rank: int) -> List[Dict[str, Any]]:
         ds = pptorch.ServerDataset(srv.address, job=f"t2-{world}-{workers}", rank=rank, world_size=world, epoch=1)
-        got[rank] = [as_numpy(s) for s in data.DataLoader(ds, batch_size=None, num_workers=workers)]
+        return [as_numpy(s) for s in data.DataLoader(ds, batch_size=None, **from_thread(workers))]
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    got, errors = run_ranks(world, rank_main)
+    assert not errors, errors
     for rank in range(world):
         assert_same_epoch(got[rank], want[rank : len(want) // world * world : world])
 
@@ -185,20 +232,15 @@ def test_ranks_batching_by_frames_agree_on_every_batch_size(server, workers, buc
     # cut alone, the two shards of epoch 7 make 7 and 8 batches of at most 150 frames (DDP would hang)
     srv, cfg = server
     want = reference(cfg, 7)
-    got: Dict[int, List[Dict[str, Any]]] = {}
 
-    def rank_main(rank: int) -> None:
+    def rank_main(rank: int) -> List[Dict[str, Any]]:
         ds = pptorch.ServerDataset(
             srv.address, job=f"t11-{workers}", rank=rank, world_size=2, epoch=7, batch_frames=150, bucket_window=bucket
         )
-        got[rank] = list(data.DataLoader(ds, batch_size=None, num_workers=workers))
+        return list(data.DataLoader(ds, batch_size=None, **from_thread(workers)))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads) and sorted(got) == [0, 1]
+    got, errors = run_ranks(2, rank_main)
+    assert not errors, errors
     sizes = [[len(b["seq_tag"]) for b in got[rank]] for rank in range(2)]
     assert sizes[0] == sizes[1]  # as many batches, and as many seqs in each: the ranks stay in step
     length = {s["seq_tag"]: s["data"].shape[0] for s in want}
@@ -310,3 +352,182 @@ def test_rank_and_world_come_from_the_environment(monkeypatch, server):
     monkeypatch.setenv("WORLD_SIZE", "3")
     ds = pptorch.ServerDataset(srv.address)
     assert (ds.rank, ds.world_size) == (1, 3)
+
+
+# ---- batch sizes agreed among readers: pauses, uneven lengths, resumes ------------------------
+UNEVEN = """
+import numpy as np
+# even positions are 1 frame long, odd ones 30 to 60: of 2 readers (2 ranks, or 2 loader workers),
+# one fits about 200 seqs in a batch of 200 frames, the other 3 to 6
+SEQS = [{"data": np.full((1 if i % 2 == 0 else 30 + i * 7 % 31, 4), i, "float32")} for i in range(400)]
+dataset = {"class": "NumpyDataset", "seqs": SEQS}
+def map_seq(seq, **kwargs):
+    return seq
+heartbeat_interval = 0.2
+"""
+TIMEOUT = 2.0  # the clients' (keepalives come every 0.2 s)
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    cfg = write_config(tmp_path_factory.mktemp("uneven"), UNEVEN)
+    with run_server(cfg, workers=1) as srv:
+        yield srv, cfg
+
+
+def tags_of(batches: List[Dict[str, Any]]) -> List[List[str]]:
+    return [b["seq_tag"] for b in batches]
+
+
+@pytest.mark.parametrize("bucket", [1, 5])
+def test_a_loop_paused_longer_than_the_timeout_fails_no_reader(uneven, bucket):
+    srv, cfg = uneven
+    ds = pptorch.ServerDataset(
+        srv.address, job=f"t14-{bucket}", batch_frames=200, bucket_window=bucket, window=4, timeout=TIMEOUT
+    )
+    got = []
+    for i, batch in enumerate(data.DataLoader(ds, batch_size=None, num_workers=2)):
+        got += batch["seq_tag"]
+        if i == 0:  # a validation pass: worker 0 goes on to its batch 2, worker 1 is asked for nothing;
+            time.sleep(1.5 * TIMEOUT)  # worker 0 waits for its seqs (worker 1's window is full), then its size
+    assert sorted(got) == sorted(s["seq_tag"] for s in reference(cfg, 1))
+
+
+def test_readers_whose_batches_differ_greatly_in_seqs_agree_holding_about_one_batch(uneven, monkeypatch):
+    srv, cfg = uneven
+    most = [0]  # seqs a reader held while it waited for a batch size, at most
+    top_up = EpochIterator._top_up
+
+    def recorded(it, held=0, end=False):
+        most[0] = max(most[0], held)
+        return top_up(it, held, end)
+
+    monkeypatch.setattr(EpochIterator, "_top_up", recorded)
+
+    def rank_main(rank: int) -> List[List[str]]:  # rank 0 gets the 1-frame seqs, rank 1 the long ones
+        ds = pptorch.ServerDataset(srv.address, job="t15", rank=rank, world_size=2, batch_frames=200, timeout=TIMEOUT)
+        return tags_of(list(data.DataLoader(ds, batch_size=None)))
+
+    got, errors = run_ranks(2, rank_main)
+    assert not errors, errors
+    assert [len(b) for b in got[0]] == [len(b) for b in got[1]]
+    want = [s["seq_tag"] for s in reference(cfg, 1)]
+    for rank in range(2):
+        assert [tag for batch in got[rank] for tag in batch] == want[rank::2]
+    # rank 1 waits while rank 0 receives the 201 seqs it needs to propose (the next one does not
+    # fit): it holds about as many of its own, plus its window (32)
+    assert 150 < most[0] <= 201 + 2 * 32
+
+
+def test_a_rank_that_leaves_releases_the_others(uneven):
+    srv, cfg = uneven
+
+    def rank_main(rank: int) -> List[List[str]]:
+        ds = pptorch.ServerDataset(
+            srv.address, job="t20", rank=rank, world_size=2, batch_frames=200, window=4, timeout=TIMEOUT
+        )
+        batches = iter(data.DataLoader(ds, batch_size=None))
+        if rank == 0:
+            return tags_of(list(batches))
+        got = tags_of([next(batches) for _ in range(2)])
+        ds.close()  # the rank exits: its batch sizes are not waited for
+        return got
+
+    got, errors = run_ranks(2, rank_main)
+    assert not errors, errors
+    assert [tag for batch in got[0] for tag in batch] == [s["seq_tag"] for s in reference(cfg, 1)][0::2]
+    assert len(got[0]) > 2 and len(got[0][2]) > len(got[0][0])  # then on alone, with its own batch sizes
+
+
+def _loader(address: str, bucket: int, state: Any = None) -> Any:
+    opts = dict(job=f"t16-{bucket}", batch_frames=200, bucket_window=bucket, timeout=TIMEOUT)
+    loader = stateful.StatefulDataLoader(pptorch.ServerDataset(address, **opts), batch_size=None, num_workers=2)
+    if state is not None:
+        loader.load_state_dict(state)
+    return loader
+
+
+@pytest.mark.parametrize("bucket", [1, 5])
+def test_a_loader_resumes_exactly_after_its_clients_timed_out(uneven, bucket):
+    srv, _ = uneven
+    straight = tags_of(list(_loader(srv.address, bucket)))
+    loader = _loader(srv.address, bucket)
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]  # worker 0 is a batch ahead of worker 1
+    state = copy.deepcopy(loader.state_dict())
+    del it, loader  # the trainer dies: its loader's workers with it, their clients unclosed
+    gc.collect()
+
+    def clients() -> int:
+        with srv.client(timeout=10) as c:
+            return c.status()["job"]["clients"]
+
+    wait_for(lambda: clients() == 0, 30, "the server to count the dead loader's clients gone")
+    rest = tags_of(list(_loader(srv.address, bucket, state)))
+    assert tags_of(first) + rest == straight
+
+
+@pytest.mark.parametrize("bucket", [1, 5])
+def test_a_loader_resumes_exactly_from_a_restarted_server(uneven, bucket):
+    _, cfg = uneven
+    with run_server(cfg, workers=1) as srv:
+        loader = _loader(srv.address, bucket)
+        it = iter(loader)
+        first = tags_of([next(it) for _ in range(3)])  # worker 0 is a batch ahead of worker 1
+        state = copy.deepcopy(loader.state_dict())
+        straight = first + tags_of(list(it))
+    with run_server(cfg, workers=1) as srv:  # it knows no batch size of the epoch
+        assert first + tags_of(list(_loader(srv.address, bucket, state))) == straight
+
+
+def test_a_state_from_an_epochs_end_without_set_epoch_reads_that_epoch_again(server):
+    srv, cfg = server
+    ds = pptorch.ServerDataset(srv.address, job="t17")
+    loader = stateful.StatefulDataLoader(ds, batch_size=None)
+    ds.set_epoch(4)
+    assert_same_epoch([as_numpy(s) for s in loader], reference(cfg, 4))
+    at_end = copy.deepcopy(loader.state_dict())  # of epoch 4; the constructor's epoch is 1
+    ds = pptorch.ServerDataset(srv.address, job="t17")
+    loader = stateful.StatefulDataLoader(ds, batch_size=None)
+    loader.load_state_dict(at_end)
+    for _ in range(2):  # as the uninterrupted loader without set_epoch: epoch 4 again, and again
+        assert_same_epoch([as_numpy(s) for s in loader], reference(cfg, 4))
+        assert ds.epoch == 4
+
+
+def test_a_dataset_whose_rank_changes_closes_its_client_of_the_old_rank(server, monkeypatch):
+    srv, _ = server
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ds = pptorch.ServerDataset(srv.address, job="t18")
+    it = iter(data.DataLoader(ds, batch_size=None))
+    next(it)  # its client reads, as rank 0 of 1
+    old = ds._client
+    monkeypatch.setenv("RANK", "1")  # e.g. torch.distributed is initialised by now
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds.set_epoch(1)
+    new = ds._client_for(0, 1)  # what the next iteration reads with
+    assert old is not None and new is not old and old._ctx.closed
+
+    def clients() -> int:
+        with srv.client(timeout=10) as c:
+            return c.status()["job"]["clients"]
+
+    # else it would hold the job (world_size 1) for as long as this process runs
+    wait_for(lambda: clients() == 0, 10, "the server to hear that the old client closed")
+    ds.close()
+
+
+def test_a_stream_that_fails_closes_its_client(server):
+    srv, cfg = server
+    ds = pptorch.ServerDataset(srv.address, job="t19", epoch=2)
+    it = iter(data.DataLoader(ds, batch_size=None))
+    next(it)
+    again = pptorch.ServerDataset(srv.address, job="t19", epoch=2)
+    taken_over = [as_numpy(s) for s in data.DataLoader(again, batch_size=None)]
+    assert_same_epoch(taken_over, reference(cfg, 2))  # the same rank asked again: the first one is superseded
+    with pytest.raises(Superseded):
+        for _ in range(40):
+            next(it)
+    assert ds._client is None  # closed: no keepalives hold its place in the job
+    with pytest.raises(Superseded):
+        next(it)  # and the error stays

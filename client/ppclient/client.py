@@ -6,9 +6,11 @@ An epoch's seqs arrive on a DEALER socket: the client grants the server credit f
 `window` seqs and tops it up as it consumes them, so the server never sends more than
 the trainer takes. While a run is live the server sends a keepalive every heartbeat
 interval, which tells a slow epoch (an Error naming what it waits for) from a dead server
-(ServerUnavailable). A small thread with its own socket tells the server, about once a
-second, that this client lives, so a trainer busy with something else for a while (a
-validation pass, a checkpoint) keeps its shard and its job.
+(ServerUnavailable); a wait for other readers of the job whose clients live (their batch
+sizes, or room in their windows) is neither, and lasts as long as they do. A small thread
+with its own socket tells the server, about once a second, that this client lives, so a
+trainer busy with something else for a while (a validation pass, a checkpoint) keeps its
+shard and its job.
 """
 
 from __future__ import annotations
@@ -550,8 +552,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self.num_seqs: Optional[int] = None
         self.fingerprint = ""
         self._consumed = 0
-        self._ungranted = 0
-        self._granted = 0
+        self._granted = 0  # credit granted so far (cumulative)
+        self._told = 0  # seqs taken, as the server last heard it
         self._done = False
         self._end: Optional[int] = None  # seqs the epoch has for this iterator, once End came
         self._error: Optional[Error] = None
@@ -599,35 +601,51 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def __iter__(self) -> EpochIterator:
         return self
 
-    def agree(self, index: int, size: int, wait: bool = True) -> int:
+    def agree(self, index: int, size: int, start: int, wait: bool = True) -> int:
         """The size of batch `index` (of the epoch, from 0) for every reader of the job: this reader
         proposes `size` seqs (as many of its next ones as fit its batch; 0: it has none left), and
         the server answers with the smallest size proposed by a reader with seqs left, once every
-        such reader has proposed. Used by readers that batch by frames (ppclient.torch), so that
-        all of them take the same number of seqs per batch and cut the same number of batches.
-        `wait=False`: only propose (a reader with no seqs left need not hear the answer)."""
+        such reader has proposed. `start`: the seqs this reader took in its batches before this
+        one (the same in every reader; it tells a reader resumed behind the others the size they
+        took). Used by readers that batch by frames (ppclient.torch), so that all of them take
+        the same number of seqs per batch and cut the same number of batches.
+        `wait=False`: only propose (a reader with no seqs left need not hear the answer).
+
+        While it waits, the seqs that come keep their credit: the other readers may need many
+        more seqs than this one to propose (short seqs), and the server releases seqs in epoch
+        order. So this reader holds about as many seqs as the others take for this batch."""
         if self._error is not None:
             raise self._error
         _int_arg("index", index, 0)
         _int_arg("size", size, 0)
-        self._sock.send_multipart(
-            [protocol.DELIMITER, *protocol.encode(protocol.BatchSize(run=self.run, index=index, size=size))]
-        )
+        _int_arg("start", start, 0)
+        proposal = protocol.BatchSize(run=self.run, index=index, size=size, start=start)
+        self._sock.send_multipart([protocol.DELIMITER, *protocol.encode(proposal)])
         if not wait:
             return size
         while index not in self._agreed:
-            self._receive(f"batch {index}")
+            self._receive("batch", index)
+            self._top_up(held=len(self._buffer))
         return self._agreed.pop(index)
 
     def _grant(self, n: int) -> None:
         """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
         self._granted += n
+        self._told = self._consumed
         self._sock.send_multipart(
             [
                 protocol.DELIMITER,
                 *protocol.encode(protocol.Credit(run=self.run, total=self._granted, consumed=self._consumed)),
             ]
         )
+
+    def _top_up(self, held: int = 0, end: bool = False) -> None:
+        """Credit for `window` seqs beyond those taken (and the `held` ones received meanwhile),
+        granted half a window at a time, with the number taken (also `end`: at the end)."""
+        window, taken = self._client.window, self._consumed - self._told
+        due = self._consumed + held + window - self._granted
+        if due * 2 >= window or taken * 2 >= window or (end and taken):
+            self._grant(max(due, 0))
 
     def _supersede(self, message: str) -> None:
         if self._error is None and not self._finished():
@@ -657,24 +675,21 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         expected = self._expected
         while expected not in self._buffer:
             if self._finished():
-                if self._ungranted:
-                    self._grant(self._ungranted)
-                    self._ungranted = 0
+                self._top_up(end=True)
                 self._client._inbox.pop(self.run, None)
                 raise StopIteration
             self._receive("progress")
         item = self._buffer.pop(expected)
         seq = protocol.item_to_seq(item)
         self._consumed += 1
-        self._ungranted += 1
-        if self._ungranted * 2 >= self._client.window or (self._ungranted and self._finished()):
-            self._grant(self._ungranted)  # and, at the end, tells the server how many were taken
-            self._ungranted = 0
+        self._top_up(end=self._finished())  # (at the end, tells the server how many were taken)
         return seq
 
-    def _receive(self, what: str) -> None:
-        """Take the next message of this run; raise when none comes within the timeout. Waiting for
-        a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost)."""
+    def _receive(self, what: str, batch: int = 0) -> None:
+        """Take the next message of this run (`what`: "started", "progress", or "batch": the size
+        of batch `batch`); raise when none comes within the timeout. Keepalives that say the run
+        waits for other readers whose clients live extend it: a paused reader fails no one. Waiting
+        for a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost)."""
         timeout = self._client.timeout
         began = time.monotonic()
         deadline = began + timeout
@@ -694,12 +709,14 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                     self._missing()
                     ask = self._ask_at = now + MISSING_AFTER * self._interval
                     continue
-                self._timed_out(what, timeout, began)
+                self._timed_out(what, timeout, began, batch)
                 return
             msg = decoded.msg
             self._alive_at = time.monotonic()
             if isinstance(msg, protocol.Keepalive):
                 self._interval, self._workers, self._waiting_for = msg.interval, msg.workers, msg.waiting_for
+                if msg.waits_on_readers and what != "started":
+                    deadline = self._alive_at + timeout
                 continue
             self._on(msg, decoded)
             return
@@ -772,7 +789,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         except zmq.ZMQError:
             pass
 
-    def _timed_out(self, what: str, timeout: float, began: float) -> None:
+    def _timed_out(self, what: str, timeout: float, began: float, batch: int) -> None:
         """Alive means keepalives kept coming while we waited; else the server is gone."""
         address = self._client.address
         silent = time.monotonic() - self._alive_at
@@ -786,11 +803,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                     f"{address} is alive{waiting}"
                 )
             )
-        if what.startswith("batch "):
+        if what == "batch":
             self._raise(
                 Error(
-                    f"epoch {self.epoch}: the size of {what} was not agreed within {timeout:g} s although the "
-                    f"server at {address} is alive (every reader of the job must cut its batches){waiting}"
+                    f"epoch {self.epoch}: the size of batch {batch} was not agreed within {timeout:g} s although "
+                    f"the server at {address} is alive (every reader of the job must cut its batches){waiting}"
                 )
             )
         self._raise(

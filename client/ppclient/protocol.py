@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 6
+PROTOCOL = 7
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -272,6 +272,9 @@ class Keepalive(Message):
     interval: float = 1.0
     workers: int = _nonneg()
     waiting_for: str = ""  # what holds the epoch back, in words
+    # what the client waits for is other readers of the job whose clients live (their batch
+    # sizes, or room in their windows for the seqs before its own): not a failure, it keeps waiting
+    waits_on_readers: bool = False
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,8 @@ class Superseded(Message):
 @dataclass(frozen=True)
 class BatchSize(Message):
     """A reader that batches by frames proposes how many seqs its batch number `index` of the
-    epoch (counted from 0) takes: as many as fit its cap (0: it has no seqs left)."""
+    epoch (counted from 0) takes: as many as fit its cap (0: it has no seqs left). `start`: the
+    seqs of its part of the shard in its batches before this one (the same in every reader)."""
 
     kind = "batch_size"
     channel = Channel.DATA
@@ -328,6 +332,7 @@ class BatchSize(Message):
     run: int = _nonneg()
     index: int = _nonneg()
     size: int = _nonneg()
+    start: int = _nonneg()
 
 
 @dataclass(frozen=True)

@@ -282,6 +282,8 @@ class ServerDataset(IterableDataset):
         saved = int(state["epoch"])
         if state.get("finished"):  # this reader's part of the epoch was all yielded: nothing more from this
             # iteration (a loader restored as finished starts a new iteration, which reads set_epoch's epoch)
+            if apply and not explicit:
+                self._shared[0] = saved
             return _Plan(saved if not explicit else epoch, finished=True)
         if explicit and saved != epoch:
             refusal = None
@@ -339,6 +341,7 @@ class ServerDataset(IterableDataset):
     def _client_for(self, part: int, parts: int) -> Client:
         key = (os.getpid(), part, parts, self.rank, self.world_size)
         if self._client is None or self._client_key != key:  # a client made in another process is not ours
+            self.close()  # one of ours for another rank or part: its keepalives would hold its old place in the job
             self._client = Client(
                 self.address,
                 rank=self.rank,
@@ -373,21 +376,23 @@ class _Stream(Iterator[Any]):
 
     Its state is where a resume starts: the position (in this reader's part of the shard) of
     the first seq not yet yielded and the index of the next batch, or, with `bucket_window` N,
-    those of the current window of N plus the batches of it already yielded (the window is cut
-    again on resume, the same way, and those batches skipped).
+    those of the current window of N plus the sizes of its batches already yielded (on resume,
+    the window is sorted again and those batches cut off it locally, then skipped).
 
     With `batch_frames`, the size of each batch is agreed among all readers of the job (every
     rank's DataLoader workers): each proposes as many of its next seqs as fit the caps, and
     batch i of every reader takes the smallest proposal (`EpochIterator.agree`). So every
     reader cuts the same number of batches (equal steps for DDP ranks, with drop_last) and all
-    stay at the same place in their shards.
+    stay at the same place in their shards. A proposal also says how many seqs the reader took
+    before the batch, so a reader resumed one batch behind another learns the size of that
+    batch from the other's next proposal, even from a server that has forgotten it.
     """
 
     def __init__(self, ds: ServerDataset, part: int, parts: int, plan: _Plan):
         self.ds = ds
         self.part, self.parts = part, parts
         self.epoch = plan.epoch
-        self.resume = plan.resume  # an EpochIterator state (plus "skip") to start from
+        self.resume = plan.resume  # an EpochIterator state (plus the batching's) to start from
         self.refusal = plan.refusal
         # pinned memory survives only in the process that uses the tensors: the main one
         self.pin = ds.pin_memory and parts == 1 and get_worker_info() is None
@@ -399,8 +404,10 @@ class _Stream(Iterator[Any]):
             )
         self.it: Optional[EpochIterator] = None
         self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
-        self.batch = 0  # index of the next batch in the epoch (or of the current window's first)
-        self.skip = 0  # batches of the current window already yielded
+        self.batch = 0  # index of the next batch in the epoch
+        self.sizes: List[int] = []  # sizes of the current window's batches already yielded
+        self.saved: List[int] = []  # resuming: the sizes of the window's batches yielded before the state
+        self.error: Optional[Error] = None  # what ended the iteration, raised again by every later next()
         self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
         self.ended = False  # the shard's seqs have all been received
         self.window: List[Dict[str, Any]] = []  # the current window's seqs not yet yielded, by length
@@ -418,7 +425,7 @@ class _Stream(Iterator[Any]):
         if it is None:
             return {"epoch": self.epoch, "resume": self.resume}
         state = it.state_dict()
-        state.update(position=self.position, batch=self.batch - self.skip, skip=self.skip)
+        state.update(position=self.position, batch=self.batch - len(self.sizes), sizes=list(self.sizes))
         return {"epoch": self.epoch, "resume": state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -437,11 +444,12 @@ class _Stream(Iterator[Any]):
                     f"{saved[1]}); this is reader {self.part} of {self.parts}: resume with the same num_workers"
                 )
             it = client.epoch(state=resume)
-            self.skip = int(resume.get("skip", 0))
+            self.saved = [int(n) for n in resume.get("sizes", ())]
             self.batch = int(resume.get("batch", 0))
         else:
             it = client.epoch(self.epoch)
-            self.skip = self.batch = 0
+            self.saved, self.batch = [], 0
+        self.sizes = []
         self.position = it.start
         self.it = it
         return it
@@ -454,11 +462,16 @@ class _Stream(Iterator[Any]):
             raise UsageError(self.refusal)
         if self.finished:
             raise StopIteration
-        it = self.it if self.it is not None else self._open()
+        if self.error is not None:
+            raise self.error
         try:
-            item = self._next(it)
+            item = self._next(self.it if self.it is not None else self._open())
         except StopIteration:
             self.finished = True
+            self.ds.close()
+            raise
+        except Error as exc:  # the iteration is over: the client goes (its keepalives would hold the job)
+            self.error = exc
             self.ds.close()
             raise
         return item
@@ -487,17 +500,28 @@ class _Stream(Iterator[Any]):
         ds = self.ds
         return cut(seqs, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
 
-    def _take_batch(self, it: EpochIterator, seqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def _take_batch(
+        self, it: EpochIterator, seqs: List[Dict[str, Any]], saved: Optional[int] = None
+    ) -> List[Dict[str, Any]]:
         """The next batch from the front of `seqs` (removed from it): as many seqs as fit the caps,
-        or, with batch_frames, as many as every reader of the job agreed on for this batch."""
+        or, with batch_frames, as many as every reader of the job agreed on for this batch, or
+        `saved` (a resumed window's batch, of the size it had)."""
         fits = len(self._cut(seqs)[0]) if seqs else 0
         size = fits
-        if self.agree:
-            size = it.agree(self.batch, fits, wait=fits > 0)  # (no seqs left: none of the job's batches wait)
+        if saved is not None:
+            size = saved
+            if size > fits:
+                raise Error(
+                    f"epoch {self.epoch}: batch {self.batch} had {size} seqs when the state was saved, but only "
+                    f"{fits} fit this reader's batch_frames/max_seqs: resume with the settings the state was saved with"
+                )
+        elif self.agree:  # (no seqs left: none of the job's batches wait for this reader)
+            size = it.agree(self.batch, fits, self.position + sum(self.sizes), wait=fits > 0)
             if fits and size > fits:
                 raise Error(
                     f"epoch {self.epoch}: batch {self.batch} was agreed with {size} seqs, but only {fits} fit this "
-                    "reader's batch_frames/max_seqs: the job's batches of this epoch were cut with other settings"
+                    "reader's batch_frames/max_seqs: the job's batches of this epoch were cut with other settings "
+                    "(the server keeps the sizes of a job's recent epochs: another job name cuts them anew)"
                 )
         if size == 0 or not seqs:
             raise StopIteration
@@ -516,20 +540,22 @@ class _Stream(Iterator[Any]):
 
     def _bucketed(self, it: EpochIterator) -> List[Dict[str, Any]]:
         """The next batch of the current window of `bucket_window` seqs, sorted by length (stably);
-        a resumed window is cut again the same way, and its first `skip` batches dropped."""
+        a resumed window is sorted again, and the batches yielded before cut off it as they were."""
         ds = self.ds
         if not self.window:
             self.window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
             self.window_size = len(self.window)
             lengths = [_length(seq, ds.length_key) for seq in self.window]
             self.window = [self.window[i] for i in sorted(range(len(self.window)), key=lambda i: lengths[i])]
-            for _ in range(self.skip):
-                self._take_batch(it, self.window)
+            saved, self.saved = self.saved, []
+            for size in saved:
+                self._take_batch(it, self.window, size)
+                self.sizes.append(size)
         batch = self._take_batch(it, self.window)
-        self.skip += 1
+        self.sizes.append(len(batch))
         if not self.window:  # the window is all yielded: a resume starts after it
             self.position += self.window_size
-            self.skip = self.window_size = 0
+            self.sizes, self.window_size = [], 0
         return batch
 
 

@@ -45,7 +45,7 @@ from ppclient.protocol import (
 
 from . import events as ev
 from .instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
-from .jobs import Agreement, Client, Job, Lane, Run
+from .jobs import Agreement, Answer, Client, Job, Lane, Run
 from .seqs import SeqDispatch
 from .settings import Failure, Settings
 from .streams import StreamDispatch
@@ -220,7 +220,7 @@ class Scheduler:
             for lane in run.lanes:
                 if lane.consumer is not None and lane.connected and not lane.settled:
                     told.add((lane.consumer, run.run))
-                    out.append(ToClient(lane.consumer, self._keepalive(run.run, self._holdup(run, lane))))
+                    out.append(ToClient(lane.consumer, self._keepalive(run.run, *self._holdup(run, lane))))
         # readers waiting for a batch size, also those whose run has ended (their last batches)
         job = self.job
         if job is None:
@@ -230,12 +230,16 @@ class Scheduler:
                 for consumer, run_id in waiting:
                     if (consumer, run_id) not in told:
                         told.add((consumer, run_id))
-                        text = self._agreement_holdup(job, agreement, index)
-                        out.append(ToClient(consumer, self._keepalive(run_id, text)))
+                        holdup = self._agreement_holdup(job, agreement, index)
+                        out.append(ToClient(consumer, self._keepalive(run_id, *holdup)))
 
-    def _keepalive(self, run: int, waiting_for: str) -> Keepalive:
+    def _keepalive(self, run: int, waiting_for: str, on_readers: bool) -> Keepalive:
         return Keepalive(
-            run=run, interval=self.settings.heartbeat_interval, workers=len(self.workers), waiting_for=waiting_for
+            run=run,
+            interval=self.settings.heartbeat_interval,
+            workers=len(self.workers),
+            waiting_for=waiting_for,
+            waits_on_readers=on_readers,
         )
 
     # ---- worker messages ----------------------------------------------------------------------
@@ -463,7 +467,7 @@ class Scheduler:
                 for wid in self.workers:
                     out.append(ToWorker(wid, client.route))
         lane.direct = client.route is not None
-        run.job.reader(run, e.lane, e.consumer)
+        self._agreed(run.job.reader(run, e.lane, e.consumer), out)
         log.info(
             "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
             run.job.who(e.lane),
@@ -478,9 +482,6 @@ class Scheduler:
             self._to_lane(run, lane, self._started(run, lane), out)
 
     def _new_run(self, job: Job, e: ev.EpochRequested, *, solo: Optional[int], out: List[Instruction]) -> Run:
-        agreement = job.agreements.get(e.epoch)
-        if solo is None and e.start == 0 and agreement is not None and not agreement.waiting:
-            del job.agreements[e.epoch]  # the epoch is read again from its start: its batches are cut anew
         self.next_run += 1
         run = Run(
             run=self.next_run,
@@ -536,6 +537,7 @@ class Scheduler:
         if client.route is not None:
             for wid in self.workers:
                 out.append(ToWorker(wid, ConsumerGone(consumer=consumer)))
+        self._agreed(job.client_gone(consumer), out)  # its batch sizes are not waited for
         for run, lane in job.lanes_of(consumer):
             if lane.gone:
                 continue
@@ -681,18 +683,23 @@ class Scheduler:
         for run in job.runs.values():
             if agreement.end is None and run.epoch == epoch:
                 agreement.end = run.end()
-        self._agreed(agreement.propose(e.index, lane, e.size, (e.consumer, e.run)), out)
+        self._agreed(agreement.propose(e.index, lane, e.size, e.start, (e.consumer, e.run)), out)
 
     @staticmethod
-    def _agreed(answers: List[Tuple[bytes, int, int, int]], out: List[Instruction]) -> None:
+    def _agreed(answers: List[Answer], out: List[Instruction]) -> None:
         for consumer, run, index, size in answers:
             out.append(ToClient(consumer, BatchAgreed(run=run, index=index, size=size)))
 
     @staticmethod
-    def _agreement_holdup(job: Job, agreement: Agreement, index: int) -> str:
+    def _agreement_holdup(job: Job, agreement: Agreement, index: int) -> Tuple[str, bool]:
+        """Who batch `index` waits for, in words, and whether they are all live readers (the
+        waiting client then waits on: a paused reader fails no one)."""
         missing = agreement.missing(index)
-        who = ", ".join(job.who(lane) for lane in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        return f"{who} of job {job.name!r} to propose the size of batch {index}"
+        live = [job.live_reader(agreement, lane) for lane in missing]
+        who = ", ".join(
+            job.who(lane) + ("" if alive else " (not connected)") for lane, alive in zip(missing[:8], live)
+        ) + (", ..." if len(missing) > 8 else "")
+        return f"{who} of job {job.name!r} to propose the size of batch {index}", bool(missing) and all(live)
 
     def _router(self, run: Run) -> Callable[[int], bytes]:
         """Where a position's result goes directly: its lane's consumer, if that one takes direct results."""
@@ -830,12 +837,16 @@ class Scheduler:
             lane = lanes[pos % width]
             if lane.gone or pos // width < lane.start:
                 return True
+            run.held_by = lane.rank  # (until it has room: then the release goes on past it)
             if lane.consumer is None:
                 return False  # the rank has not come yet: its seqs wait (and so does the epoch)
             waiting = len(lane.ready)
             if group:
                 waiting += sum(1 for it in group if it.pos % width == lane.rank)
-            return lane.credit - waiting > 0
+            if lane.credit - waiting > 0:
+                run.held_by = None
+                return True
+            return False
 
         return room
 
@@ -844,6 +855,7 @@ class Scheduler:
         d = run.dispatch
         assert d is not None
         room = self._room(run)
+        run.held_by = None
         world = run.job.world  # drop_last works in groups of the ranks
         stream = isinstance(d, StreamDispatch)
         # with drop_last and the count not known yet, a group of W goes out only once complete
@@ -933,29 +945,34 @@ class Scheduler:
             lane.held.append(instr)
 
     # ---- status ---------------------------------------------------------------------------------
-    def _holdup(self, run: Run, lane: Optional[Lane] = None) -> str:
-        """What the run (or a rank of it) waits for, in words (keepalives and status)."""
+    def _holdup(self, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
+        """What the run (or a rank of it) waits for, in words (keepalives and status), and whether
+        that is other readers whose clients live (their batch sizes, or room for their seqs)."""
         if run.dispatch is None:
             busy = f" ({self.reader_busy})" if self.reader_busy else ""
-            return f"the dataset to set up the epoch{busy}"
-        agreement = run.job.agreements.get(run.epoch)
+            return f"the dataset to set up the epoch{busy}", False
+        job = run.job
+        agreement = job.agreements.get(run.epoch)
         if lane is not None and agreement is not None:
             for index, waiting in agreement.waiting.items():
                 if (lane.consumer, run.run) in waiting:
-                    return self._agreement_holdup(run.job, agreement, index)
+                    return self._agreement_holdup(job, agreement, index)
         if not self.workers:
-            return "a worker (none is connected)"
+            return "a worker (none is connected)", False
         if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes)):
-            return "the trainer (no credit)"
+            return "the trainer (no credit)", False
+        held = run.lanes[run.held_by] if run.held_by is not None else None
+        if held is not None and held is not lane and held.consumer in job.clients:
+            return f"{job.who(held.rank)} of job {job.name!r} to take its seqs (the next one waits for credit)", True
         missing = [ln.rank for ln in run.lanes if ln.consumer is None and not ln.gone]
         if missing:
-            return f"rank(s) {', '.join(map(str, missing[:8]))} of job {run.job.name!r} to connect"
+            return f"rank(s) {', '.join(map(str, missing[:8]))} of job {run.job.name!r} to connect", False
         q = run.dispatch.queues()
         if q["in_flight"]:
-            return f"the workers ({q['in_flight']} in flight)"
+            return f"the workers ({q['in_flight']} in flight)", False
         if self.reader_busy:
-            return f"the dataset ({self.reader_busy})"
-        return "the dataset"
+            return f"the dataset ({self.reader_busy})", False
+        return "the dataset", False
 
     def status(self, now: float) -> Dict[str, Any]:
         st: Dict[str, Any] = {
@@ -1030,7 +1047,7 @@ class Scheduler:
                 "seqs_per_sec": round(delivered / max(end - began, 1e-9), 2),
                 "mb_delivered": round(sum(lane.delivered_bytes for lane in last.lanes) / 1e6, 3),
                 "error": last.error,
-                "waiting_for": self._holdup(last) if last.live else None,
+                "waiting_for": self._holdup(last)[0] if last.live else None,
                 "queues": {
                     **(last.dispatch.queues() if last.dispatch is not None and last.live else {}),
                     "client_credit": sum(max(lane.credit, 0) for lane in last.lanes if lane.live),

@@ -284,6 +284,7 @@ class BatchSizeProposed(Event):
     run: int
     index: int
     size: int
+    start: int  # seqs of the reader's part in its batches before this one
 
 
 @dataclass(slots=True)

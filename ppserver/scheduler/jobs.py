@@ -96,6 +96,7 @@ class Run:
     complete_frac: float = 0.0  # stream mode: the largest released so far (never decreases)
     group: List[Item] = field(default_factory=list)  # stream, drop_last: a group of W not yet complete
     total: Optional[int] = None  # outputs of the whole epoch, once known
+    held_by: Optional[int] = None  # the lane without room for the next output to release, if one is
 
     @property
     def width(self) -> int:
@@ -139,50 +140,70 @@ class Client:
     route: Optional[ConsumerRoute] = None  # how workers reach its direct ROUTER (None: through the server)
 
 
+Answer = Tuple[bytes, int, int, int]  # a batch size to send: consumer, run, batch index, size
+
+
 @dataclass
 class Agreement:
     """Batch sizes of one epoch of a job whose readers batch by frames. Every reader (lane)
     proposes the size of its next batch (0: it has no seqs left); batch i takes, in every
     reader, the smallest size proposed for it by a reader with seqs left. So all readers take
     the same number of seqs per batch, stay at the same index of their shards, and cut the
-    same number of batches (with drop_last, where every rank has as many seqs)."""
+    same number of batches (with drop_last, where every rank has as many seqs).
+
+    A proposal also says where the batch starts (the seqs of the reader's part before it, the
+    same in every reader): once batch i + 1 has a start, batch i took the difference, so a
+    reader resumed behind the others learns its size from theirs. A reader whose client is
+    gone (or that left the epoch) is not waited for: the batches it holds are agreed among the
+    others, and only for them (such sizes are not kept: when it comes back, those batches
+    are agreed anew)."""
 
     lanes: int
     end: Optional[int] = None  # the epoch's first position no lane gets, once known
     sizes: Dict[int, int] = field(default_factory=dict)  # agreed, by batch index
+    starts: Dict[int, int] = field(default_factory=dict)  # batch -> seqs of every reader's part before it
     proposals: Dict[int, Dict[int, int]] = field(default_factory=dict)  # batch -> lane -> size
     waiting: Dict[int, Set[Tuple[bytes, int]]] = field(default_factory=dict)  # batch -> (consumer, run) to answer
     out_at: Dict[int, int] = field(default_factory=dict)  # lane -> the first batch it had no seqs for
-    agreed_upto: int = 0  # batches 0 .. agreed_upto - 1 are all agreed...
-    taken: int = 0  # ...and take this many seqs of every shard
+    readers: Dict[int, bytes] = field(default_factory=dict)  # lane -> the client that reads it now
+    gone: Set[int] = field(default_factory=set)  # lanes whose client is gone or left the epoch: not waited for
+    partial_from: Optional[int] = None  # the first batch agreed without a gone lane's proposal
 
-    def propose(self, index: int, lane: int, size: int, who: Tuple[bytes, int]) -> List[Tuple[bytes, int, int, int]]:
-        """Record a proposal; the answers now due: (consumer, run, batch, size)."""
+    def propose(self, index: int, lane: int, size: int, start: int, who: Tuple[bytes, int]) -> List[Answer]:
+        """Record a proposal; the answers now due."""
+        self.starts.setdefault(index, start)
         if index in self.sizes:
-            return [(*who, index, self.sizes[index])]
+            return [(*who, index, self.sizes[index])] + self.settle()
         if size == 0:
             self.out_at[lane] = min(self.out_at.get(lane, index), index)
         self.proposals.setdefault(index, {})[lane] = size
         self.waiting.setdefault(index, set()).add(who)
         return self.settle()
 
-    def settle(self) -> List[Tuple[bytes, int, int, int]]:
-        """Agree on every batch whose proposals are all in (also after the epoch's end became known)."""
+    def settle(self) -> List[Answer]:
+        """Agree on every batch whose proposals are all in, or whose size the start of the next
+        batch tells (also after the epoch's end became known, or a lane went)."""
         answers = []
         for index in sorted(self.proposals):
-            if self.missing(index):
+            start, following = self.starts.get(index), self.starts.get(index + 1)
+            if start is not None and following is not None and following >= start:
+                agreed = following - start  # the readers past it took that many
+            elif self.missing(index):
                 continue
-            agreed = self.sizes[index] = min((n for n in self.proposals.pop(index).values() if n > 0), default=0)
+            else:
+                if self._open(index) and (self.partial_from is None or index < self.partial_from):
+                    self.partial_from = index  # only gone lanes are missing: agreed without them
+                agreed = min((n for n in self.proposals[index].values() if n > 0), default=0)
+            del self.proposals[index]
+            if self.partial_from is None or index < self.partial_from:
+                self.sizes[index] = agreed
             answers += [(consumer, run, index, agreed) for consumer, run in self.waiting.pop(index, ())]
-            while self.agreed_upto in self.sizes:
-                self.taken += self.sizes[self.agreed_upto]
-                self.agreed_upto += 1
         return answers
 
-    def missing(self, index: int) -> List[int]:
-        """The lanes that have not proposed batch `index` yet and may have seqs for it."""
+    def _open(self, index: int) -> List[int]:
+        """The lanes that have not proposed batch `index` and may have seqs for it."""
         proposed = self.proposals.get(index, {})
-        before = self.taken if self.agreed_upto == index else None  # seqs of every shard before the batch
+        before = self.starts.get(index)
         return [
             lane
             for lane in range(self.lanes)
@@ -190,6 +211,35 @@ class Agreement:
             and self.out_at.get(lane, index) >= index
             and not (self.end is not None and before is not None and self.shard(lane) <= before)
         ]
+
+    def missing(self, index: int) -> List[int]:
+        """The lanes batch `index` waits for: they may have seqs for it, and have not gone."""
+        return [lane for lane in self._open(index) if lane not in self.gone]
+
+    def attach(self, lane: int, consumer: bytes) -> None:
+        """A client reads the lane. One that takes it over from another client, or comes back
+        after it left, begins a new pass over the epoch (a resumed job, or the epoch read again):
+        the other lanes' clients are expected anew, and the batches agreed without a gone lane
+        are forgotten (they are agreed anew, with it)."""
+        if self.readers.get(lane, consumer) != consumer or lane in self.gone:
+            self.readers.clear()
+            self.gone.clear()
+            if self.partial_from is not None:
+                first, self.partial_from = self.partial_from, None
+                for table in (self.sizes, self.starts, self.proposals, self.waiting):
+                    for index in [i for i in table if i >= first]:
+                        del table[index]
+                for other in [n for n, at in self.out_at.items() if at >= first]:
+                    del self.out_at[other]
+        self.readers[lane] = consumer
+
+    def leave(self, lanes: List[int], consumer: Optional[bytes] = None) -> List[Answer]:
+        """The lanes' client is gone (or they left the epoch): they are not waited for."""
+        self.gone.update(lanes)
+        if consumer is not None:
+            for waiting in self.waiting.values():
+                waiting.difference_update({who for who in waiting if who[0] == consumer})
+        return self.settle()
 
     def shard(self, lane: int) -> int:
         assert self.end is not None
@@ -208,20 +258,44 @@ class Job:
     agreements: Dict[int, Agreement] = field(default_factory=dict)  # epoch -> its batch sizes (recent epochs)
     readers: Dict[Tuple[int, bytes], Tuple[int, int]] = field(default_factory=dict)  # (run, consumer) -> epoch, lane
 
-    def reader(self, run: Run, lane: int, consumer: bytes) -> None:
+    def reader(self, run: Run, lane: int, consumer: bytes) -> List[Answer]:
         """A client reads a lane of a run: it may propose batch sizes for the run's epoch, also
-        after the run has ended (its last batches are agreed once it has every seq)."""
+        after the run has ended (its last batches are agreed once it has every seq). The lane
+        has left the earlier epochs: their batches no longer wait for it (the answers now due)."""
         self.readers[(run.run, consumer)] = (run.epoch, lane)
         for key, (epoch, _) in list(self.readers.items()):
             if epoch < run.epoch - 2:
                 del self.readers[key]
         for epoch in [e for e in self.agreements if e < run.epoch - 2]:
             del self.agreements[epoch]
+        answers = []
+        for epoch, agreement in self.agreements.items():
+            if epoch == run.epoch:
+                agreement.attach(lane, consumer)
+            elif epoch < run.epoch and lane not in agreement.gone:
+                answers += agreement.leave([lane])
+        return answers
 
     def agreement(self, epoch: int) -> Agreement:
         if epoch not in self.agreements:
-            self.agreements[epoch] = Agreement(self.lanes)
+            agreement = self.agreements[epoch] = Agreement(self.lanes)
+            for (_, consumer), (e, lane) in self.readers.items():  # in the order they came
+                if e == epoch and consumer in self.clients:
+                    agreement.readers[lane] = consumer
         return self.agreements[epoch]
+
+    def client_gone(self, consumer: bytes) -> List[Answer]:
+        """A client closed or went silent: the batches it was to propose are agreed without it."""
+        answers = []
+        for agreement in self.agreements.values():
+            lanes = [lane for lane, reader in agreement.readers.items() if reader == consumer]
+            if lanes:
+                answers += agreement.leave(lanes, consumer)
+        return answers
+
+    def live_reader(self, agreement: Agreement, lane: int) -> bool:
+        """Whether the lane's reader of the agreement's epoch is a live client."""
+        return agreement.readers.get(lane) in self.clients
 
     def finish(self, epoch: int, rank: int) -> None:
         self.finished.setdefault(epoch, set()).add(rank)
