@@ -75,19 +75,32 @@ def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
 
 
 @contextmanager
-def client_holding(address: str, n: int, epoch: int, window: int = 32) -> Iterator[subprocess.Popen]:
+def client_holding(address: str, n: int, epoch: int, window: int = 32, warm: int = 0) -> Iterator[subprocess.Popen]:
     """A client in another process holding the first n seqs of `epoch`; killed with -9 at the end.
-    `proc.shared` tells how many of them are in shared memory."""
+    `proc.shared` tells how many of them are in shared memory. `warm`: first read another epoch
+    until seqs came in the segments of that many workers (each has welcomed the client: what they
+    send from then on comes through shared memory while it has room), dropping them."""
     code = textwrap.dedent(
         f"""
-        import mmap, sys
+        import mmap, sys, time
         import numpy as np
         from ppclient import Client
-        def shared(a):
+        def segment(a):
             while isinstance(a, np.ndarray) and a.base is not None:
                 a = a.base
-            return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+            a = a.obj if isinstance(a, memoryview) else a
+            return a if isinstance(a, mmap.mmap) else None
+        def shared(a):
+            return segment(a) is not None
         c = Client({address!r}, timeout=30, window={window})
+        seen, deadline = set(), time.monotonic() + 30
+        while len(seen) < {warm} and time.monotonic() < deadline:
+            for s in c.epoch({epoch} + 1000):
+                if shared(s["data"]):
+                    seen.add(id(segment(s["data"])))
+                del s
+                if len(seen) >= {warm}:
+                    break
         held = [s for _, s in zip(range({n}), c.epoch({epoch}))]
         print("holding", len(held), sum(shared(s["data"]) for s in held), flush=True)
         sys.stdin.readline()
@@ -326,8 +339,9 @@ def test_a_killed_server_leaves_nothing_mapped_and_a_client_killed_meanwhile_blo
             del got
             wait_for(lambda: len(mapped_segments(worker)) == 2, 10, "the worker to map the server's input segment")
             # a window of 12: the seqs it holds are all it is sent, and they fit the empty segment
-            with client_holding(address, 12, epoch=2, window=12) as holder:
-                assert holder.shared > 0  # type: ignore[attr-defined]  # (the first may come before its route)
+            # (both workers have welcomed the client before: none of them goes through the server)
+            with client_holding(address, 12, epoch=2, window=12, warm=2) as holder:
+                assert holder.shared == 12  # type: ignore[attr-defined]
                 srv.proc.kill()
                 srv.proc.wait(timeout=10)
                 assert wait_gone(local, 10.0) == []  # local workers follow their server
