@@ -54,7 +54,8 @@ class Control:
         if isinstance(msg, protocol.Missing):
             return None, self._handle(ev.MissingReported(now, ident, msg.run, msg.pos))
         if isinstance(msg, protocol.BatchSize):
-            return None, self._handle(ev.BatchSizeProposed(now, ident, msg.run, msg.index, msg.size, msg.start))
+            proposed = ev.BatchSizeProposed(now, ident, msg.run, msg.index, msg.size, msg.start, msg.cut)
+            return None, self._handle(proposed)
         if isinstance(msg, protocol.ClientAlive):
             return None, self._handle(ev.ConsumerAlive(now, msg.consumer))
         if isinstance(msg, protocol.ClientClosed):

@@ -1144,9 +1144,9 @@ def agreed(out: Sequence[Instruction]) -> Dict[bytes, List[Tuple[int, int]]]:
     return got
 
 
-def propose(sim: Sim, consumer: bytes, index: int, size: int, start: int, run: Optional[int] = None):
+def propose(sim: Sim, consumer: bytes, index: int, size: int, start: int, run: Optional[int] = None, cut: str = ""):
     """A reader's proposal for its batch `index`, which starts after `start` seqs of its shard."""
-    return sim(ev.BatchSizeProposed, consumer, sim.run if run is None else run, index, size, start)
+    return sim(ev.BatchSizeProposed, consumer, sim.run if run is None else run, index, size, start, cut)
 
 
 def keepalive_to(out: Sequence[Instruction], consumer: bytes) -> protocol.Keepalive:
@@ -1362,3 +1362,32 @@ def test_how_a_worker_gets_its_inputs_caps_its_batches():
     sim(ev.InputsShared, b"w1", None)
     out = sim.results(b"w1", [8, 9, 10, 11])
     assert [len(i.items) for i in sent(out, protocol.Tasks)] == [2, 2]
+
+
+def test_readers_resumed_two_batches_apart_are_told_no_proposal_will_come():
+    sim = ranks_sim(2, 40)  # a restarted server: it knows no size of the epoch
+    propose(sim, b"r0", 5, 4, 12)  # rank 0 resumed at batch 5...
+    propose(sim, b"r1", 7, 2, 18)  # ...rank 1 at batch 7: batch 5's size (and 6's) is known to no one here
+    sim.now = 1.0
+    sim(ev.ConsumerAlive, b"r1")
+    out = sim(ev.Tick)
+    behind = keepalive_to(out, b"r0")
+    assert not behind.waits_on_readers  # so its client's timeout ends the wait, saying why
+    assert "rank 1 of job 'train' went past it" in behind.waiting_for and "batch 5" in behind.waiting_for
+    assert keepalive_to(out, b"r1").waits_on_readers  # rank 0 lives and is behind: rank 1 waits for it
+    assert agreed(sim(ev.ConsumerClosed, b"r0")) == {b"r1": [(7, 2)]}  # rank 0 failed and left: on alone
+
+
+def test_a_new_training_with_other_batching_settings_cuts_the_epoch_anew():
+    sim = ranks_sim(2, 40)
+    propose(sim, b"r0", 0, 3, 0, cut="small")
+    assert agreed(propose(sim, b"r1", 0, 5, 0, cut="small")) == {b"r0": [(0, 3)], b"r1": [(0, 3)]}
+    sim(ev.ConsumerClosed, b"r0")
+    sim(ev.ConsumerClosed, b"r1")
+    run0, _ = sim.request(1, consumer=b"n0", job="train", rank=0, world_size=2)
+    run1, _ = sim.request(1, consumer=b"n1", job="train", rank=1, world_size=2)
+    assert agreed(propose(sim, b"n0", 0, 6, 0, run=run0, cut="large")) == {}  # not the old 3: it waits for rank 1
+    assert agreed(propose(sim, b"n1", 0, 7, 0, run=run1, cut="large")) == {b"n0": [(0, 6)], b"n1": [(0, 6)]}
+    # the same settings again: the same sizes (they follow from the seqs), kept
+    run2, _ = sim.request(1, consumer=b"m0", job="train", rank=0, world_size=2)
+    assert agreed(propose(sim, b"m0", 0, 6, 0, run=run2, cut="large")) == {b"m0": [(0, 6)]}

@@ -531,3 +531,27 @@ def test_a_stream_that_fails_closes_its_client(server):
     assert ds._client is None  # closed: no keepalives hold its place in the job
     with pytest.raises(Superseded):
         next(it)  # and the error stays
+
+
+def _as_older_state(state: Any) -> Any:
+    """A loader state as ppclient 0.2.0 saved it: a window's yielded batches counted ("skip"), not sized."""
+    if isinstance(state, dict):
+        state = {k: _as_older_state(v) for k, v in state.items()}
+        if "sizes" in state and "position" in state:
+            state["skip"] = len(state.pop("sizes"))
+        return state
+    if isinstance(state, list):
+        return [_as_older_state(v) for v in state]
+    return state
+
+
+def test_a_bucketed_state_saved_by_the_older_client_resumes_exactly(uneven):
+    srv, _ = uneven
+    straight = tags_of(list(_loader(srv.address, 5)))
+    loader = _loader(srv.address, 5)
+    it = iter(loader)
+    first = tags_of([next(it) for _ in range(3)])
+    state = _as_older_state(copy.deepcopy(loader.state_dict()))
+    assert "'skip'" in repr(state) and "'sizes'" not in repr(state)
+    del it, loader
+    assert first + tags_of(list(_loader(srv.address, 5, state))) == straight

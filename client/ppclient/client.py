@@ -601,7 +601,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def __iter__(self) -> EpochIterator:
         return self
 
-    def agree(self, index: int, size: int, start: int, wait: bool = True) -> int:
+    def agree(self, index: int, size: int, start: int, wait: bool = True, cut: str = "") -> int:
         """The size of batch `index` (of the epoch, from 0) for every reader of the job: this reader
         proposes `size` seqs (as many of its next ones as fit its batch; 0: it has none left), and
         the server answers with the smallest size proposed by a reader with seqs left, once every
@@ -609,7 +609,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         one (the same in every reader; it tells a reader resumed behind the others the size they
         took). Used by readers that batch by frames (ppclient.torch), so that all of them take
         the same number of seqs per batch and cut the same number of batches.
-        `wait=False`: only propose (a reader with no seqs left need not hear the answer).
+        `wait=False`: only propose (a reader with no seqs left need not hear the answer). `cut`: the
+        reader's batching settings in words; the server keeps agreed sizes for a job's recent
+        epochs, and a proposal with other settings (a new training) has the epoch cut anew.
 
         While it waits, the seqs that come keep their credit: the other readers may need many
         more seqs than this one to propose (short seqs), and the server releases seqs in epoch
@@ -619,7 +621,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         _int_arg("index", index, 0)
         _int_arg("size", size, 0)
         _int_arg("start", start, 0)
-        proposal = protocol.BatchSize(run=self.run, index=index, size=size, start=start)
+        proposal = protocol.BatchSize(run=self.run, index=index, size=size, start=start, cut=cut)
         self._sock.send_multipart([protocol.DELIMITER, *protocol.encode(proposal)])
         if not wait:
             return size

@@ -323,7 +323,8 @@ class Superseded(Message):
 class BatchSize(Message):
     """A reader that batches by frames proposes how many seqs its batch number `index` of the
     epoch (counted from 0) takes: as many as fit its cap (0: it has no seqs left). `start`: the
-    seqs of its part of the shard in its batches before this one (the same in every reader)."""
+    seqs of its part of the shard in its batches before this one (the same in every reader).
+    `cut`: its batching settings, in words (the same in every reader of one training)."""
 
     kind = "batch_size"
     channel = Channel.DATA
@@ -333,6 +334,7 @@ class BatchSize(Message):
     index: int = _nonneg()
     size: int = _nonneg()
     start: int = _nonneg()
+    cut: str = ""  # the reader's batching settings: a proposal with others begins the epoch's batches anew
 
 
 @dataclass(frozen=True)

@@ -407,6 +407,7 @@ class _Stream(Iterator[Any]):
         self.batch = 0  # index of the next batch in the epoch
         self.sizes: List[int] = []  # sizes of the current window's batches already yielded
         self.saved: List[int] = []  # resuming: the sizes of the window's batches yielded before the state
+        self.skip = 0  # resuming a state without those sizes (of ppclient 0.2.0): how many batches they were
         self.error: Optional[Error] = None  # what ended the iteration, raised again by every later next()
         self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
         self.ended = False  # the shard's seqs have all been received
@@ -415,6 +416,8 @@ class _Stream(Iterator[Any]):
         self.finished = plan.finished
         # batches cut by frames are agreed among the job's readers (alone, a reader needs no one)
         self.agree = ds.batch_frames is not None and ds.world_size * parts > 1
+        # the settings the sizes are agreed for: a training with others has the epoch's batches cut anew
+        self.cut = f"{ds.batch_frames} frames, {ds.max_seqs} seqs, key {ds.length_key}, window {ds.bucket_window}"
 
     def state_dict(self) -> Dict[str, Any]:
         it = self.it
@@ -445,10 +448,11 @@ class _Stream(Iterator[Any]):
                 )
             it = client.epoch(state=resume)
             self.saved = [int(n) for n in resume.get("sizes", ())]
+            self.skip = 0 if "sizes" in resume else int(resume.get("skip", 0))
             self.batch = int(resume.get("batch", 0))
         else:
             it = client.epoch(self.epoch)
-            self.saved, self.batch = [], 0
+            self.saved, self.skip, self.batch = [], 0, 0
         self.sizes = []
         self.position = it.start
         self.it = it
@@ -516,7 +520,7 @@ class _Stream(Iterator[Any]):
                     f"{fits} fit this reader's batch_frames/max_seqs: resume with the settings the state was saved with"
                 )
         elif self.agree:  # (no seqs left: none of the job's batches wait for this reader)
-            size = it.agree(self.batch, fits, self.position + sum(self.sizes), wait=fits > 0)
+            size = it.agree(self.batch, fits, self.position + sum(self.sizes), wait=fits > 0, cut=self.cut)
             if fits and size > fits:
                 raise Error(
                     f"epoch {self.epoch}: batch {self.batch} was agreed with {size} seqs, but only {fits} fit this "
@@ -551,6 +555,9 @@ class _Stream(Iterator[Any]):
             for size in saved:
                 self._take_batch(it, self.window, size)
                 self.sizes.append(size)
+            skip, self.skip = self.skip, 0
+            for _ in range(skip):  # a state of ppclient 0.2.0: those batches are cut again, as they were then
+                self.sizes.append(len(self._take_batch(it, self.window)))
         batch = self._take_batch(it, self.window)
         self.sizes.append(len(batch))
         if not self.window:  # the window is all yielded: a resume starts after it

@@ -679,7 +679,7 @@ class Scheduler:
             return  # not a reader of this job (e.g. of a job since replaced): it times out, saying why
         epoch, lane = where
         self._on_alive(ev.ConsumerAlive(e.now, e.consumer), out)
-        agreement = job.agreement(epoch)
+        agreement = job.agreement(epoch, e.cut)
         for run in job.runs.values():
             if agreement.end is None and run.epoch == epoch:
                 agreement.end = run.end()
@@ -694,6 +694,15 @@ class Scheduler:
     def _agreement_holdup(job: Job, agreement: Agreement, index: int) -> Tuple[str, bool]:
         """Who batch `index` waits for, in words, and whether they are all live readers (the
         waiting client then waits on: a paused reader fails no one)."""
+        past = agreement.past(index)
+        if past:  # no proposal will tell the size: not a wait on readers (the client's timeout ends it)
+            who = ", ".join(job.who(lane) for lane in past[:8]) + (", ..." if len(past) > 8 else "")
+            return (
+                f"the size of batch {index}: {who} of job {job.name!r} went past it, and this server does not know "
+                "the size it had (states saved at different steps, resumed after a server restart: resume every "
+                "reader of a job from states of one step)",
+                False,
+            )
         missing = agreement.missing(index)
         live = [job.live_reader(agreement, lane) for lane in missing]
         who = ", ".join(

@@ -285,6 +285,7 @@ class BatchSizeProposed(Event):
     index: int
     size: int
     start: int  # seqs of the reader's part in its batches before this one
+    cut: str = ""  # the reader's batching settings
 
 
 @dataclass(slots=True)

@@ -168,10 +168,13 @@ class Agreement:
     readers: Dict[int, bytes] = field(default_factory=dict)  # lane -> the client that reads it now
     gone: Set[int] = field(default_factory=set)  # lanes whose client is gone or left the epoch: not waited for
     partial_from: Optional[int] = None  # the first batch agreed without a gone lane's proposal
+    latest: Dict[int, int] = field(default_factory=dict)  # lane -> the last batch it proposed
+    cut: str = ""  # the readers' batching settings the sizes are for
 
     def propose(self, index: int, lane: int, size: int, start: int, who: Tuple[bytes, int]) -> List[Answer]:
         """Record a proposal; the answers now due."""
         self.starts.setdefault(index, start)
+        self.latest[lane] = max(self.latest.get(lane, index), index)
         if index in self.sizes:
             return [(*who, index, self.sizes[index])] + self.settle()
         if size == 0:
@@ -211,6 +214,15 @@ class Agreement:
             and self.out_at.get(lane, index) >= index
             and not (self.end is not None and before is not None and self.shard(lane) <= before)
         ]
+
+    def waits(self) -> bool:
+        """Whether a reader waits for a size of this agreement."""
+        return any(self.waiting.values())
+
+    def past(self, index: int) -> List[int]:
+        """The lanes batch `index` waits for that have proposed a later batch: the size it had
+        then is not known here (a server that restarted since), and no proposal will tell it."""
+        return [lane for lane in self.missing(index) if self.latest.get(lane, index) > index]
 
     def missing(self, index: int) -> List[int]:
         """The lanes batch `index` waits for: they may have seqs for it, and have not gone."""
@@ -276,13 +288,19 @@ class Job:
                 answers += agreement.leave([lane])
         return answers
 
-    def agreement(self, epoch: int) -> Agreement:
-        if epoch not in self.agreements:
-            agreement = self.agreements[epoch] = Agreement(self.lanes)
+    def agreement(self, epoch: int, cut: str) -> Agreement:
+        """The epoch's batch sizes for readers with batching settings `cut`. Sizes agreed with
+        other settings that no reader waits for are of an earlier training of the job: the epoch
+        is cut anew. (With the same settings the sizes are the same: they follow from the seqs.)"""
+        agreement = self.agreements.get(epoch)
+        if agreement is not None and agreement.cut != cut and not agreement.waits():
+            agreement = None
+        if agreement is None:
+            agreement = self.agreements[epoch] = Agreement(self.lanes, cut=cut)
             for (_, consumer), (e, lane) in self.readers.items():  # in the order they came
                 if e == epoch and consumer in self.clients:
                     agreement.readers[lane] = consumer
-        return self.agreements[epoch]
+        return agreement
 
     def client_gone(self, consumer: bytes) -> List[Answer]:
         """A client closed or went silent: the batches it was to propose are agreed without it."""
