@@ -379,6 +379,12 @@ def tags_of(batches: List[Dict[str, Any]]) -> List[List[str]]:
     return [b["seq_tag"] for b in batches]
 
 
+def job_clients(srv: Any) -> int:
+    """The live clients of the server's job, as its status counts them."""
+    with srv.client(timeout=10) as c:
+        return c.status()["job"]["clients"]
+
+
 @pytest.mark.parametrize("bucket", [1, 5])
 def test_a_loop_paused_longer_than_the_timeout_fails_no_reader(uneven, bucket):
     srv, cfg = uneven
@@ -458,11 +464,7 @@ def test_a_loader_resumes_exactly_after_its_clients_timed_out(uneven, bucket):
     del it, loader  # the trainer dies: its loader's workers with it, their clients unclosed
     gc.collect()
 
-    def clients() -> int:
-        with srv.client(timeout=10) as c:
-            return c.status()["job"]["clients"]
-
-    wait_for(lambda: clients() == 0, 30, "the server to count the dead loader's clients gone")
+    wait_for(lambda: job_clients(srv) == 0, 30, "the server to count the dead loader's clients gone")
     rest = tags_of(list(_loader(srv.address, bucket, state)))
     assert tags_of(first) + rest == straight
 
@@ -508,12 +510,8 @@ def test_a_dataset_whose_rank_changes_closes_its_client_of_the_old_rank(server, 
     new = ds._client_for(0, 1)  # what the next iteration reads with
     assert old is not None and new is not old and old._ctx.closed
 
-    def clients() -> int:
-        with srv.client(timeout=10) as c:
-            return c.status()["job"]["clients"]
-
     # else it would hold the job (world_size 1) for as long as this process runs
-    wait_for(lambda: clients() == 0, 10, "the server to hear that the old client closed")
+    wait_for(lambda: job_clients(srv) == 0, 10, "the server to hear that the old client closed")
     ds.close()
 
 

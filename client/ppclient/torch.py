@@ -406,8 +406,9 @@ class _Stream(Iterator[Any]):
         self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
         self.batch = 0  # index of the next batch in the epoch
         self.sizes: List[int] = []  # sizes of the current window's batches already yielded
-        self.saved: List[int] = []  # resuming: the sizes of the window's batches yielded before the state
-        self.skip = 0  # resuming a state without those sizes (of ppclient 0.2.0): how many batches they were
+        # resuming: the sizes of the window's batches yielded before the state (None: cut again, as a
+        # state of ppclient 0.2.0 has only their number)
+        self.saved: List[Optional[int]] = []
         self.error: Optional[Error] = None  # what ended the iteration, raised again by every later next()
         self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
         self.ended = False  # the shard's seqs have all been received
@@ -447,12 +448,14 @@ class _Stream(Iterator[Any]):
                     f"{saved[1]}); this is reader {self.part} of {self.parts}: resume with the same num_workers"
                 )
             it = client.epoch(state=resume)
-            self.saved = [int(n) for n in resume.get("sizes", ())]
-            self.skip = 0 if "sizes" in resume else int(resume.get("skip", 0))
+            if "sizes" in resume:
+                self.saved = [int(n) for n in resume["sizes"]]
+            else:
+                self.saved = [None] * int(resume.get("skip", 0))
             self.batch = int(resume.get("batch", 0))
         else:
             it = client.epoch(self.epoch)
-            self.saved, self.skip, self.batch = [], 0, 0
+            self.saved, self.batch = [], 0
         self.sizes = []
         self.position = it.start
         self.it = it
@@ -524,8 +527,8 @@ class _Stream(Iterator[Any]):
             if fits and size > fits:
                 raise Error(
                     f"epoch {self.epoch}: batch {self.batch} was agreed with {size} seqs, but only {fits} fit this "
-                    "reader's batch_frames/max_seqs: the job's batches of this epoch were cut with other settings "
-                    "(the server keeps the sizes of a job's recent epochs: another job name cuts them anew)"
+                    "reader's batch_frames/max_seqs: another reader of the job batches this epoch with other "
+                    "settings (all readers of a job must batch alike)"
                 )
         if size == 0 or not seqs:
             raise StopIteration
@@ -553,11 +556,7 @@ class _Stream(Iterator[Any]):
             self.window = [self.window[i] for i in sorted(range(len(self.window)), key=lambda i: lengths[i])]
             saved, self.saved = self.saved, []
             for size in saved:
-                self._take_batch(it, self.window, size)
-                self.sizes.append(size)
-            skip, self.skip = self.skip, 0
-            for _ in range(skip):  # a state of ppclient 0.2.0: those batches are cut again, as they were then
-                self.sizes.append(len(self._take_batch(it, self.window)))
+                self.sizes.append(len(self._take_batch(it, self.window, size)))
         batch = self._take_batch(it, self.window)
         self.sizes.append(len(batch))
         if not self.window:  # the window is all yielded: a resume starts after it

@@ -696,19 +696,16 @@ class Scheduler:
         waiting client then waits on: a paused reader fails no one)."""
         past = agreement.past(index)
         if past:  # no proposal will tell the size: not a wait on readers (the client's timeout ends it)
-            who = ", ".join(job.who(lane) for lane in past[:8]) + (", ..." if len(past) > 8 else "")
             return (
-                f"the size of batch {index}: {who} of job {job.name!r} went past it, and this server does not know "
-                "the size it had (states saved at different steps, resumed after a server restart: resume every "
-                "reader of a job from states of one step)",
+                f"the size of batch {index}: {_lanes(job, past)} of job {job.name!r} went past it, and this server "
+                "does not know the size it had (states saved at different steps, resumed after a server restart: "
+                "resume every reader of a job from states of one step)",
                 False,
             )
         missing = agreement.missing(index)
-        live = [job.live_reader(agreement, lane) for lane in missing]
-        who = ", ".join(
-            job.who(lane) + ("" if alive else " (not connected)") for lane, alive in zip(missing[:8], live)
-        ) + (", ..." if len(missing) > 8 else "")
-        return f"{who} of job {job.name!r} to propose the size of batch {index}", bool(missing) and all(live)
+        away = {lane for lane in missing if not job.live_reader(agreement, lane)}
+        who = _lanes(job, missing, lambda lane: " (not connected)" if lane in away else "")
+        return f"{who} of job {job.name!r} to propose the size of batch {index}", bool(missing) and not away
 
     def _router(self, run: Run) -> Callable[[int], bytes]:
         """Where a position's result goes directly: its lane's consumer, if that one takes direct results."""
@@ -1082,3 +1079,8 @@ def _describe_exit(rc: int) -> str:
         except ValueError:
             return f"signal {-rc}"
     return f"code {rc}"
+
+
+def _lanes(job: Job, lanes: List[int], note: Callable[[int], str] = lambda lane: "") -> str:
+    """The first 8 of `lanes` in words (each with its `note`), for keepalives and status."""
+    return ", ".join(job.who(lane) + note(lane) for lane in lanes[:8]) + (", ..." if len(lanes) > 8 else "")
