@@ -103,6 +103,7 @@ class Server:
                 preserves_num_seqs=not cfg.is_stream or cfg.preserves_num_seqs is True,
                 direct=cfg.direct_results and not cfg.is_stream,
                 fingerprint=cfg.fingerprint,
+                instance=os.urandom(8).hex(),
             )
         )
         self.ctx = zmq.Context()
@@ -432,6 +433,7 @@ class Server:
             "buf_size": self.cfg.buf_size,
             "version": ppclient.__version__,
             "fingerprint": self.cfg.fingerprint,
+            "instance": self.sched.settings.instance,
         }
 
     def status(self) -> Dict[str, Any]:

@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Dict, Iterator, List, Optional, Set
 
 import numpy as np
@@ -213,7 +214,10 @@ def run_server(
     bind: str = "tcp://127.0.0.1:0",
     log_path: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
+    new_session: bool = False,
 ) -> Iterator[ServerProc]:
+    """`ppserver serve`, stopped and reaped with every child it had. `new_session`: in a process group
+    of its own (the server and its local workers), as a service manager starts it."""
     argv = [sys.executable, "-m", "ppserver", "serve", config, "--bind", bind]
     if workers is not None:
         argv += ["--workers", str(workers)]
@@ -226,6 +230,7 @@ def run_server(
         text=True,
         cwd=PROC_CWD,
         env={**(_proc_env(PROC_CWD) or os.environ), **(env or {})},
+        start_new_session=new_session,
     )
     kids: List[int] = []
     try:
@@ -243,6 +248,82 @@ def run_server(
         yield server
     finally:
         _reap(proc, kids, log_file)
+
+
+class Restartable:
+    """A server at one address that a test kills with -9 (its process group: the server and its local
+    workers, as a crash takes them) and starts again there after a while, as systemd's
+    Restart=on-failure does. Made by `restartable`, which reaps every server it started."""
+
+    def __init__(self, stack: ExitStack, config: str, log_dir: str, workers: int):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.config, self.log_dir, self.workers = config, log_dir, workers
+        self.starts = 0
+        self.srv: Optional[ServerProc] = None
+        self._stack = stack
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, config: Optional[str] = None) -> ServerProc:
+        self.starts += 1
+        self.srv = self._stack.enter_context(
+            run_server(
+                config or self.config,
+                workers=self.workers,
+                bind=self.address,
+                log_path=self.log(self.starts),
+                new_session=True,
+            )
+        )
+        return self.srv
+
+    def log(self, n: int) -> str:
+        """The path of the n-th server's log (from 1)."""
+        return os.path.join(self.log_dir, f"server{n}.log")
+
+    def kill(self) -> None:
+        assert self.srv is not None
+        os.killpg(self.srv.proc.pid, signal.SIGKILL)
+        self.srv.proc.wait(timeout=10)
+
+    def restart_after(self, delay: float = 3.0, config: Optional[str] = None) -> None:
+        """Kill the server now and start a new one at its address `delay` seconds later, in the
+        background (the client under test goes on meanwhile)."""
+        self.join()
+        self.kill()
+
+        def later() -> None:
+            try:
+                time.sleep(delay)
+                self.start(config)
+            except BaseException as exc:  # raised in the test by join()
+                self._error = exc
+
+        self._thread = threading.Thread(target=later, name="restart", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 90.0) -> None:
+        """Wait for a restart under way; its error, if it failed, is raised here."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            assert not self._thread.is_alive(), "the server did not restart"
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+@contextmanager
+def restartable(config: str, log_dir: str, *, workers: int = 2) -> Iterator[Restartable]:
+    """A started Restartable; every server it started is stopped and reaped at the end."""
+    with ExitStack() as stack:
+        service = Restartable(stack, config, str(log_dir), workers)
+        try:
+            service.start()
+            yield service
+        finally:
+            if service._thread is not None:
+                service._thread.join(90)
 
 
 def _reap(proc: subprocess.Popen, kids: List[int], log_file) -> None:

@@ -15,6 +15,7 @@ shard and its job.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
 
+import msgpack
 import zmq
 
 from . import endpoints, keyfiles, protocol, shm, wire
@@ -36,12 +38,29 @@ KEEPALIVE_MISSES = 2
 MISSING_AFTER = 2.0  # heartbeat intervals a client waits for its next direct seq before saying it is missing
 ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at most a quarter of its timeout)
 STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last", "subshard")
+REQUEST_RETRY_S = (
+    2.5  # a request unanswered this long is sent again on a new connection (the server may have restarted)
+)
+PROBE_WAIT_S = 1.0  # how long a client that hears nothing of its run waits for the answer to `info`
+PROBE_EVERY_S = 1.0  # and how often it asks again while the silence lasts
+MAX_INT = 2**63 - 1  # what a message can carry
+MAX_TIMEOUT_S = 365 * 86400.0
 
 
 def _int_arg(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise UsageError(f"{name} must be an int from {minimum} to 2**63 - 1, got {value!r}")
     return value
+
+
+def seq_selection(seq_list: Optional[List[str]], seq_order: Optional[List[int]]) -> Optional[str]:
+    """A digest of an epoch's seq_list or seq_order (None: the whole epoch), kept in resume states
+    so that a state is resumed only with the same selection."""
+    if seq_list is None and seq_order is None:
+        return None
+    kind, values = ("seq_list", seq_list) if seq_list is not None else ("seq_order", seq_order)
+    digest = hashlib.sha256(msgpack.packb([kind, values])).hexdigest()[:32]
+    return f"{kind} of {len(values or ())} entries, sha256 {digest}"
 
 
 class Client:
@@ -80,8 +99,8 @@ class Client:
     ):
         self.address = endpoints.check(address, "address")
         _int_arg("window", window, 1)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise UsageError(f"timeout must be a number > 0, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise UsageError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {timeout!r}")
         self.world_size = _int_arg("world_size", world_size, 1)
         self.rank = _int_arg("rank", rank, 0)
         if rank >= world_size:
@@ -100,6 +119,7 @@ class Client:
         self.window = window
         self.keys = keys
         self._keys = keyfiles.client_keys(keys) if keys else None
+        self._pid = os.getpid()  # sockets do not survive fork(): a child must make its own client
         self._ctx = zmq.Context()
         self._req: Optional[zmq.Socket] = None
         self._data: Optional[zmq.Socket] = None
@@ -135,6 +155,25 @@ class Client:
         return sock
 
     def _request(self, msg: protocol.Message, expect: Any) -> Any:
+        """Send a request and return its checked reply, trying again (a new REQ: one whose reply is
+        lost can never send again) until `timeout` has passed: a server that restarts meanwhile
+        answers. Requests are safe to repeat: a repeated `epoch` request of one consumer joins
+        the run the first one started."""
+        frames = self._request_frames(msg)
+        deadline = time.monotonic() + self.timeout
+        attempts = 0
+        while True:
+            attempts += 1
+            left = deadline - time.monotonic()
+            reply = self._attempt(frames, min(left, REQUEST_RETRY_S))
+            if reply is not None:
+                return self._checked_reply(msg, reply, expect)
+            if time.monotonic() >= deadline:
+                again = f" (asked {attempts} times, on a new connection each time)" if attempts > 1 else ""
+                raise ServerUnavailable(f"no answer from {self.address} within {self.timeout:g} s{again}")
+
+    def _request_frames(self, msg: protocol.Message) -> List[Any]:
+        self._check_process()
         if self._ctx.closed:
             raise Error("client is closed")
         frames = protocol.encode(msg)
@@ -144,16 +183,23 @@ class Client:
                 f"the {msg.kind!r} request is {len(frames[0])} bytes, more than the {wire.MAX_HEADER_BYTES} a request "
                 f"may have" + (f" ({', '.join(lists)})" if lists else "")
             )
+        return frames
+
+    def _attempt(self, frames: List[Any], wait_s: float) -> Optional[List[bytes]]:
+        """One try: the reply's frames, or None when none came within `wait_s` (the REQ is closed)."""
         if self._req is None:
             self._req = self._socket(zmq.REQ)
             self._req.connect(self.address)
         self._req.send_multipart(frames)
-        if not self._req.poll(int(self.timeout * 1000)):
-            self._req.close(linger=0)
-            self._req = None
-            raise ServerUnavailable(f"no answer from {self.address} within {self.timeout:g} s")
+        if self._req.poll(max(int(wait_s * 1000), 1)):
+            return self._req.recv_multipart()
+        self._req.close(linger=0)
+        self._req = None
+        return None
+
+    def _checked_reply(self, msg: protocol.Message, frames: List[bytes], expect: Any) -> Any:
         try:
-            reply = protocol.decode(self._req.recv_multipart(), Peer.CLIENT, (Channel.CONTROL,)).msg
+            reply = protocol.decode(frames, Peer.CLIENT, (Channel.CONTROL,)).msg
         except protocol.VersionMismatch as exc:
             raise Error(protocol.mismatch_text(exc.theirs, "the server")) from None
         except protocol.ProtocolError as exc:
@@ -163,6 +209,19 @@ class Client:
         if not isinstance(reply, expect):
             raise Error(f"the server answered {msg.kind!r} with {reply.kind!r}")
         return reply
+
+    def _probe(self, wait_s: float) -> Optional[protocol.InfoReply]:
+        """One `info` request, answered within `wait_s` or not (None): who serves the address now."""
+        reply = self._attempt(self._request_frames(protocol.InfoRequest()), wait_s)
+        return None if reply is None else self._checked_reply(protocol.InfoRequest(), reply, protocol.InfoReply)
+
+    def _check_process(self) -> None:
+        """ZeroMQ sockets do not survive fork(): a child that used them would block for ever."""
+        if os.getpid() != self._pid:
+            raise UsageError(
+                f"this Client was made in process {self._pid} and cannot be used in its forked child "
+                f"{os.getpid()}: make a new Client in the child"
+            )
 
     def _data_socket(self) -> zmq.Socket:
         if self._data is None:
@@ -231,7 +290,8 @@ class Client:
             if descriptor is None or not self._host or descriptor.get("host") != self._host:
                 return False  # none offered, another host, or no shared memory here
             try:
-                self._mappings[ident] = shm.Mapping.open(descriptor)
+                mapping = self._mappings[ident] = shm.Mapping.open(descriptor)
+                self._unmap_older(ident, mapping)
                 return True
             except shm.ShmUnavailable as exc:
                 log.warning(  # the text, not the exception: a kept log record would keep its frames alive
@@ -242,6 +302,14 @@ class Client:
                 return False
         finally:
             if old is not None:
+                old.close()
+
+    def _unmap_older(self, ident: bytes, mapping: shm.Mapping) -> None:
+        """A worker that registered again (its server restarted, say) says hello under a new identity:
+        the segment mapped for its old one is given back."""
+        for other, old in list(self._mappings.items()):
+            if other != ident and old.descriptor.pid == mapping.descriptor.pid:
+                del self._mappings[other]
                 old.close()
 
     def _unmap_gone(self) -> None:
@@ -301,26 +369,54 @@ class Client:
         """This rank's shard of an epoch, from its `start`-th seq on (a resume), as an iterator.
 
         `state` (from `EpochIterator.state_dict()`) resumes exactly where that iterator was;
-        a state of another job, rank, world size or config is refused. Any other epoch this
-        client was reading is superseded. Returns once the server's dataset has set the epoch
-        up, so `len()` (the seqs still to come) works at once.
+        a state of another job, rank, world size or config is refused, and so is one taken with
+        another `seq_list`/`seq_order` than the one given here. Any other epoch this client was
+        reading is superseded. Returns once the server's dataset has set the epoch up, so `len()`
+        (the seqs still to come) works at once.
         """
+        self._check_process()
+        tags = [str(t) for t in seq_list] if seq_list is not None else None
+        order = [_int_arg("seq_order entry", i, 0) for i in seq_order] if seq_order is not None else None
         fingerprint = None  # not resuming a state: nothing to check
         if state is not None:
-            epoch, start, fingerprint = self._resume(state, epoch)
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
+            epoch, start, fingerprint = self._resume(state, epoch, seq_selection(tags, order))
+        _int_arg("epoch", epoch, 0)
         _int_arg("start", start, 0)
-        data = self._data_socket()  # connect before asking, so nothing waits for a missing peer
+        assert isinstance(epoch, int)
+        accepted = self._ask(epoch, start, tags, order, fingerprint)
+        it = EpochIterator(self, self._data_socket(), accepted, epoch, start, tags, order)
+        self._inbox[it.run] = deque()
+        try:
+            it._wait_started()
+        except Error:
+            self._inbox.pop(it.run, None)
+            raise  # a refused request leaves the current epoch as it was
+        old, self._current = self._current, it
+        if old is not None:
+            old._supersede(f"epoch {old.epoch} was superseded by epoch {epoch} of this client")
+            self._inbox.pop(old.run, None)
+        return it
+
+    def _ask(
+        self,
+        epoch: int,
+        start: int,
+        seq_list: Optional[List[str]],
+        seq_order: Optional[List[int]],
+        fingerprint: Optional[str],
+    ) -> protocol.EpochAccepted:
+        """Ask for this client's part of an epoch from its `start`-th seq (also again, from where an
+        iterator was, after the server restarted)."""
+        self._data_socket()  # connect before asking, so nothing waits for a missing peer
         self._direct_socket()
         self._unmap_gone()
         self._keep_alive()
-        reply = self._request(
+        return self._request(
             protocol.EpochRequest(
                 epoch=epoch,
                 consumer=self._consumer,
-                seq_list=[str(t) for t in seq_list] if seq_list is not None else None,
-                seq_order=[int(i) for i in seq_order] if seq_order is not None else None,
+                seq_list=seq_list,
+                seq_order=seq_order,
                 job=self.job,
                 rank=self.rank,
                 world_size=self.world_size,
@@ -336,20 +432,8 @@ class Client:
             ),
             protocol.EpochAccepted,
         )
-        it = EpochIterator(self, data, reply.run, epoch, start)
-        self._inbox[it.run] = deque()
-        try:
-            it._wait_started()
-        except Error:
-            self._inbox.pop(it.run, None)
-            raise  # a refused request leaves the current epoch as it was
-        old, self._current = self._current, it
-        if old is not None:
-            old._supersede(f"epoch {old.epoch} was superseded by epoch {epoch} of this client")
-            self._inbox.pop(old.run, None)
-        return it
 
-    def _resume(self, state: Dict[str, Any], epoch: Optional[int]) -> Any:
+    def _resume(self, state: Dict[str, Any], epoch: Optional[int], selection: Optional[str]) -> Any:
         if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
             raise UsageError(f"state must be a dict from EpochIterator.state_dict() with {', '.join(STATE_KEYS)}")
         mine = {
@@ -365,12 +449,20 @@ class Client:
                 raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
         if epoch is not None and epoch != state["epoch"]:
             raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
+        # (a state of ppclient 0.2.0 has no seq_selection: it cannot be checked)
+        if "seq_selection" in state and state["seq_selection"] != selection:
+            saved = state["seq_selection"] or "the whole epoch"
+            raise UsageError(
+                f"the state was taken of {saved}, this request asks for {selection or 'the whole epoch'}: "
+                "resume with the seq_list or seq_order the state's epoch was asked for"
+            )
         fingerprint = state["fingerprint"]
         if not isinstance(fingerprint, str) or not fingerprint:
             raise UsageError(
                 f"the state has no config fingerprint (fingerprint={fingerprint!r}); EpochIterator.state_dict() "
                 "always gives one"
             )
+        _int_arg("the state's position", state["position"], 0)
         return state["epoch"], state["position"], fingerprint
 
     def _keep_alive(self) -> None:
@@ -387,11 +479,12 @@ class Client:
         data = self._data_socket()
         direct = self._direct
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            # What is queued already is taken without a poll (a system call per message saved).
+            # What is queued already is taken without a poll (a system call per message saved),
+            # also after the deadline (what came while the trainer was busy tells that the server lives).
             ready: Any = [s for s in (data, direct) if s is not None and int(s.get(zmq.EVENTS)) & zmq.POLLIN]
+            left = deadline - time.monotonic()
+            if not ready and left <= 0:
+                return None
             if not ready:
                 if direct is None:
                     ready = (data,) if data.poll(int(left * 1000) + 1) else ()
@@ -451,6 +544,10 @@ class Client:
 
     def close(self) -> None:
         """Tell the server (its shards may be taken over at once) and close every socket."""
+        if os.getpid() != self._pid:  # a forked child: the sockets are its parent's, which goes on using them
+            self._req = self._data = self._direct = self._alive = self._current = None
+            self._inbox, self._mappings = {}, {}
+            return
         if self._alive is not None:
             self._alive.stop()
             self._alive = None
@@ -539,23 +636,41 @@ class _Alive(threading.Thread):
 
 class EpochIterator(Iterator[Dict[str, Any]]):
     """This rank's seqs of one epoch in order. Raises MapperError, Superseded or ServerUnavailable,
-    never hangs; once it has raised, every later next() raises the same error."""
+    never hangs; once it has raised, every later next() raises the same error.
 
-    def __init__(self, client: Client, sock: zmq.Socket, run: int, epoch: int, start: int = 0):
+    A server that stops sending anything (not even keepalives) is asked `info` now and then;
+    when a restarted one (another instance, the same config fingerprint) answers at the address
+    within the timeout, the iterator asks it for the epoch again from its position, as a resume
+    state would, and goes on: the rest of the epoch is the same as it would have been."""
+
+    def __init__(
+        self,
+        client: Client,
+        sock: zmq.Socket,
+        accepted: protocol.EpochAccepted,
+        epoch: int,
+        start: int = 0,
+        seq_list: Optional[List[str]] = None,
+        seq_order: Optional[List[int]] = None,
+    ):
         self._client = client
         self._sock = sock
-        self.run = run
+        self.run = accepted.run
         self.epoch = epoch
         self.start = start  # index in the shard of the first seq this iterator yields
         self.rank = client.rank
         self.world_size = client.world_size
         self.num_seqs: Optional[int] = None
-        self.fingerprint = ""
+        self.fingerprint = accepted.fingerprint
+        self._instance = accepted.instance  # the server process that serves the run
+        self._seq_list, self._seq_order = seq_list, seq_order
+        self.reconnects = 0  # times the epoch was asked for again from a restarted server
         self._consumed = 0
-        self._granted = 0  # credit granted so far (cumulative)
+        self._base = 0  # seqs yielded before the current run began (the server counts from there)
+        self._granted = 0  # credit granted to the current run so far (cumulative)
         self._told = 0  # seqs taken, as the server last heard it
         self._done = False
-        self._end: Optional[int] = None  # seqs the epoch has for this iterator, once End came
+        self._end: Optional[int] = None  # seqs the current run has for this iterator, once End came
         self._error: Optional[Error] = None
         # Seqs by position: direct results may come out of order, twice, or before the server's End.
         self._buffer: Dict[int, Item] = {}
@@ -567,10 +682,14 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._ask_at = 0.0  # when to say it is missing
         self.duplicates = 0  # seqs that came twice (a worker died after sending one) and were dropped
         self._alive_at = 0.0  # when the last keepalive (or anything) came from the server
+        self._probe_at = 0.0  # when to ask who serves the address, if nothing comes until then
+        self._probes = 0  # `info` requests of the current silence, and how many were answered
+        self._answered = 0
         self._interval = 1.0
         self._waiting_for = ""
         self._workers = 0
         self._started = False
+        self._sized = False  # num_seqs was set by the first run to start
         self._agreed: Dict[int, int] = {}  # batch sizes the server answered, by batch index
 
     def __len__(self) -> int:
@@ -596,6 +715,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             "fingerprint": self.fingerprint,
             "drop_last": self._client.drop_last,
             "subshard": [self._client.subshard, self._client.subshards],
+            "seq_selection": seq_selection(self._seq_list, self._seq_order),
         }
 
     def __iter__(self) -> EpochIterator:
@@ -621,31 +741,30 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         _int_arg("index", index, 0)
         _int_arg("size", size, 0)
         _int_arg("start", start, 0)
-        proposal = protocol.BatchSize(run=self.run, index=index, size=size, start=start, cut=cut)
-        self._sock.send_multipart([protocol.DELIMITER, *protocol.encode(proposal)])
-        if not wait:
-            return size
-        while index not in self._agreed:
-            self._receive("batch", index)
-            self._top_up(held=len(self._buffer))
+        run = -1
+        while run != self.run:  # (proposed again to a restarted server)
+            run = self.run
+            proposal = protocol.BatchSize(run=run, index=index, size=size, start=start, cut=cut)
+            self._sock.send_multipart([protocol.DELIMITER, *protocol.encode(proposal)])
+            if not wait:
+                return size
+            while index not in self._agreed and run == self.run:
+                self._receive("batch", index)
+                self._top_up(held=len(self._buffer))
         return self._agreed.pop(index)
 
     def _grant(self, n: int) -> None:
         """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
         self._granted += n
         self._told = self._consumed
-        self._sock.send_multipart(
-            [
-                protocol.DELIMITER,
-                *protocol.encode(protocol.Credit(run=self.run, total=self._granted, consumed=self._consumed)),
-            ]
-        )
+        credit = protocol.Credit(run=self.run, total=self._granted, consumed=self._consumed - self._base)
+        self._sock.send_multipart([protocol.DELIMITER, *protocol.encode(credit)])
 
     def _top_up(self, held: int = 0, end: bool = False) -> None:
         """Credit for `window` seqs beyond those taken (and the `held` ones received meanwhile),
         granted half a window at a time, with the number taken (also `end`: at the end)."""
         window, taken = self._client.window, self._consumed - self._told
-        due = self._consumed + held + window - self._granted
+        due = self._consumed - self._base + held + window - self._granted
         if due * 2 >= window or taken * 2 >= window or (end and taken):
             self._grant(max(due, 0))
 
@@ -659,13 +778,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         raise error
 
     def _wait_started(self) -> None:
-        self._alive_at = time.monotonic()
+        self._heard(time.monotonic())
         self._grant(self._client.window)
         while not self._started:
             self._receive("started")
 
     def _finished(self) -> bool:
-        return self._done and (self._end is None or self._consumed >= self._end)
+        return self._done and (self._end is None or self._consumed - self._base >= self._end)
 
     @property
     def _expected(self) -> int:
@@ -674,6 +793,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def __next__(self) -> Dict[str, Any]:
         if self._error is not None:
             raise self._error
+        self._client._check_process()
         expected = self._expected
         while expected not in self._buffer:
             if self._finished():
@@ -691,7 +811,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         """Take the next message of this run (`what`: "started", "progress", or "batch": the size
         of batch `batch`); raise when none comes within the timeout. Keepalives that say the run
         waits for other readers whose clients live extend it: a paused reader fails no one. Waiting
-        for a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost)."""
+        for a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost).
+        When nothing at all comes for 2 heartbeat intervals, ask who serves the address: a
+        restarted server is asked for the epoch again from here (and this returns)."""
         timeout = self._client.timeout
         began = time.monotonic()
         deadline = began + timeout
@@ -702,31 +824,101 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             ask = self._ask_at
         while True:
             try:
-                decoded = self._client._next_message(self.run, min(deadline, ask))
+                decoded = self._client._next_message(self.run, min(deadline, ask, max(self._probe_at, began)))
             except Error as exc:
                 self._raise(exc)
             if decoded is None:
                 now = time.monotonic()
-                if now < deadline:
+                if now >= deadline:
+                    self._timed_out(what, timeout, began, batch)
+                if now >= self._probe_at and self._restarted(deadline):
+                    self._resume_run()
+                    return
+                if now >= ask:
                     self._missing()
                     ask = self._ask_at = now + MISSING_AFTER * self._interval
-                    continue
-                self._timed_out(what, timeout, began, batch)
-                return
+                continue
             msg = decoded.msg
-            self._alive_at = time.monotonic()
+            self._heard(time.monotonic())
             if isinstance(msg, protocol.Keepalive):
                 self._interval, self._workers, self._waiting_for = msg.interval, msg.workers, msg.waiting_for
+                self._probe_at = self._alive_at + KEEPALIVE_MISSES * self._interval + 0.25
                 if msg.waits_on_readers and what != "started":
                     deadline = self._alive_at + timeout
                 continue
             self._on(msg, decoded)
             return
 
+    def _heard(self, now: float) -> None:
+        """Something came from the server: it lives, and the next silence begins now."""
+        self._alive_at = now
+        self._probe_at = now + KEEPALIVE_MISSES * self._interval + 0.25
+        self._probes = self._answered = 0
+
+    def _restarted(self, deadline: float) -> bool:
+        """Nothing came for a while: ask `info` whose server answers at the address. True: another
+        instance of the same config (a restart); another config is an error naming both."""
+        client = self._client
+        self._probes += 1
+        try:
+            info = client._probe(max(0.05, min(PROBE_WAIT_S, deadline - time.monotonic())))
+        except Error as exc:
+            self._raise(exc)
+        self._probe_at = time.monotonic() + PROBE_EVERY_S
+        if info is None:
+            return False
+        self._answered += 1
+        if info.fingerprint != self.fingerprint:
+            self._raise(
+                Error(
+                    f"the server at {client.address} restarted with another config: its fingerprint is "
+                    f"{info.fingerprint!r}, epoch {self.epoch} was read with {self.fingerprint!r} (the config, its "
+                    "mappers or ppserver differ), so the rest of the epoch would not be the same"
+                )
+            )
+        return info.instance != self._instance
+
+    def _resume_run(self) -> None:
+        """Ask the restarted server for the epoch from this iterator's position, as a resume state
+        would; what arrived of the old run and was not yielded yet is dropped (it comes again)."""
+        client = self._client
+        log.warning(
+            "the server at %s restarted: asking for epoch %d again from seq %d of this shard",
+            client.address,
+            self.epoch,
+            self.position,
+        )
+        client._inbox.pop(self.run, None)
+        self._buffer.clear()
+        try:
+            accepted = client._ask(self.epoch, self.position, self._seq_list, self._seq_order, self.fingerprint)
+        except Error as exc:
+            self._raise(exc)
+        self.run, self._instance = accepted.run, accepted.instance
+        client._inbox[self.run] = deque()
+        self._base = self._consumed
+        self._granted = self._told = 0
+        self._done, self._end, self._started = False, None, False
+        self._arrived, self._awaited = self._expected, -1
+        self.reconnects += 1
+        self._wait_started()
+
     def _on(self, msg: protocol.Message, decoded: protocol.Decoded) -> None:
         if isinstance(msg, protocol.Started):
+            if self.fingerprint and msg.fingerprint != self.fingerprint:
+                self._raise(
+                    Error(f"epoch {self.epoch} started with fingerprint {msg.fingerprint!r}, not {self.fingerprint!r}")
+                )
+            if not self._sized:  # the first run that started (an earlier one's server may have died before)
+                self.num_seqs, self._sized = msg.num_seqs, True
+            elif self.num_seqs is not None and msg.num_seqs != self.num_seqs - self._base:
+                self._raise(
+                    Error(
+                        f"epoch {self.epoch}: the restarted server has {msg.num_seqs} seqs left for this iterator, "
+                        f"not {self.num_seqs - self._base}"
+                    )
+                )
             self._started = True
-            self.num_seqs = msg.num_seqs
             self.fingerprint = msg.fingerprint
         elif isinstance(msg, (protocol.Seqs, protocol.DirectSeqs)):
             if decoded.bad:
@@ -735,13 +927,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         elif isinstance(msg, protocol.End):
             self._done = True
             self._end = msg.count
-            arrived = self._consumed + len(self._buffer)
+            arrived = self._consumed - self._base + len(self._buffer)
             if msg.count < arrived or (not self._direct and msg.count != arrived):
                 self._raise(
                     Error(f"epoch {self.epoch} ended after {msg.count} seqs but {arrived} arrived (messages were lost)")
                 )
-            if self.num_seqs is not None and msg.count != self.num_seqs:
-                self._raise(Error(f"epoch {self.epoch} ended after {msg.count} of {self.num_seqs} seqs"))
+            if self.num_seqs is not None and msg.count != self.num_seqs - self._base:
+                self._raise(Error(f"epoch {self.epoch} ended after {msg.count} of {self.num_seqs - self._base} seqs"))
         elif isinstance(msg, protocol.RunFailed):
             self._done = True
             if msg.failure == protocol.FailureKind.MAPPER.value:
@@ -796,7 +988,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         address = self._client.address
         silent = time.monotonic() - self._alive_at
         if self._alive_at < began or silent > KEEPALIVE_MISSES * self._interval + 0.25:
-            self._raise(ServerUnavailable(f"no data from {address} for {silent:.1f} s (epoch {self.epoch})"))
+            if not self._probes:
+                tried = ""
+            elif self._answered:
+                tried = f"; the server answers (asked {self._probes} times) but sends nothing of this epoch"
+            else:
+                tried = f"; tried {self._probes} times to reach a server there again, none answered"
+            self._raise(ServerUnavailable(f"no data from {address} for {silent:.1f} s (epoch {self.epoch}){tried}"))
         waiting = f"; waiting for {self._waiting_for}" if self._waiting_for else ""
         if what == "started":
             self._raise(

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 7
+PROTOCOL = 8
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -159,6 +159,7 @@ class InfoReply(Message):
     buf_size: int = 1
     version: str = ""
     fingerprint: str = ""
+    instance: str = ""
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,9 @@ class StatusReply(Message):
 
 @dataclass(frozen=True)
 class EpochAccepted(Message):
-    """The request checks; the epoch's `Started` (or its error) follows on the data socket."""
+    """The request checks; the epoch's `Started` (or its error) follows on the data socket.
+    `instance`: the server process's own id (a client that stops hearing from it asks `info` whose
+    instance answers, to tell a restarted server from a slow one); `fingerprint`: the config's."""
 
     kind = "epoch_accepted"
     channel = Channel.CONTROL
@@ -181,6 +184,8 @@ class EpochAccepted(Message):
     receiver = (Peer.CLIENT,)
     versioned = True
     run: int = _nonneg()
+    instance: str = ""
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

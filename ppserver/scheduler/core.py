@@ -356,7 +356,8 @@ class Scheduler:
             target = main
         else:
             target = self._new_run(job, e, solo=e.lane if main is not None else None, out=out)
-        out.append(Reply(e.requester, EpochAccepted(run=target.run)))
+        accepted = EpochAccepted(run=target.run, instance=self.settings.instance, fingerprint=self.settings.fingerprint)
+        out.append(Reply(e.requester, accepted))
 
     def _refusal(self, e: ev.EpochRequested) -> Optional[str]:
         """Why the request cannot be served (one line), or None."""

@@ -18,6 +18,7 @@ class Settings:
     partitions: int = 1
     preserves_num_seqs: bool = True  # stream mode: every input gives exactly one output
     fingerprint: str = ""  # the config's, handed to clients for their resume states
+    instance: str = ""  # this server process's id: a client that lost it tells a restart from a pause
     direct: bool = True  # map_seq results may go from workers to their consumers directly
     read_slack: int = 16  # inputs read beyond the workers' credit, so no worker waits for the reader
     read_step: int = 12  # the reader is asked for this many seqs at a time (each request wakes it)

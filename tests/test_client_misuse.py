@@ -1,0 +1,129 @@
+"""A client used wrongly gets one clear UsageError at once, against a real server: a resume state
+with another seq selection, numbers a message cannot carry, a client inherited through fork()."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import SLOW_MAPPER, assert_same_epoch, collect, numpy_config, reference, run_server
+
+import ppclient
+from ppclient import UsageError
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = numpy_config(tmp_path_factory.mktemp("misuse"), SLOW_MAPPER.format(delay=0), n=50)
+    with run_server(cfg, workers=1) as srv:
+        yield srv, cfg
+
+
+TAGS = ["seq-3", "seq-9", "seq-1", "seq-30", "seq-12", "seq-7", "seq-44"]
+
+
+@pytest.mark.parametrize("selection", ["seq_list", "seq_order"])
+def test_a_resume_state_keeps_its_seq_selection(server, selection):
+    srv, cfg = server
+    chosen = {"seq_list": TAGS} if selection == "seq_list" else {"seq_order": [3, 9, 1, 30, 12, 7, 44]}
+    want = reference(cfg, 1, **chosen)
+    assert len(want) == 7
+    with srv.client() as c:
+        it = c.epoch(1, **chosen)
+        first = [next(it) for _ in range(3)]
+        state = it.state_dict()
+        assert state["seq_selection"].startswith(f"{selection} of 7 entries")
+        with pytest.raises(UsageError, match=f"the state was taken of {selection} of 7 entries.*the whole epoch"):
+            c.epoch(state=state)  # without its selection: the whole corpus from its 3rd seq, before
+        other = {"seq_list": TAGS[::-1]} if selection == "seq_list" else {"seq_order": [44, 7]}
+        with pytest.raises(UsageError, match="the state was taken of"):
+            c.epoch(state=state, **other)
+        rest = collect(c.epoch(state=state, **chosen))
+    assert len(rest) == 4
+    assert_same_epoch(first + rest, want)
+
+
+def test_a_whole_epochs_state_is_refused_with_a_seq_list(server):
+    srv, _ = server
+    with srv.client() as c:
+        it = c.epoch(1)
+        next(it)
+        with pytest.raises(UsageError, match="taken of the whole epoch, this request asks for seq_list of 7"):
+            c.epoch(state=it.state_dict(), seq_list=TAGS)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 1e300, -1.0, 0])
+def test_a_timeout_a_message_cannot_carry_is_refused(server, timeout):
+    srv, _ = server
+    with pytest.raises(UsageError, match="timeout must be a number of seconds > 0 and at most"):
+        ppclient.Client(srv.address, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "where, name",
+    [
+        ("epoch", "epoch"),
+        ("start", "start"),
+        ("client", "window"),
+        ("client", "world_size"),
+        ("order", "seq_order entry"),
+    ],
+)
+def test_ints_beyond_64_bits_are_usage_errors_and_the_client_goes_on(server, where, name):
+    srv, cfg = server
+    huge = 2**64
+    kwargs = {"window": huge} if name == "window" else {"world_size": huge}
+    began = time.monotonic()
+    with srv.client(timeout=5) as c:
+        with pytest.raises(UsageError, match=f"{name} must be an int from 0|{name} must be an int from 1"):
+            if where == "client":
+                ppclient.Client(srv.address, **kwargs)
+            elif where == "epoch":
+                c.epoch(huge)
+            elif where == "start":
+                c.epoch(1, start=huge)
+            else:
+                c.epoch(1, seq_order=[1, huge])
+        assert time.monotonic() - began < 5  # at once, not after a timeout
+        assert_same_epoch(collect(c.epoch(2)), reference(cfg, 2))
+
+
+def test_an_iterator_used_in_a_forked_child_is_a_usage_error_and_the_parent_goes_on(server):
+    srv, cfg = server
+    want = reference(cfg, 1)
+    with srv.client() as c:
+        it = c.epoch(1)
+        got = [next(it) for _ in range(5)]
+        pid = os.fork()
+        if pid == 0:  # the child: it must not block in the parent's sockets, nor close them
+            code = 1
+            try:
+                next(it)
+            except UsageError as exc:
+                code = 3 if "make a new Client in the child" in str(exc) else 4
+            except BaseException:
+                code = 5
+            try:
+                c.close()
+                c.info()
+            except UsageError:
+                pass
+            except BaseException:
+                code = 6
+            os._exit(code)
+        deadline = time.monotonic() + 20
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("the forked child hung in the client")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 3
+        got += collect(it)
+        assert c.info()["num_seqs"] == 50
+    assert_same_epoch(got, want)
