@@ -100,9 +100,16 @@ def _parser() -> argparse.ArgumentParser:
         "keygen",
         help="write CURVE key pairs",
         description="Write server.key/server.key_secret and client.key/client.key_secret into DIR "
-        "and authorise the client key (DIR/authorized/).",
+        "and authorise the client key (DIR/authorized/). If DIR already holds any of these files, "
+        "nothing is written and the exit code is 2, unless --force.",
     )
-    k.add_argument("dir", metavar="DIR")
+    k.add_argument("dir", metavar="DIR", help="the keys directory (made if missing)")
+    k.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the keys DIR already holds (every worker and client using the old keys is then refused; "
+        "other authorised keys in DIR/authorized/ stay)",
+    )
 
     d = sub.add_parser(
         "demo",
@@ -316,9 +323,13 @@ def _progress_lines(st) -> List[str]:
 
 
 def _keygen(args) -> int:
+    from ppclient import UsageError
     from ppclient.keyfiles import keygen
 
-    server, client = keygen(args.dir)
+    try:
+        server, client = keygen(args.dir, force=args.force)
+    except UsageError as exc:
+        return _fail_config("keygen", exc)
     print(f"wrote {server} (+ secret) and {client} (+ secret); authorised {client}")
     return 0
 

@@ -187,6 +187,15 @@ class ReturnnDataset(Dataset):
         self._setup((int(epoch), seq_list, seq_order))
 
     def _setup(self, args: tuple) -> None:
+        """A new epoch: the seqs cached and the end found belong to the one before and are dropped."""
+        self._start_pass(args)
+        self._end = None
+        self._cache = {}
+        self._cached = 0
+
+    def _start_pass(self, args: tuple) -> None:
+        """Set the wrapped dataset's epoch up and read it from its start again. The cache and the end
+        found are not touched: a rewind reads the same epoch, so they stay valid."""
         epoch, seq_list, seq_order = args
         self.ds.init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
         if not self._keys:
@@ -194,9 +203,6 @@ class ReturnnDataset(Dataset):
         self._args = args
         self._epoch = epoch
         self._cursor = 0
-        self._end = None
-        self._cache.clear()
-        self._cached = 0
         try:
             self._count = int(self.ds.num_seqs)
         except NotImplementedError:
@@ -271,6 +277,8 @@ class ReturnnDataset(Dataset):
         return True
 
     def _rewind(self, pos: int) -> None:
+        """Set the epoch up again to reach `pos`, which a forward-only dataset has passed and the cache
+        does not hold; what the cache holds is kept, as the epoch read again is the same."""
         self.rewinds += 1
         log.warning(
             "re-reading epoch %s from its start to reach seq %d again: %s reads forward only and the seq is no "
@@ -281,10 +289,7 @@ class ReturnnDataset(Dataset):
             self.cache_bytes / (1 << 20),
             self.rewinds,
         )
-        keep, end = self._cache, self._end
-        self._setup(self._require_args())
-        self._cache, self._end = keep, end  # still valid: the same epoch, read again
-        self._cached = sum(_nbytes(s) for s in keep.values())
+        self._start_pass(self._require_args())
 
     def _read(self, i: int) -> Dict[str, Any]:
         """Seq `i` of the epoch as PostprocessingDataset reads it; complete_frac rounded to float32 as

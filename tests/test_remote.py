@@ -175,6 +175,62 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
         wait_for(lambda: "handshake failed" in read(slog), 10, "the keyless client in the server log")
 
 
+KEY_FILES = ["server.key", "server.key_secret", "client.key", "client.key_secret", "authorized/client.key"]
+
+
+def keygen(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ppserver", "keygen", *argv], capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+
+
+def error_line(res: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a refused keygen (exit 2, no traceback)."""
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert lines[0].startswith("ppserver keygen: error: "), lines[0]
+    return lines[0]
+
+
+def key_bytes(directory: str) -> dict:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in KEY_FILES}
+
+
+def test_keygen_keeps_existing_keys_unless_forced(tmp_path):
+    d = str(tmp_path / "keys")
+    assert keygen(d).returncode == 0
+    before = key_bytes(d)
+    line = error_line(keygen(d))
+    assert all(name in line for name in KEY_FILES) and "--force" in line, line
+    assert key_bytes(d) == before
+    assert "--force" in keygen("--help").stdout
+    res = keygen(d, "--force")
+    assert res.returncode == 0, res.stderr
+    after = key_bytes(d)
+    assert all(after[name] != before[name] for name in KEY_FILES)
+    assert after["authorized/client.key"] == after["client.key"]
+    assert keyfiles.client_keys(d).server_public == keyfiles.server_keys(d).public
+
+
+def test_keygen_names_the_one_key_a_directory_already_holds(tmp_path):
+    d = tmp_path / "flat"
+    d.mkdir()
+    (d / "client.key").write_text("a key of a deployed client\n")
+    line = error_line(keygen(str(d)))
+    assert "client.key" in line and "server.key" not in line, line
+    assert sorted(os.listdir(d)) == ["client.key"]
+
+
+@pytest.mark.parametrize("where", ["under a file", "under /proc", "a file"])
+def test_keygen_into_a_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, where):
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory\n")
+    d = {"under a file": str(a_file / "keys"), "under /proc": "/proc/ppserver-keys", "a file": str(a_file)}[where]
+    assert d in error_line(keygen(d))
+    assert a_file.read_text() == "not a directory\n"
+
+
 def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=6)
     res = subprocess.run(

@@ -12,11 +12,13 @@ import sys
 import textwrap
 import zipfile
 from types import SimpleNamespace
+from typing import List, Optional
 
 import numpy as np
 import pytest
 from conftest import children_of, collect, collect_with, read, run_server, run_worker_host
-from returnn.datasets.basic import init_dataset
+from returnn.datasets.basic import DatasetSeq, init_dataset
+from returnn.datasets.cached2 import CachedDataset2
 from returnn.util.basic import OptionalNotImplementedError
 from test_hdf import LABELS, write_dense
 
@@ -660,6 +662,45 @@ def test_adapter_answers_any_access_pattern_from_one_forward_pass(corpus, cache_
     assert (ds.rewinds == 0) == (cache_mb > 0), ds.rewinds
     with pytest.raises(IndexError):
         ds.get_seq(23)
+
+
+class Counting(CachedDataset2):
+    """12 forward-only seqs of 3 frames (24 bytes each), seq i filled with i; `loaded` lists every
+    seq RETURNN loads, so a test sees what a replay costs the dataset."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.num_outputs = {"data": (2, 2)}
+        self.num_inputs = 2
+        self.loaded: List[int] = []
+
+    def get_data_keys(self):
+        return ["data"]
+
+    def get_data_dtype(self, key):
+        return "float32"
+
+    def init_seq_order(self, epoch=None, seq_list=None, seq_order=None):
+        super().init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
+        self._num_seqs = 12
+        return True
+
+    def _collect_single_seq(self, seq_idx: int) -> Optional[DatasetSeq]:
+        self.loaded.append(seq_idx)
+        return DatasetSeq(seq_idx, features={"data": np.full((3, 2), seq_idx, "float32")}, seq_tag=f"c{seq_idx}")
+
+
+def test_rewind_keeps_the_cached_seqs():
+    """A jump back past the cache re-reads the prefix once; the seqs cached before it are still
+    served from the cache afterwards, not by a second re-read of the forward-only dataset."""
+    ds = ReturnnDataset(dataset={"class": Counting}, cache_mb=48 / (1 << 20))  # room for 2 seqs
+    ds.init_seq_order(1)
+    for pos in [0, 10, 5, 2, 1, 6]:  # 10 caches 1 and 2; 5 (not cached) rewinds; 2 and 1 are cached
+        seq = ds.get_seq(pos)
+        assert seq["seq_tag"] == f"c{pos}"
+        np.testing.assert_array_equal(seq["data"], np.full((3, 2), pos, "float32"))
+    assert ds.ds.loaded == [*range(11), *range(7)]
+    assert ds.rewinds == 1
 
 
 def test_adapter_unknown_count(corpus):

@@ -1,7 +1,8 @@
 """CURVE key files: where each side's keys live and how they are read.
 
 ``ppserver keygen DIR`` writes ``server.key``/``server.key_secret`` and
-``client.key``/``client.key_secret`` and authorises the client key (``DIR/authorized/``).
+``client.key``/``client.key_secret`` and authorises the client key (``DIR/authorized/``); it
+refuses to replace keys DIR already holds unless forced.
 The server needs its secret key and the authorised public keys; workers and clients need
 the client pair and the server's public key. Every function raises UsageError with the
 path when a file is missing or unreadable, before any socket exists.
@@ -93,11 +94,38 @@ def authorized_keys(directory: str) -> List[bytes]:
     return found
 
 
-def keygen(directory: str) -> Tuple[str, str]:
-    """Write a server and a client key pair; the client public key is authorised."""
+def existing_keys(directory: str) -> List[str]:
+    """The files keygen would write that DIR already holds (relative to DIR): replacing them
+    locks out every worker and client deployed with them."""
+    names = [SERVER_KEY, SERVER_SECRET, CLIENT_KEY, CLIENT_SECRET, os.path.join(AUTHORIZED, CLIENT_KEY)]
+    return [name for name in names if os.path.lexists(os.path.join(directory, name))]
+
+
+def keygen(directory: str, *, force: bool = False) -> Tuple[str, str]:
+    """Write a server and a client key pair; the client public key is authorised. Keys DIR
+    already holds are kept (UsageError naming them) unless `force`: replacing them locks out
+    every deployed peer. A DIR that cannot be made or written is a UsageError too, so that the
+    command says why in one line."""
+    found = [] if force else existing_keys(directory)
+    if found:
+        raise UsageError(
+            f"{directory} already holds keys: {', '.join(found)}; --force replaces them "
+            "(every worker and client using them is then refused)"
+        )
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"cannot make keys directory {directory}: it is a file")
+    try:
+        _write_keys(directory)
+    except OSError as exc:
+        where = "" if exc.filename in (None, directory) else f" ({exc.filename})"
+        raise UsageError(f"cannot make keys directory {directory}: {exc.strerror}{where}") from None
+    return os.path.join(directory, SERVER_KEY), os.path.join(directory, CLIENT_KEY)
+
+
+def _write_keys(directory: str) -> None:
+    """Both pairs, the authorised copy of the client key, and secrets readable by their owner only."""
     import zmq.auth
 
-    os.makedirs(directory, exist_ok=True)
     auth_dir = os.path.join(directory, AUTHORIZED)
     os.makedirs(auth_dir, exist_ok=True)
     zmq.auth.create_certificates(directory, "server")
@@ -105,4 +133,3 @@ def keygen(directory: str) -> Tuple[str, str]:
     shutil.copy(os.path.join(directory, CLIENT_KEY), os.path.join(auth_dir, CLIENT_KEY))
     for name in (SERVER_SECRET, CLIENT_SECRET):
         os.chmod(os.path.join(directory, name), 0o600)
-    return os.path.join(directory, SERVER_KEY), os.path.join(directory, CLIENT_KEY)
