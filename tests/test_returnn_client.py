@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -11,7 +12,17 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-from conftest import assert_same_epoch, children_of, free_port, reference, run_server, wait_gone, write_config
+from conftest import (
+    assert_same_epoch,
+    children_of,
+    free_port,
+    read,
+    reference,
+    restartable,
+    run_server,
+    wait_gone,
+    write_config,
+)
 from returnn.datasets.basic import init_dataset
 from returnn.util.basic import OptionalNotImplementedError
 
@@ -375,3 +386,31 @@ def test_a_returnn_training_reads_its_epochs_from_the_server(server, tmp_path):
         assert got == want, "batches came in epoch order, each holding consecutive seqs"
         assert all(1 <= len(b) <= 3 for b in batches[epoch])
     assert "sequences: 23" in out + open(str(tmp_path / "returnn.log")).read()
+
+
+def test_the_dataset_reads_on_through_a_server_restart(tmp_path):
+    """kill -9 of the server in the middle of a RETURNN epoch and a new one on its address 3 s
+    later: RETURNN's dataset API goes on with the rest of the epoch, the reference's."""
+    from test_server_restart import slow_config
+
+    cfg = slow_config(tmp_path)
+    want = without_seq_idx(reference(cfg, 1))
+    with restartable(cfg, tmp_path) as service:
+        ds = dataset(service.address, timeout=30)
+        try:
+            ds.init_seq_order(epoch=1)
+            got, i = [], 0
+            while ds.is_less_than_num_seqs(i):
+                ds.load_seqs(i, i + 1)
+                seq: Dict[str, Any] = {k: ds.get_data(i, k) for k in ds.get_data_keys()}
+                seq["seq_tag"] = ds.get_tag(i)
+                seq["complete_frac"] = ds.get_complete_frac(i, allow_only_lr_suitable=True)
+                got.append(seq)
+                i += 1
+                if i == 6:
+                    service.restart_after()
+            service.join()
+        finally:
+            ds.finish_epoch(free_resources=True)
+        assert re.search(r"reads epoch 1 \(run \d+\) from seq [1-9]", read(service.log(2)))  # went on mid-epoch
+    assert_same_epoch(got, want)

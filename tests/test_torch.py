@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib
+import re
 import threading
 import time
 import warnings
@@ -12,7 +13,19 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import pytest
-from conftest import assert_same_epoch, have_modules, numpy_config, reference, run_server, wait_for, write_config
+from conftest import (
+    assert_same_epoch,
+    collect_with,
+    have_modules,
+    numpy_config,
+    read,
+    reference,
+    restartable,
+    run_server,
+    wait_for,
+    write_config,
+)
+from test_server_restart import slow_config
 
 from ppclient.client import EpochIterator
 from ppclient.errors import Superseded, UsageError
@@ -553,3 +566,29 @@ def test_a_bucketed_state_saved_by_the_older_client_resumes_exactly(uneven):
     assert "'skip'" in repr(state) and "'sizes'" not in repr(state)
     del it, loader
     assert first + tags_of(list(_loader(srv.address, 5, state))) == straight
+
+
+@pytest.mark.parametrize("name", ["DataLoader", "StatefulDataLoader"])
+def test_a_loader_reads_on_through_a_server_restart(tmp_path, name):
+    """kill -9 of the server mid-epoch and a new one on its address 3 s later: each of the loader's
+    two workers asks the new server for its part of the epoch from where it was (both mid-epoch),
+    and the loader yields the reference epoch. A state taken after the restart resumes exactly."""
+    cfg = slow_config(tmp_path)
+    want = reference(cfg, 1)
+    cls = data.DataLoader if name == "DataLoader" else stateful.StatefulDataLoader
+    with restartable(cfg, tmp_path) as service:
+        loader = cls(pptorch.ServerDataset(service.address, epoch=1), batch_size=None, num_workers=2)
+        got = [as_numpy(s) for s in collect_with(loader, {6: service.restart_after})]
+        service.join()
+        assert_same_epoch(got, want)
+        starts = [int(k) for k in re.findall(r"reads epoch 1 \(run \d+\) from seq (\d+)", read(service.log(2)))]
+        assert len(starts) == 2 and min(starts) > 0, starts  # both readers went on mid-epoch
+        if name == "StatefulDataLoader":
+            loader = cls(pptorch.ServerDataset(service.address, epoch=2), batch_size=None, num_workers=2)
+            it = iter(loader)
+            first = [as_numpy(next(it)) for _ in range(5)]
+            state = copy.deepcopy(loader.state_dict())
+            del it, loader
+            resumed = cls(pptorch.ServerDataset(service.address, epoch=2), batch_size=None, num_workers=2)
+            resumed.load_state_dict(state)
+            assert_same_epoch(first + [as_numpy(s) for s in resumed], reference(cfg, 2))
