@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import numpy
 
 from ppclient import wire
+from ppclient.batching import Batching
+from ppclient.errors import UsageError
 
 from .apply import dtype_text
 from .errors import ConfigError
@@ -47,6 +49,8 @@ KNOWN_KEYS = {
     "max_message_bytes",
     "max_request_bytes",
     "progress_interval",
+    "batching",
+    "batch_length",
 }
 
 
@@ -76,6 +80,8 @@ class Config:
     max_message_bytes: int = 1 << 30
     max_request_bytes: int = wire.MAX_HEADER_BYTES  # per frame on the control socket: a request is one header
     progress_interval: float = 30.0  # seconds between the server's progress lines; 0: none
+    batching: Optional[Batching] = None  # how epochs are cut into batches for requests that do not say
+    batch_length: Optional[Callable] = None  # a read seq's length for the cut (default: its length_key's)
 
     @property
     def is_stream(self) -> bool:
@@ -92,9 +98,10 @@ def _is_helper(name: str, value: Any) -> bool:
         return True
     if isinstance(value, type(__future__.annotations)):  # from __future__ import annotations
         return True
-    return isinstance(value, (types.ModuleType, type)) or (
-        callable(value) and name not in ("map_seq", "map_seq_stream")
-    )
+    return isinstance(value, (types.ModuleType, type)) or (callable(value) and name not in _FUNCTION_SETTINGS)
+
+
+_FUNCTION_SETTINGS = ("map_seq", "map_seq_stream", "batch_length")
 
 
 def _unknown_key(name: str) -> ConfigError:
@@ -196,7 +203,9 @@ def from_settings(
 
     cfg = Config(
         path=path,
-        fingerprint=fingerprint(source, [map_seq, map_seq_stream], roots=(namespace or settings).values()),
+        fingerprint=fingerprint(
+            source, [map_seq, map_seq_stream, settings.get("batch_length")], roots=(namespace or settings).values()
+        ),
         dataset=dataset,
         map_seq=map_seq,
         map_seq_stream=map_seq_stream,
@@ -223,6 +232,18 @@ def from_settings(
             raise ConfigError("stream_partitions", "only allowed with map_seq_stream")
     if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
         raise ConfigError("heartbeat_timeout", "must be larger than heartbeat_interval")
+    if settings.get("batching") is not None:
+        try:
+            cfg.batching = Batching.from_dict(settings["batching"], "batching")
+        except UsageError as exc:
+            raise ConfigError("batching", str(exc).removeprefix("batching").lstrip(": ")) from None
+    batch_length = settings.get("batch_length")
+    if batch_length is not None:
+        if not callable(batch_length):
+            raise ConfigError("batch_length", f"must be a function seq -> int, got {type(batch_length).__name__}")
+        if map_seq_stream is not None:
+            raise ConfigError("batch_length", "only with map_seq: map_seq_stream batches are cut by their outputs")
+        cfg.batch_length = batch_length
     return cfg
 
 

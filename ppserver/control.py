@@ -15,6 +15,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient import protocol
+from ppclient.batching import Batching
+from ppclient.errors import UsageError
 
 from .config import Config
 from .scheduler import Instruction, Scheduler
@@ -31,8 +33,10 @@ class Control:
         status: Callable[[], Dict[str, Any]],
         worker_address: Callable[[], str],
         observe: Callable[[ev.Event], None] = lambda event: None,
+        length_keys: Tuple[str, ...] = (),
     ):
         self.cfg = cfg
+        self.length_keys = length_keys  # keys a batching's length_key may name
         self.sched = sched
         self.info = info
         self.status = status
@@ -53,9 +57,6 @@ class Control:
             return None, self._handle(ev.CreditGranted(now, ident, msg.run, msg.total, msg.consumed))
         if isinstance(msg, protocol.Missing):
             return None, self._handle(ev.MissingReported(now, ident, msg.run, msg.pos))
-        if isinstance(msg, protocol.BatchSize):
-            proposed = ev.BatchSizeProposed(now, ident, msg.run, msg.index, msg.size, msg.start, msg.cut)
-            return None, self._handle(proposed)
         if isinstance(msg, protocol.ClientAlive):
             return None, self._handle(ev.ConsumerAlive(now, msg.consumer))
         if isinstance(msg, protocol.ClientClosed):
@@ -68,6 +69,12 @@ class Control:
             return protocol.DiscoverReply(worker_endpoint=self.worker_address()), []
         if isinstance(msg, protocol.EpochRequest):
             refusal = self._check(msg)
+            batching: Optional[Batching] = None
+            if refusal is None:
+                try:
+                    batching = self._batching(msg.batching)
+                except UsageError as exc:
+                    refusal = str(exc)
             if refusal is not None:
                 return protocol.ErrorReply(error=refusal), []
             return None, self.sched.handle(
@@ -89,9 +96,28 @@ class Control:
                     direct=msg.direct,
                     direct_key=msg.direct_key,
                     host=msg.host,
+                    batching=batching,
                 )
             )
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []
+
+    def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
+        """The cut a request gets: the config's default (None asked), none ({}), or the one asked
+        for; its length_key must be a key the cut can measure (an input's with map_seq, an
+        output's with map_seq_stream)."""
+        if asked is None:
+            return self.cfg.batching
+        if not asked:
+            return None
+        batching = Batching.from_dict(asked)
+        keys = self.length_keys
+        if batching.length_key is not None and batching.length_key not in keys:
+            side = "output" if self.cfg.is_stream else "input"
+            raise UsageError(
+                f"batching['length_key'] {batching.length_key!r} is not an {side} key of this server "
+                f"({', '.join(map(repr, keys))})"
+            )
+        return batching
 
     def _check(self, msg: protocol.EpochRequest) -> Optional[str]:
         if not 0 < len(msg.consumer) <= 255:

@@ -190,6 +190,10 @@ class Dataset:
     def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         return describe_arrays(self._load(i) for i in range(self.total_num_seqs))
 
+    def _key_lens(self, key: str) -> Optional[np.ndarray]:
+        """The corpus seqs' lengths (first axes) of `key`, if known without loading them; None: not."""
+        return None
+
     # ---- corpus ------------------------------------------------------------------------------
 
     @property
@@ -349,6 +353,12 @@ class Dataset:
 
     def is_less_than_num_seqs(self, n: int) -> bool:
         return n < self.num_seqs
+
+    def epoch_lengths(self, key: str) -> Optional[np.ndarray]:
+        """The lengths of `key` of the current epoch's seqs in order, where the dataset knows them
+        without reading the seqs (the server then cuts an epoch's batches up front); else None."""
+        lens = self._key_lens(key)
+        return None if lens is None else lens[np.asarray(self._require_order(), dtype=np.int64)]
 
     def get_seq(self, pos: int) -> Dict[str, Any]:
         order = self._require_order()
@@ -551,6 +561,13 @@ class NumpyDataset(Dataset):
     def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         return describe_arrays(self._seqs)
 
+    def _key_lens(self, key: str) -> Optional[np.ndarray]:
+        if key not in self._seqs[0]:
+            return None
+        return np.fromiter(
+            (seq[key].shape[0] if seq[key].ndim else 1 for seq in self._seqs), dtype=np.int64, count=len(self._seqs)
+        )
+
 
 # ---- DemoDataset ----------------------------------------------------------------------------
 
@@ -619,6 +636,11 @@ class DemoDataset(Dataset):
 
     def _seq_len(self, corpus_idx: int) -> int:
         return int(self.seq_lens()[corpus_idx])
+
+    def _key_lens(self, key: str) -> Optional[np.ndarray]:
+        if key == "data":
+            return self.seq_lens()
+        return np.maximum(self.seq_lens() // 8, 1) if key == "classes" else None
 
     def _tag(self, corpus_idx: int) -> str:
         return f"demo-{corpus_idx}"

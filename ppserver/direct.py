@@ -224,20 +224,36 @@ class Routes:
         if proc is not None:
             self.holders[consumer] = proc
 
+    def block_for(self, consumer: bytes, nbytes: int) -> Optional[shm.Block]:
+        """A block of the segment for a result to `consumer` to be laid out in (a padded batch), if it
+        takes results through shared memory and the segment has room (else: counted, logged now
+        and then, and the result goes over the socket)."""
+        if not self.shared(consumer):
+            return None
+        assert self.ring is not None
+        block = self.ring.alloc(nbytes, consumer)
+        if block is None:
+            self._full(consumer, 1)
+        return block
+
+    def _full(self, consumer: bytes, n: int) -> None:
+        ring = self.ring
+        assert ring is not None
+        self.over_socket.hit(
+            lambda: (
+                f"the shared-memory segment is full ({ring.used() / 2**20:.1f} of "
+                f"{ring.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})"
+            ),
+            n,
+        )
+
     def _pack(self, consumer: bytes, items: List[Item]) -> Tuple[List[Item], Optional[shm.Block]]:
         """The items with their arrays in one block of the ring; if it has no room, they keep
         them (counted, logged now and then)."""
         assert self.ring is not None
         wire, block = protocol.to_block(items, self.ring, consumer)
-        if block is None:
-            ring = self.ring
-            self.over_socket.hit(
-                lambda: (
-                    f"the shared-memory segment is full ({ring.used() / 2**20:.1f} of "
-                    f"{ring.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})"
-                ),
-                len(items),
-            )
+        if block is None and any(item.block is None and item.frames for item in items):
+            self._full(consumer, len(items))
         return wire, block
 
     def send(self, consumer: bytes, run: int, items: List[Item]) -> bool:

@@ -228,6 +228,15 @@ class HDFDataset(Dataset):
     def _seq_len(self, corpus_idx: int) -> int:
         return int(self.seq_lens()[corpus_idx])
 
+    def _key_lens(self, key: str) -> Optional[np.ndarray]:
+        if key not in self._keys:
+            return None
+        parts = []
+        for f in self._files:
+            col = f.columns[key][1]
+            parts.append(np.diff(f.starts[:, col]))
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
     def _corpus_idx_for_tag(self, tag: str) -> Optional[int]:
         if self._tag_index is None:
             index: Dict[str, int] = {}

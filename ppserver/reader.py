@@ -12,6 +12,10 @@ dataset first (unknown seq tags, positions out of range) without touching the cu
 epoch, so a refused request disturbs nothing; RunChecked tells the scheduler it may now
 let the requesting ranks leave their old runs.
 
+A run that batches (map_seq) has batches for positions: the reader cuts its epoch (cut.py),
+up front where the dataset knows every seq's length (`epoch_lengths`), else as it reads, and
+hands each batch over as a Batch of its seqs once they are all read.
+
 Every seq is handed over as soon as it is read (the loop batches what it finds waiting),
 so a read that hangs never holds back the seqs read before it. The pipe is written once per
 WAKE_EVERY seqs and whenever the reader stops: a wake-up hands the GIL to the loop, and once
@@ -28,10 +32,12 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from ppclient.protocol import Item, seq_to_item
+from ppclient.batching import Batching
+from ppclient.protocol import Batch, Item, seq_to_item
 
+from .cut import Cutter, cut_epoch
 from .scheduler import events as ev
 
 log = logging.getLogger("ppserver.reader")
@@ -41,7 +47,7 @@ WAKE_EVERY = 8  # seqs handed over per wake-up of the loop, at most
 READING_POLL_MS = 10  # the loop's poll timeout while the reader reads
 IDLE_WAIT_S = 0.1
 BUSY_REPORT_S = 1.0  # how long a dataset call must take before status and keepalives mention it
-DATASET_CALLS = ("get_seq", "init_seq_order", "check_epoch_args", "is_less_than_num_seqs")
+DATASET_CALLS = ("get_seq", "init_seq_order", "check_epoch_args", "is_less_than_num_seqs", "epoch_lengths")
 
 EpochArgs = Tuple[int, Optional[Tuple[str, ...]], Optional[Tuple[int, ...]]]
 
@@ -52,6 +58,7 @@ class Prepare:
     epoch: int
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
+    batching: Optional[Batching] = None
 
     @property
     def args(self) -> EpochArgs:
@@ -114,10 +121,34 @@ class Mailbox:
         return items.popleft()
 
 
+class _Cut:
+    """A batched run's batches: cut up front (`lengths` known), or as its seqs are read."""
+
+    def __init__(self, batching: Batching, lengths: Optional[Any], length: Callable[[Dict[str, Any]], int]):
+        self.batches: List[List[int]] = [] if lengths is None else cut_epoch(lengths, batching)
+        self.cutter: Optional[Cutter] = None if lengths is not None else Cutter(batching)
+        self.length = length  # of a read seq, for the cut
+        self.next_seq = 0  # the next seq to read, cutting as it goes
+        self.read: Dict[int, Item] = {}  # seqs read whose batch was neither handed over nor dropped
+        self.low = 0  # the first batch whose read seqs may still be in `read`
+        self.ended = lengths is not None  # every batch is known
+
+    @property
+    def up_front(self) -> bool:
+        return self.cutter is None
+
+
 class Reader(threading.Thread):
-    def __init__(self, dataset: Any):
+    def __init__(
+        self,
+        dataset: Any,
+        batch_length: Optional[Callable[[Dict[str, Any]], Any]] = None,
+        length_key: Optional[str] = None,
+    ):
         super().__init__(name="reader", daemon=True)
         self.dataset = dataset
+        self.batch_length = batch_length  # the config's: a read seq's length for the cut
+        self.length_key = length_key  # the inputs' key whose first axis is a seq's length, by default
         self.commands = Mailbox()
         # appended here, popped by the loop (deque ops are atomic): events, and (run, item) for each input
         self.out: Deque[Any] = deque()
@@ -136,6 +167,7 @@ class Reader(threading.Thread):
         self.waiting: Deque[Prepare] = deque()  # runs of another epoch, checked, waiting for these to stop
         self.replays: Deque[Replay] = deque()
         self.ends: Dict[int, int] = {}  # runs whose epoch ended (count learnt by reading) -> the count
+        self.cuts: Dict[int, _Cut] = {}  # runs that batch: their batches
         self.rr = 0
 
     # ---- the I/O thread's side ------------------------------------------------------------
@@ -257,6 +289,7 @@ class Reader(threading.Thread):
     def _stop_run(self, run: int) -> None:
         self.runs.pop(run, None)
         self.ends.pop(run, None)
+        self.cuts.pop(run, None)
         self.waiting = deque(p for p in self.waiting if p.run != run)
         self.replays = deque(r for r in self.replays if r.run != run)
         while self.waiting and (not self.runs or self.waiting[0].args == self.epoch_args):
@@ -317,17 +350,49 @@ class Reader(threading.Thread):
                 )
                 return
             self.epoch_args = cmd.args
-        self.runs[cmd.run] = deque()
         num_seqs = self.dataset.num_seqs
-        self._emit(
-            ev.RunStarted(
-                time.monotonic(),
-                cmd.run,
-                cmd.epoch,
-                None if num_seqs is None else int(num_seqs),
-                check_tags=cmd.seq_list is not None,
-            )
-        )
+        count = None if num_seqs is None else int(num_seqs)
+        if cmd.batching is not None:
+            try:
+                cut = self._cut(cmd.batching)
+            except Exception as exc:
+                log.exception("cutting epoch %d into batches failed", cmd.epoch)
+                self._emit(
+                    ev.ReadFailed(
+                        time.monotonic(),
+                        cmd.run,
+                        f"cutting epoch {cmd.epoch} failed: {_message(exc)}",
+                        traceback.format_exc(),
+                    )
+                )
+                return
+            self.cuts[cmd.run] = cut
+            count = len(cut.batches) if cut.up_front else None
+        self.runs[cmd.run] = deque()
+        self._emit(ev.RunStarted(time.monotonic(), cmd.run, cmd.epoch, count, check_tags=cmd.seq_list is not None))
+
+    def _cut(self, batching: Batching) -> _Cut:
+        """The epoch's batches: up front when the dataset knows the lengths (and no config function
+        decides them), else as the seqs are read."""
+        key = batching.length_key or self.length_key
+        lengths = None
+        known = getattr(self.dataset, "epoch_lengths", None)
+        if self.batch_length is None and known is not None and key is not None:
+            lengths = self._call("epoch_lengths", key, known, key)
+        return _Cut(batching, lengths, self._length_of(key))
+
+    def _length_of(self, key: Optional[str]) -> Callable[[Dict[str, Any]], int]:
+        fn = self.batch_length
+        if fn is not None:
+            return lambda seq: _checked_length(fn(seq), "batch_length(seq)")
+
+        def length(seq: Dict[str, Any]) -> int:
+            array = seq.get(key) if key is not None else None
+            if array is None:
+                raise KeyError(f"the seq has no array {key!r}, the batching's length_key")
+            return int(array.shape[0]) if getattr(array, "ndim", 0) else 1
+
+        return length
 
     def _read_one(self, pos: int) -> Item:
         return seq_to_item(self._call("get_seq", pos, self.dataset.get_seq, pos), pos)
@@ -337,6 +402,9 @@ class Reader(threading.Thread):
         runs = [r for r, q in self.runs.items() if q]
         run = runs[self.rr % len(runs)]
         self.rr += 1
+        if run in self.cuts:
+            self._read_batch(run)
+            return
         positions = self.runs[run]
         get_seq, commands, out, monotonic = self.dataset.get_seq, self.commands, self.out, time.monotonic
         seconds, calls = self.seconds, self.calls
@@ -374,6 +442,62 @@ class Reader(threading.Thread):
         if self.unannounced and not any(self.runs.values()):
             self._wake()
 
+    def _read_batch(self, run: int) -> None:
+        """Read the next batch asked for of a batched run and hand it over."""
+        positions, cut = self.runs[run], self.cuts[run]
+        index = positions[0]
+        try:
+            while index >= len(cut.batches) and not cut.ended:
+                if not self._cut_next(run, cut):
+                    return  # a command waits: go on later
+            if index >= len(cut.batches):  # the epoch has fewer batches
+                positions.clear()
+                self.ends[run] = len(cut.batches)
+                self._emit(ev.InputsEnded(time.monotonic(), run, len(cut.batches)))
+                return
+            items = [self._take_read(cut, pos) for pos in cut.batches[index]]
+        except Exception as exc:
+            self.busy = None
+            log.exception("reading the dataset failed in run %d", run)
+            self._emit(ev.ReadFailed(time.monotonic(), run, f"dataset failed: {_message(exc)}", traceback.format_exc()))
+            self.runs.pop(run, None)
+            return
+        for low in range(cut.low, index):  # batches passed over (no one wants them): their seqs go
+            for pos in cut.batches[low]:
+                cut.read.pop(pos, None)
+        cut.low = index + 1
+        for item in items:
+            item.batch, item.size = index, len(items)
+        positions.popleft()
+        self.out.append((run, Batch(index, items)))
+        self._wake()
+
+    def _take_read(self, cut: _Cut, pos: int) -> Item:
+        """A seq of a batch: read as the cut went along, or read now (a batch cut up front)."""
+        item = cut.read.pop(pos, None)
+        return item if item is not None else self._read_one(pos)
+
+    def _cut_next(self, run: int, cut: _Cut) -> bool:
+        """Read one more seq and cut; False if a command waits (the batch is finished later)."""
+        pos = cut.next_seq
+        num_seqs = self.dataset.num_seqs
+        there = (
+            pos < num_seqs
+            if num_seqs is not None
+            else self._call("is_less_than_num_seqs", pos, self.dataset.is_less_than_num_seqs, pos)
+        )
+        assert cut.cutter is not None
+        if not there:
+            cut.batches += cut.cutter.finish()
+            cut.ended = True
+            return True
+        seq = self._call("get_seq", pos, self.dataset.get_seq, pos)
+        length = cut.length(seq)
+        cut.read[pos] = seq_to_item(seq, pos)
+        cut.next_seq += 1
+        cut.batches += cut.cutter.add(pos, length)
+        return self.commands.empty()
+
     def _replay(self, cmd: Replay) -> None:
         try:
             items = [self._read_one(pos) for pos in cmd.positions]
@@ -390,6 +514,19 @@ class Reader(threading.Thread):
             self.runs.pop(cmd.run, None)
             return
         self._emit(ev.ReplayRead(time.monotonic(), cmd.run, cmd.partition, cmd.ticket, items))
+
+
+def _checked_length(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        try:
+            import numpy
+
+            if isinstance(value, numpy.integer) and value >= 0:
+                return int(value)
+        except ImportError:
+            pass
+        raise ValueError(f"{what} must return an int >= 0, got {value!r:.60}")
+    return value
 
 
 def _message(exc: BaseException) -> str:

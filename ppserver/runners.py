@@ -7,18 +7,26 @@ max_message_bytes and against the size an item's header may have (its seq_tag, m
 and array specs), so the server never has to disconnect a worker for an oversized result or
 drop an undecodable one: such a seq fails as a MapperError naming it. Results are batched so
 that a message stays within both limits.
+
+A batch (the seqs of a task that name one) is mapped seq by seq, each with its own rng and meta
+entries, then padded into one array per key (collate.py), written where it travels: into a
+block of the shared-memory segment for a consumer on this host, so padding is the only copy
+between the mapper's output and the trainer.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 import typing
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
-from ppclient import protocol
+import numpy
+
+from ppclient import collate, protocol, shm
 from ppclient.protocol import Item
 
 from .apply import MappingError, apply_map_seq, run_stream, writable
@@ -30,6 +38,7 @@ from .mapper_clock import MapperClock
 log = logging.getLogger("ppserver.worker")
 
 FLUSH_BYTES = 512 * 1024  # large seqs gain nothing from batching; small ones gain a lot
+PROBE_PAUSE_S = 0.002  # after saying which seq of a suspect batch it maps: the word leaves before a crash
 MAX_FAILURE_TEXT = 16 * 1024  # characters of a failure's seq_tag, message and traceback that are sent
 
 Send = Callable[..., None]
@@ -39,6 +48,23 @@ Send = Callable[..., None]
 class OpenRun:
     epoch: int
     check_tags: bool
+    pad: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BatchTask:
+    """The seqs of batch `pos`, in order; `probe`: say which one is mapped before each."""
+
+    pos: int
+    items: List[Item]
+    probe: bool = False
+
+    @property
+    def seq_tag(self) -> Optional[str]:
+        return self.items[0].seq_tag if self.items else None
+
+
+Task = Union[Item, BatchTask]
 
 
 def check_size(item: Item, limit: int) -> None:
@@ -74,7 +100,31 @@ def _clip(text: Optional[str]) -> Optional[str]:
 
 
 def _failure_text(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, MappingError) else f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, (MappingError, collate.BatchError)) else f"{type(exc).__name__}: {exc}"
+
+
+def _culprit(exc: BaseException, task: BatchTask) -> Optional[Item]:
+    """The seq of a batch a padding failure names (the batch's first seq if none is named)."""
+    tag = getattr(exc, "seq_tag", None)
+    for item in task.items:
+        if item.seq_tag == tag:
+            return item
+    return task.items[0] if task.items else None
+
+
+def _unplaced(item: Item, block: Optional[shm.Block]) -> Item:
+    """A padded batch laid out in a block that will not be sent: its arrays copied out, the block
+    given back (it goes through the server instead)."""
+    if item.block is None or block is None:
+        return item
+    import dataclasses
+
+    arrays = [
+        shm.view(block, off, numpy.dtype(dtype), shape).copy()
+        for (_, dtype, shape), off in zip(item.arrays, item.block[3])
+    ]
+    block.release()
+    return dataclasses.replace(item, frames=arrays, block=None)
 
 
 class MapSeqRunner:
@@ -94,8 +144,9 @@ class MapSeqRunner:
         self.templates = templates
         self.mappers = mappers
         self.routes = routes
-        self.tasks: Deque[Tuple[int, Item, bytes]] = deque()
-        self.results: List[Tuple[Item, bytes]] = []
+        self.tasks: Deque[Tuple[int, Task, bytes]] = deque()
+        self.partial: Dict[Tuple[int, int], BatchTask] = {}  # batches whose seqs have not all come
+        self.results: List[Tuple[Item, bytes, Optional[shm.Block]]] = []  # and the block a padded batch lies in
         self.results_run = -1
         self.results_bytes = 0
         self.results_header_bytes = 0
@@ -104,22 +155,42 @@ class MapSeqRunner:
         self.messages_in = self.messages_out = 0
         self.clock = MapperClock()
 
-    def add(self, run: int, items: List[Item], to: Optional[List[bytes]] = None) -> None:
-        if to and len(to) == len(items):
-            self.tasks.extend((run, item, dest) for item, dest in zip(items, to))
-        else:
-            self.tasks.extend((run, item, b"") for item in items)
+    def add(self, run: int, items: List[Item], to: Optional[List[bytes]] = None, probe: bool = False) -> None:
+        """Tasks of a message: its seqs, and a batch (its seqs may come in several messages) once
+        all its seqs are here."""
+        dests = to if to and len(to) == len(items) else [b""] * len(items)
+        for item, dest in zip(items, dests):
+            if item.batch is None:
+                self.tasks.append((run, item, dest))
+                continue
+            key = (run, item.batch)
+            task = self.partial.get(key)
+            if task is None:
+                task = self.partial[key] = BatchTask(item.batch, [], probe)
+            task.items.append(item)
+            if len(task.items) >= (item.size or 1):
+                del self.partial[key]
+                self.tasks.append((run, task, dest))
         self.messages_in += 1
 
     def drop_run(self, run: int) -> None:
         self.tasks = deque(t for t in self.tasks if t[0] != run)
+        for key in [k for k in self.partial if k[0] == run]:
+            del self.partial[key]
         if self.results_run == run:
             if self.results:
                 log.info("dropped %d results (%d bytes) of closed run %d", len(self.results), self.results_bytes, run)
-            self.results, self.results_bytes, self.results_header_bytes = [], 0, 0
+            self._drop_results()
 
     def clear(self) -> None:
         self.tasks.clear()
+        self.partial.clear()
+        self._drop_results()
+
+    def _drop_results(self) -> None:
+        for _, _, block in self.results:
+            if block is not None:
+                block.release()
         self.results, self.results_bytes, self.results_header_bytes = [], 0, 0
 
     def flush(self) -> None:
@@ -127,19 +198,19 @@ class MapSeqRunner:
             return
         run = self.results_run
         relayed: List[Item] = []
-        direct: Dict[bytes, List[Item]] = {}
-        for item, dest in self.results:
+        direct: Dict[bytes, List[Tuple[Item, Optional[shm.Block]]]] = {}
+        for item, dest, block in self.results:
             if dest and self.routes is not None:
-                direct.setdefault(dest, []).append(item)
+                direct.setdefault(dest, []).append((item, block))
             else:
                 relayed.append(item)
         done: List[Item] = []
-        for dest, items in direct.items():
+        for dest, placed in direct.items():
             assert self.routes is not None
-            if self.routes.send(dest, run, items):
-                done.extend(items)
+            if self.routes.send(dest, run, [item for item, _ in placed]):
+                done.extend(item for item, _ in placed)
             else:
-                relayed.extend(items)
+                relayed.extend(_unplaced(item, block) for item, block in placed)
         if done:
             self.send(protocol.Completed(run=run, pos=[i.pos for i in done], nbytes=[i.nbytes for i in done]))
         if relayed:
@@ -148,12 +219,16 @@ class MapSeqRunner:
         self.results, self.results_bytes, self.results_header_bytes = [], 0, 0
 
     def step(self, runs: Dict[int, OpenRun]) -> None:
-        run_id, item, dest = self.tasks.popleft()
+        run_id, task, dest = self.tasks.popleft()
         run = runs.get(run_id)
         if run is None:
             return
         if self.results and self.results_run != run_id:
             self.flush()
+        if isinstance(task, BatchTask):
+            self._step_batch(run_id, run, task, dest)
+            return
+        item = task
         seq = writable(protocol.item_to_seq(item))
         try:
             map_seq = self.mappers().map_seq
@@ -185,22 +260,109 @@ class MapSeqRunner:
             )
             self.drop_run(run_id)
             return
+        self._add_result(run_id, result, dest, header_bytes)
+        self.done += 1
+
+    def _add_result(
+        self, run_id: int, result: Item, dest: bytes, header_bytes: int, block: Optional[shm.Block] = None
+    ) -> None:
         # bytes that travel in the message (not in shared memory) cut batches, and so do headers
-        nbytes = 0 if dest and self.routes is not None and self.routes.shared(dest) else result.nbytes
+        shared = block is not None or (dest and self.routes is not None and self.routes.shared(dest))
+        nbytes = 0 if shared else result.nbytes
         if (
             self.results_bytes + nbytes > self.cfg.max_message_bytes
             or self.results_header_bytes + header_bytes > protocol.MAX_ITEM_HEADER_BYTES
         ):
             self.flush()
-        self.results.append((result, dest))
+        self.results.append((result, dest, block))
         self.results_run = run_id
         self.results_bytes += nbytes
         self.results_header_bytes += header_bytes
-        self.done += 1
         # Results travel in batches, but never more than half the credit, so the server
         # refills this worker's queue before it runs dry.
         if not self.tasks or len(self.results) >= self.flush_every or self.results_bytes >= FLUSH_BYTES:
             self.flush()
+
+    def _step_batch(self, run_id: int, run: OpenRun, task: BatchTask, dest: bytes) -> None:
+        """Map a batch's seqs one by one, then pad them into one result where it travels; a seq that
+        fails fails the batch, naming the seq."""
+        outs: List[Dict[str, Any]] = []
+        item: Optional[Item] = None
+        block: Optional[shm.Block] = None
+        try:
+            map_seq = self.mappers().map_seq
+            assert map_seq is not None
+            templates = self.templates()
+            for item in task.items:
+                seq = writable(protocol.item_to_seq(item))
+                if task.probe:
+                    self.send(protocol.Mapping(run=run_id, pos=task.pos, seq_tag=_clip(item.seq_tag)))
+                    time.sleep(PROBE_PAUSE_S)
+                self.clock.start()
+                out = apply_map_seq(
+                    map_seq,
+                    seq,
+                    epoch=run.epoch,
+                    seed=self.cfg.seed,
+                    templates=templates,
+                    expected_tag=seq.get("seq_tag") if run.check_tags else None,
+                )
+                self.clock.stop()
+                outs.append(out)
+            item = None  # what fails from here fails the batch as a whole
+            result, block = self._padded(task.pos, outs, run.pad, dest)
+            header_bytes = check_header(result)
+            check_size(result, self.cfg.max_message_bytes)
+        except Exception as exc:
+            if block is not None:
+                block.release()
+            bad = item if item is not None else _culprit(exc, task)
+            tag = (
+                bad.seq_tag
+                if bad is not None and bad.seq_tag is not None
+                else exc.seq_tag
+                if isinstance(exc, (MappingError, collate.BatchError))
+                else None
+            )
+            text = _failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq", exc)
+            tag, message = _clip(tag), _clip(f"batch {task.pos}: {text}")
+            log.error("mapper failed on seq %r of batch %d: %s", tag, task.pos, message)
+            self.flush()
+            self.send(
+                protocol.TaskFailed(
+                    run=run_id, pos=task.pos, seq_tag=tag, message=message, traceback=_clip(traceback.format_exc())
+                )
+            )
+            self.drop_run(run_id)
+            return
+        self._add_result(run_id, result, dest, header_bytes, block)
+        self.done += len(outs)
+
+    def _padded(
+        self, pos: int, outs: List[Dict[str, Any]], pad: Dict[str, Any], dest: bytes
+    ) -> Tuple[Item, Optional[shm.Block]]:
+        """The batch's outputs padded into one result: into a block of the consumer's shared memory
+        when it is on this host (and the segment has room), else into arrays of their own."""
+        columns = collate.layout(outs)
+        specs = collate.arrays_of(columns)
+        offsets, size = shm.layout(
+            [int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize for _, dtype, shape in specs]
+        )
+        block = self.routes.block_for(dest, size) if dest and self.routes is not None else None
+        if block is not None:
+            arrays = {key: shm.view(block, off, dtype, shape) for (key, dtype, shape), off in zip(specs, offsets)}
+        else:
+            arrays = {key: numpy.empty(shape, dtype) for key, dtype, shape in specs}
+        collate.fill(outs, columns, arrays, lambda key: pad.get(key, 0))
+        described = [[key, dtype.str, list(shape)] for key, dtype, shape in specs]
+        nbytes = sum(a.nbytes for a in arrays.values())
+        meta = collate.meta_of(outs)
+        if block is None:
+            return Item(pos, meta, described, list(arrays.values()), nbytes, size=len(outs)), None
+        ref = block.ref()
+        return Item(
+            pos, meta, described, [], nbytes, block=[ref.offset, ref.nbytes, ref.seq, offsets], size=len(outs)
+        ), block
 
 
 class Interrupted(BaseException):

@@ -115,7 +115,7 @@ class Server:
         self.address = _endpoint_of(self.control)
         self.worker_address = _endpoint_of(self.workers_sock)
         self.monitors = self._monitors() if keys else []
-        self.reader = rd.Reader(self.dataset)
+        self.reader = rd.Reader(self.dataset, cfg.batch_length, _length_key(self.in_templates))
         self.monitor = Monitor(
             self.sched,
             self.reader,
@@ -131,6 +131,7 @@ class Server:
             status=self.status,
             worker_address=lambda: self.worker_address,
             observe=self.stages.on_event,
+            length_keys=tuple(self.out_templates if cfg.is_stream else self.in_templates),
         )
         self.stopping = False
         self.started = time.monotonic()
@@ -141,7 +142,7 @@ class Server:
             ToWorker: self._to_worker,
             ToClient: self._to_client,
             Reply: lambda i: self._reply(i.requester, i.msg),
-            Prepare: lambda i: self.reader.send(rd.Prepare(i.run, i.epoch, i.seq_list, i.seq_order)),
+            Prepare: lambda i: self.reader.send(rd.Prepare(i.run, i.epoch, i.seq_list, i.seq_order, i.batching)),
             Read: lambda i: self.reader.send(rd.Read(i.run, i.positions)),
             Replay: lambda i: self.reader.send(rd.Replay(i.run, i.partition, i.ticket, i.positions)),
             StopReading: lambda i: self.reader.send(rd.Stop(i.run)),
@@ -434,6 +435,7 @@ class Server:
             "version": ppclient.__version__,
             "fingerprint": self.cfg.fingerprint,
             "instance": self.sched.settings.instance,
+            "batching": None if self.cfg.batching is None else self.cfg.batching.to_dict(),
         }
 
     def status(self) -> Dict[str, Any]:
@@ -529,6 +531,8 @@ class Server:
             return self._admit(now, wid, msg)
         if kind is protocol.TaskFailed:
             return ev.TaskFailed(now, wid, msg.run, msg.pos, msg.seq_tag, msg.message, msg.traceback)
+        if kind is protocol.Mapping:
+            return ev.MappingReported(now, wid, msg.run, msg.pos, msg.seq_tag)
         if kind is protocol.StreamDone:
             return ev.StreamFinished(now, wid, msg.run, msg.partition, msg.incarnation)
         if kind is protocol.StreamFailed:
@@ -610,6 +614,11 @@ class Server:
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))
         self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
         self.monitor.tick(now, self.status)
+
+
+def _length_key(templates: Dict[str, Any]) -> Optional[str]:
+    """The key whose first axis is a seq's length when a batching names none: `data`, else the first."""
+    return "data" if "data" in templates else next(iter(templates), None)
 
 
 def _endpoint_of(sock: zmq.Socket) -> str:

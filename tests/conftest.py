@@ -405,6 +405,53 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
     return out
 
 
+def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dict]:
+    """The epoch's batches as the service cuts and pads them: the reference epoch seq by seq, cut
+    by the inputs' lengths (map_seq: the length_key's, or the config's batch_length) or by the
+    outputs' (map_seq_stream), each batch padded as the workers pad it."""
+    from ppclient import collate
+    from ppclient.batching import Batching
+    from ppserver.config import load_config
+    from ppserver.cut import cut_epoch
+    from ppserver.datasets import make_dataset
+
+    seqs = reference(config, epoch, **kw)
+    cfg = load_config(config)
+    b = Batching.from_dict(batching)
+    if cfg.is_stream:
+        key = b.length_key or "data"
+        lengths = [s[key].shape[0] if s[key].ndim else 1 for s in seqs]
+    else:
+        ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
+        ds.init_seq_order(epoch, kw.get("seq_list"), kw.get("seq_order"))
+        key = b.length_key or ("data" if "data" in ds.data_keys() else next(iter(ds.data_keys())))
+        length = cfg.batch_length or (lambda seq: seq[key].shape[0] if seq[key].ndim else 1)
+        lengths = [int(length(ds.get_seq(pos))) for pos in range(len(seqs))]
+    return [collate.pad([seqs[p] for p in batch], b.pad_value) for batch in cut_epoch(lengths, b)]
+
+
+def assert_same_batches(got: List[dict], want: List[dict]) -> None:
+    """Batches equal bit for bit: padded arrays, their lengths, tags, positions and complete_frac."""
+    assert len(got) == len(want), (len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert list(g["seq_tag"]) == list(w["seq_tag"]), (i, g["seq_tag"], w["seq_tag"])
+        assert set(g) == set(w), (i, set(g) ^ set(w))
+        for k in w:
+            gv = g[k].numpy() if hasattr(g[k], "numpy") else g[k]
+            if k == "complete_frac":
+                assert np.allclose(np.asarray(gv), np.asarray(w[k]), atol=1e-6), (i, k)
+            elif isinstance(w[k], np.ndarray):
+                assert gv.dtype == w[k].dtype and np.array_equal(gv, w[k]), (i, k, g["seq_tag"])
+            else:
+                assert list(gv) == list(w[k]), (i, k)
+
+
+def shard(items: List[dict], rank: int, world: int, drop_last: bool = True) -> List[dict]:
+    """Rank `rank`'s part of an epoch's seqs or batches (strided)."""
+    end = len(items) // world * world if drop_last else len(items)
+    return items[rank:end:world]
+
+
 NUMPY_DATA = """
 import numpy as np
 _r = np.random.RandomState(7)

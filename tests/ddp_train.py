@@ -49,8 +49,8 @@ def main() -> int:
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(8, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    # batches of at most 2 seqs and 80 padded frames: cut alone, the ranks' shards would make
-    # different numbers of batches; their sizes are agreed, so the ranks take equally many steps
+    # batches of at most 2 seqs and 80 padded frames, cut by the server: batch j is rank j % 2's,
+    # and with drop_last every rank gets as many batches, so the ranks take equally many steps
     ds = ServerDataset(address, job="ddp", epoch=1, batch_frames=80, max_seqs=2, timeout=10)  # rank, world: torch
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=1)
     step = newest_complete_step(workdir, world)

@@ -1,4 +1,4 @@
-"""DDP on CPU (gloo, 2 processes) from one server: a rank is killed mid-epoch and both resume."""
+"""DDP on CPU (gloo, 2 processes) reading the server's batches: a rank is killed mid-epoch and both resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from typing import Dict, List
 
 import pytest
-from conftest import REPO, free_port, have_modules, numpy_config, reference, run_server
+from conftest import REPO, free_port, have_modules, numpy_config, reference_batches, run_server, shard
 
 from ppserver.supervisor import stop_process
 
@@ -51,7 +51,7 @@ def wait_all(procs: List[subprocess.Popen], timeout: float) -> List[int]:
 
 def test_ddp_training_survives_a_killed_rank_and_sees_each_seq_once(tmp_path):
     cfg = numpy_config(tmp_path, MAPPER, n=41, ordering="random", extra="buf_size = 2\n")
-    want = [s["seq_tag"] for s in reference(cfg, 1)]
+    want = reference_batches(cfg, 1, {"max_frames": 80, "max_seqs": 2})
     workdir = str(tmp_path)
     with run_server(cfg, workers=2) as srv:
         first = launch(srv.address, workdir, "first", kill_at={1: 5})
@@ -64,8 +64,7 @@ def test_ddp_training_survives_a_killed_rank_and_sees_each_seq_once(tmp_path):
         logs = {r: open(os.path.join(workdir, f"rank{r}.log")).read()[-2000:] for r in range(2)}
         assert codes == [0, 0], (codes, logs)
     last = [int(out.split()[1]) for out in outs]
-    assert last[0] == last[1] >= 10  # equally many steps (batches of 1 or 2 of the 20 seqs per rank)
-    sizes = []
+    assert last[0] == last[1] == len(want) // 2  # equally many steps: the epoch's batches, half each
     for rank in range(2):
         before, after = (
             [json.loads(line) for line in open(os.path.join(workdir, f"seen.rank{rank}.{label}.jsonl"))]
@@ -77,7 +76,5 @@ def test_ddp_training_survives_a_killed_rank_and_sees_each_seq_once(tmp_path):
         resumed_at = after[0]["step"] - 1
         assert resumed_at == 4 and [e["step"] for e in after] == list(range(5, last[rank] + 1))
         steps = [e for e in before if e["step"] <= resumed_at] + after
-        seen = [tag for e in steps for tag in e["tags"]]
-        assert seen == want[rank:40:2], rank  # the rank's shard of the unsharded epoch, none lost or repeated
-        sizes.append([len(e["tags"]) for e in steps])
-    assert sizes[0] == sizes[1]  # every step, as many seqs on each rank
+        # the rank's batches of the epoch's cut, none lost or repeated
+        assert [e["tags"] for e in steps] == [b["seq_tag"] for b in shard(want, rank, 2)], rank

@@ -29,6 +29,7 @@ from conftest import (
     read,
     reference,
     run_server,
+    shard,
     wait_for,
 )
 
@@ -60,11 +61,6 @@ def map_seq_stream(seqs, *, epoch, rng, **kwargs):
     if held is not None:
         yield held
 """
-
-
-def shard(want: List[dict], rank: int, world: int, drop_last: bool = True) -> List[dict]:
-    end = len(want) // world * world if drop_last else len(want)
-    return want[rank:end:world]
 
 
 def pull_ranks(address: str, world: int, epoch: int, **client_kw) -> Dict[int, List[dict]]:

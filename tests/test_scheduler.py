@@ -1136,90 +1136,9 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
             assert start + len(got) == len(shard), (consumer, "the last client of the rank got to the end")
 
 
-def agreed(out: Sequence[Instruction]) -> Dict[bytes, List[Tuple[int, int]]]:
-    """(batch index, size) answered to each consumer."""
-    got: Dict[bytes, List[Tuple[int, int]]] = {}
-    for i in client_msgs(out, protocol.BatchAgreed):
-        got.setdefault(i.consumer, []).append((i.msg.index, i.msg.size))
-    return got
-
-
-def propose(sim: Sim, consumer: bytes, index: int, size: int, start: int, run: Optional[int] = None, cut: str = ""):
-    """A reader's proposal for its batch `index`, which starts after `start` seqs of its shard."""
-    return sim(ev.BatchSizeProposed, consumer, sim.run if run is None else run, index, size, start, cut)
-
-
 def keepalive_to(out: Sequence[Instruction], consumer: bytes) -> protocol.Keepalive:
     (alive,) = [i.msg for i in client_msgs(out, protocol.Keepalive) if i.consumer == consumer]
     return alive
-
-
-def test_readers_batching_by_frames_agree_on_the_smallest_size_proposed():
-    sim = ranks_sim(2, 9, drop_last=False)  # rank 0 gets 5 seqs, rank 1 gets 4
-    run = sim.run
-    assert propose(sim, b"r0", 0, 3, 0) == []  # rank 1 has not proposed yet
-    sim.now = 1.0
-    alive = keepalive_to(sim(ev.Tick), b"r0")
-    assert "batch 0" in alive.waiting_for and "rank 1" in alive.waiting_for
-    assert alive.waits_on_readers  # rank 1's client lives: rank 0 waits as long as it takes
-    out = propose(sim, b"r1", 0, 2, 0)
-    assert agreed(out) == {b"r0": [(0, 2)], b"r1": [(0, 2)]}  # both take 2 seqs
-    out = propose(sim, b"r1", 0, 2, 0)  # asked again (e.g. after a resume): the same answer
-    assert agreed(out) == {b"r1": [(0, 2)]}
-    propose(sim, b"r0", 1, 3, 2)
-    out = propose(sim, b"r1", 1, 2, 2)
-    assert agreed(out) == {b"r0": [(1, 2)], b"r1": [(1, 2)]}
-    # rank 1's 4 seqs are used up (the shard sizes are known): rank 0 need not wait for it
-    out = propose(sim, b"r0", 2, 1, 4)
-    assert agreed(out) == {b"r0": [(2, 1)]}
-    finish(sim, run)
-    assert sim.s.runs == {}
-    out = propose(sim, b"r0", 3, 0, 5, run=run)  # after the run has ended: still answered
-    assert agreed(out) == {b"r0": [(3, 0)]}
-    run2, _ = sim.request(1, consumer=b"r0", job="train", rank=0, world_size=2, drop_last=False)
-    assert run2 != run and agreed(propose(sim, b"r0", 0, 3, 0, run=run2)) == {b"r0": [(0, 2)]}  # read again: kept
-
-    # the count unknown until the epoch is read: a reader says it has no seqs left
-    sim = ranks_sim(2, None, drop_last=False)
-    propose(sim, b"r0", 0, 3, 0)
-    assert agreed(propose(sim, b"r1", 0, 0, 0)) == {b"r0": [(0, 3)], b"r1": [(0, 3)]}
-    assert agreed(propose(sim, b"r0", 1, 2, 3)) == {b"r0": [(1, 2)]}  # rank 1 is out
-
-
-def test_a_reader_resumed_behind_the_others_learns_the_size_they_took_from_their_next_start():
-    sim = ranks_sim(2, 40)  # as a restarted server: it knows no size of the epoch
-    assert propose(sim, b"r0", 5, 4, 12) == []  # resumed one batch behind rank 1
-    out = propose(sim, b"r1", 6, 2, 15)  # rank 1 took batch 5 before the restart: 3 seqs
-    assert agreed(out) == {b"r0": [(5, 3)]}
-    assert agreed(propose(sim, b"r0", 6, 4, 15)) == {b"r0": [(6, 2)], b"r1": [(6, 2)]}
-
-
-@pytest.mark.parametrize("how", ["closed", "silent"])
-def test_a_gone_readers_batches_are_agreed_without_it_and_anew_when_its_job_comes_back(how):
-    sim = ranks_sim(2, 40, timeout=5.0)
-    propose(sim, b"r0", 0, 3, 0)
-    propose(sim, b"r1", 0, 4, 0)
-    assert agreed(propose(sim, b"r0", 1, 3, 3)) == {}
-    if how == "closed":
-        out = sim(ev.ConsumerClosed, b"r1")
-    else:
-        sim.now = 4.0
-        sim(ev.ConsumerAlive, b"r0")
-        sim.now = 6.0
-        out = sim(ev.Tick)
-    assert agreed(out) == {b"r0": [(1, 3)]}  # rank 1 is gone: rank 0 goes on alone
-    assert agreed(propose(sim, b"r0", 2, 5, 6)) == {b"r0": [(2, 5)]}
-    # the job comes back from a checkpoint at batch 1: batches 1 and on are agreed anew, with rank 1
-    run, _ = sim.request(1, consumer=b"r0b", job="train", rank=0, world_size=2, start=3)
-    sim(ev.CreditGranted, b"r0b", run, 100)
-    assert agreed(propose(sim, b"r0b", 1, 3, 3, run=run)) == {}
-    sim.now += 1.0
-    alive = keepalive_to(sim(ev.Tick), b"r0b")
-    assert not alive.waits_on_readers and "rank 1 (not connected)" in alive.waiting_for
-    run1, _ = sim.request(1, consumer=b"r1b", job="train", rank=1, world_size=2, start=3)
-    out = propose(sim, b"r1b", 1, 2, 3, run=run1)
-    assert agreed(out) == {b"r0b": [(1, 2)], b"r1b": [(1, 2)]}
-    assert agreed(propose(sim, b"r1b", 0, 4, 0, run=run1)) == {b"r1b": [(0, 3)]}  # agreed by both: kept
 
 
 def test_a_reader_held_back_by_another_ones_window_hears_that_it_waits_on_a_live_reader():
@@ -1362,32 +1281,3 @@ def test_how_a_worker_gets_its_inputs_caps_its_batches():
     sim(ev.InputsShared, b"w1", None)
     out = sim.results(b"w1", [8, 9, 10, 11])
     assert [len(i.items) for i in sent(out, protocol.Tasks)] == [2, 2]
-
-
-def test_readers_resumed_two_batches_apart_are_told_no_proposal_will_come():
-    sim = ranks_sim(2, 40)  # a restarted server: it knows no size of the epoch
-    propose(sim, b"r0", 5, 4, 12)  # rank 0 resumed at batch 5...
-    propose(sim, b"r1", 7, 2, 18)  # ...rank 1 at batch 7: batch 5's size (and 6's) is known to no one here
-    sim.now = 1.0
-    sim(ev.ConsumerAlive, b"r1")
-    out = sim(ev.Tick)
-    behind = keepalive_to(out, b"r0")
-    assert not behind.waits_on_readers  # so its client's timeout ends the wait, saying why
-    assert "rank 1 of job 'train' went past it" in behind.waiting_for and "batch 5" in behind.waiting_for
-    assert keepalive_to(out, b"r1").waits_on_readers  # rank 0 lives and is behind: rank 1 waits for it
-    assert agreed(sim(ev.ConsumerClosed, b"r0")) == {b"r1": [(7, 2)]}  # rank 0 failed and left: on alone
-
-
-def test_a_new_training_with_other_batching_settings_cuts_the_epoch_anew():
-    sim = ranks_sim(2, 40)
-    propose(sim, b"r0", 0, 3, 0, cut="small")
-    assert agreed(propose(sim, b"r1", 0, 5, 0, cut="small")) == {b"r0": [(0, 3)], b"r1": [(0, 3)]}
-    sim(ev.ConsumerClosed, b"r0")
-    sim(ev.ConsumerClosed, b"r1")
-    run0, _ = sim.request(1, consumer=b"n0", job="train", rank=0, world_size=2)
-    run1, _ = sim.request(1, consumer=b"n1", job="train", rank=1, world_size=2)
-    assert agreed(propose(sim, b"n0", 0, 6, 0, run=run0, cut="large")) == {}  # not the old 3: it waits for rank 1
-    assert agreed(propose(sim, b"n1", 0, 7, 0, run=run1, cut="large")) == {b"n0": [(0, 6)], b"n1": [(0, 6)]}
-    # the same settings again: the same sizes (they follow from the seqs), kept
-    run2, _ = sim.request(1, consumer=b"m0", job="train", rank=0, world_size=2)
-    assert agreed(propose(sim, b"m0", 0, 6, 0, run=run2, cut="large")) == {b"m0": [(0, 6)]}

@@ -31,6 +31,7 @@ from conftest import (
     reference,
     restartable,
     run_worker_host,
+    shard,
     wait_for,
 )
 from test_robustness import corpus_config
@@ -73,10 +74,6 @@ def slow_config(tmp_path, path: str = "direct", n: int = 60, name: str = "config
         extra=HEARTBEATS + DATA_PATHS[path] + extra,
         name=name,
     )
-
-
-def shard(want: List[dict], rank: int, world: int) -> List[dict]:
-    return want[rank : len(want) // world * world : world]
 
 
 @pytest.mark.parametrize("path", ["direct", "via-server"])

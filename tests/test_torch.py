@@ -11,17 +11,19 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-import numpy as np
 import pytest
 from conftest import (
+    assert_same_batches,
     assert_same_epoch,
     collect_with,
     have_modules,
     numpy_config,
     read,
     reference,
+    reference_batches,
     restartable,
     run_server,
+    shard,
     wait_for,
     write_config,
 )
@@ -159,29 +161,32 @@ def test_loader_workers_take_subshards_and_the_loader_yields_epoch_order(server,
         assert_same_epoch(got[rank], want[rank : len(want) // world * world : world])
 
 
+BATCHING = dict(batch_frames=200, max_seqs=6)
+
+
+def batches_of(cfg: str, epoch: int, bucket: int = 1) -> List[Dict[str, Any]]:
+    """The epoch's batches as ServerDataset(batch_frames=200, max_seqs=6, bucket_window=bucket) gets them."""
+    return reference_batches(cfg, epoch, {"max_frames": 200, "max_seqs": 6, "bucket_window": bucket})
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("bucket", [1, 5])
 def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
     srv, cfg = server
-    want = reference(cfg, 3)
-    opts = dict(job=f"t3-{workers}-{bucket}", epoch=3, batch_frames=200, bucket_window=bucket)
+    want = batches_of(cfg, 3, bucket)
+    opts = dict(job=f"t3-{workers}-{bucket}", epoch=3, bucket_window=bucket, **BATCHING)
     loader = stateful.StatefulDataLoader(
         pptorch.ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers
     )
     it = iter(loader)
     first = [next(it) for _ in range(4)]
-    state = loader.state_dict()
-    straight = first + list(it)  # the uninterrupted epoch, batch by batch
+    state = copy.deepcopy(loader.state_dict())
+    del it, loader
     resumed = stateful.StatefulDataLoader(
         pptorch.ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers
     )
     resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert [b["seq_tag"] for b in first + rest] == [b["seq_tag"] for b in straight]
-    for got, exp in zip(first + rest, straight):
-        assert torch.equal(got["data"], exp["data"]) and torch.equal(got["data:lengths"], exp["data:lengths"])
-    tags = sorted(t for b in straight for t in b["seq_tag"])
-    assert tags == sorted(s["seq_tag"] for s in want)  # every seq once
+    assert_same_batches(first + list(resumed), want)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -240,51 +245,46 @@ def test_set_epoch_reaches_persistent_workers(server, name):
     gc.collect()
 
 
-@pytest.mark.parametrize("workers, bucket", [(0, 1), (2, 5)])
-def test_ranks_batching_by_frames_agree_on_every_batch_size(server, workers, bucket):
-    # cut alone, the two shards of epoch 7 make 7 and 8 batches of at most 150 frames (DDP would hang)
+@pytest.mark.parametrize("world, workers, bucket", [(2, 0, 1), (2, 2, 5), (1, 3, 1)])
+def test_ranks_and_loader_workers_get_the_servers_batches_in_epoch_order(server, world, workers, bucket):
     srv, cfg = server
-    want = reference(cfg, 7)
+    want = batches_of(cfg, 7, bucket)
 
     def rank_main(rank: int) -> List[Dict[str, Any]]:
         ds = pptorch.ServerDataset(
-            srv.address, job=f"t11-{workers}", rank=rank, world_size=2, epoch=7, batch_frames=150, bucket_window=bucket
-        )
+            srv.address, job=f"t11-{world}-{workers}", rank=rank, world_size=world, epoch=7, bucket_window=bucket,
+            **BATCHING,
+        )  # fmt: skip
         return list(data.DataLoader(ds, batch_size=None, **from_thread(workers)))
 
-    got, errors = run_ranks(2, rank_main)
+    got, errors = run_ranks(world, rank_main)
     assert not errors, errors
-    sizes = [[len(b["seq_tag"]) for b in got[rank]] for rank in range(2)]
-    assert sizes[0] == sizes[1]  # as many batches, and as many seqs in each: the ranks stay in step
-    length = {s["seq_tag"]: s["data"].shape[0] for s in want}
-    for rank in range(2):
-        for b in got[rank]:
-            n, t = b["data"].shape[:2]
-            assert n * t <= 150 or n == 1
-            assert b["data:lengths"].tolist() == [length[tag] for tag in b["seq_tag"]]
-        tags = [tag for b in got[rank] for tag in b["seq_tag"]]
-        shard = [s["seq_tag"] for s in want[rank:36:2]]
-        assert sorted(tags) == sorted(shard)  # each seq of the shard once
-        if (workers, bucket) == (0, 1):
-            assert tags == shard  # in epoch order
+    for rank in range(world):
+        assert_same_batches(got[rank], shard(want, rank, world))  # batch j is rank j % world's
+    assert len({len(got[rank]) for rank in range(world)}) == 1  # equal steps
 
 
-def test_batches_are_padded_with_lengths_and_respect_the_caps(server):
+def test_batches_are_tensors_padded_on_the_workers_without_a_copy(server, monkeypatch):
     srv, cfg = server
-    want = {s["seq_tag"]: s for s in reference(cfg, 4)}
-    ds = pptorch.ServerDataset(srv.address, job="t4", epoch=4, batch_frames=150, max_seqs=4, pin_memory=True)
-    batches = list(data.DataLoader(ds, batch_size=None))
-    order: List[str] = []
-    for b in batches:
-        n, t = b["data"].shape[:2]
-        assert n <= 4 and (n * t <= 150 or n == 1)
-        assert b["data:lengths"].tolist() == [want[tag]["data"].shape[0] for tag in b["seq_tag"]]
-        for i, tag in enumerate(b["seq_tag"]):
-            length = int(b["data:lengths"][i])
-            assert np.array_equal(b["data"][i, :length].numpy(), want[tag]["data"])
-            assert not b["data"][i, length:].any()  # padding is zeros
-        order += b["seq_tag"]
-    assert order == list(want)  # without buckets, batches keep the epoch order
+    received: List[Dict[str, Any]] = []
+    take = EpochIterator.__next__
+
+    def recorded(it):
+        batch = take(it)
+        received.append(batch)
+        return batch
+
+    monkeypatch.setattr(EpochIterator, "__next__", recorded)
+    ds = pptorch.ServerDataset(srv.address, job="t4", epoch=4, **BATCHING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PyTorch's "non-writable array" warning would fail the test
+        batches = list(data.DataLoader(ds, batch_size=None))
+    assert_same_batches(batches, batches_of(cfg, 4))
+    for b, arrays in zip(batches, received):
+        assert isinstance(b["data"], torch.Tensor) and isinstance(b["seq_idx"], torch.Tensor)
+        assert isinstance(b["seq_tag"], list)
+        for key in ("data", "data:lengths", "classes"):  # each tensor is the received array's memory
+            assert b[key].data_ptr() == arrays[key].ctypes.data, key
 
 
 def test_pin_memory_pins_in_the_main_process_only(server, monkeypatch):
@@ -300,7 +300,8 @@ def test_pin_memory_pins_in_the_main_process_only(server, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
     monkeypatch.setattr("ppclient.torch._can_pin", lambda: True)
     want = sorted(s["seq_tag"] for s in reference(cfg, 5))
-    for opts, pins in (({}, 2 * 37), ({"max_seqs": 4}, 4 * 10)):  # data, classes (and their lengths per batch)
+    # data, classes; in batches also their lengths, seq_idx and complete_frac
+    for opts, pins in (({}, 2 * 37), ({"max_seqs": 4}, 6 * 10)):
         ds = pptorch.ServerDataset(srv.address, job="t9", epoch=5, pin_memory=True, **opts)
         got = list(data.DataLoader(ds, batch_size=None))  # num_workers=0: the dataset pins, here
         assert len(pinned_here) == pins
@@ -338,16 +339,12 @@ def test_string_keys_come_as_str_or_lists_of_str_also_in_batches(tmp_path):
     assert batches[0]["data"].shape == (4, 8, 4) and batches[0]["data:lengths"].tolist() == [5, 6, 7, 8]
 
 
-def test_cut_sorts_within_a_window_and_puts_a_long_seq_alone():
-    seqs = [{"data": torch.zeros(n, 2)} for n in (5, 1, 30, 3, 2)]
-    lengths = [[s["data"].shape[0] for s in b] for b in pptorch.cut(seqs, 10, None, None, sort=True)]
-    assert lengths == [[1, 2, 3], [5], [30]]
-    lengths = [[s["data"].shape[0] for s in b] for b in pptorch.cut(seqs, 10, 2, None, sort=False)]
-    assert lengths == [[5, 1], [30], [3, 2]]
+def test_collate_padded_pads_tensors_as_the_workers_do():
     batch = pptorch.collate_padded(
         [{"data": torch.ones(2, 3), "seq_tag": "a"}, {"data": torch.ones(4, 3), "seq_tag": "b"}]
     )
     assert batch["data"].shape == (2, 4, 3) and batch["data:lengths"].tolist() == [2, 4]
+    assert batch["seq_tag"] == ["a", "b"] and not batch["data"][0, 2:].any()
 
 
 def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
@@ -367,132 +364,10 @@ def test_rank_and_world_come_from_the_environment(monkeypatch, server):
     assert (ds.rank, ds.world_size) == (1, 3)
 
 
-# ---- batch sizes agreed among readers: pauses, uneven lengths, resumes ------------------------
-UNEVEN = """
-import numpy as np
-# even positions are 1 frame long, odd ones 30 to 60: of 2 readers (2 ranks, or 2 loader workers),
-# one fits about 200 seqs in a batch of 200 frames, the other 3 to 6
-SEQS = [{"data": np.full((1 if i % 2 == 0 else 30 + i * 7 % 31, 4), i, "float32")} for i in range(400)]
-dataset = {"class": "NumpyDataset", "seqs": SEQS}
-def map_seq(seq, **kwargs):
-    return seq
-heartbeat_interval = 0.2
-"""
-TIMEOUT = 2.0  # the clients' (keepalives come every 0.2 s)
-
-
-@pytest.fixture(scope="module")
-def uneven(tmp_path_factory):
-    cfg = write_config(tmp_path_factory.mktemp("uneven"), UNEVEN)
-    with run_server(cfg, workers=1) as srv:
-        yield srv, cfg
-
-
-def tags_of(batches: List[Dict[str, Any]]) -> List[List[str]]:
-    return [b["seq_tag"] for b in batches]
-
-
 def job_clients(srv: Any) -> int:
     """The live clients of the server's job, as its status counts them."""
     with srv.client(timeout=10) as c:
         return c.status()["job"]["clients"]
-
-
-@pytest.mark.parametrize("bucket", [1, 5])
-def test_a_loop_paused_longer_than_the_timeout_fails_no_reader(uneven, bucket):
-    srv, cfg = uneven
-    ds = pptorch.ServerDataset(
-        srv.address, job=f"t14-{bucket}", batch_frames=200, bucket_window=bucket, window=4, timeout=TIMEOUT
-    )
-    got = []
-    for i, batch in enumerate(data.DataLoader(ds, batch_size=None, num_workers=2)):
-        got += batch["seq_tag"]
-        if i == 0:  # a validation pass: worker 0 goes on to its batch 2, worker 1 is asked for nothing;
-            time.sleep(1.5 * TIMEOUT)  # worker 0 waits for its seqs (worker 1's window is full), then its size
-    assert sorted(got) == sorted(s["seq_tag"] for s in reference(cfg, 1))
-
-
-def test_readers_whose_batches_differ_greatly_in_seqs_agree_holding_about_one_batch(uneven, monkeypatch):
-    srv, cfg = uneven
-    most = [0]  # seqs a reader held while it waited for a batch size, at most
-    top_up = EpochIterator._top_up
-
-    def recorded(it, held=0, end=False):
-        most[0] = max(most[0], held)
-        return top_up(it, held, end)
-
-    monkeypatch.setattr(EpochIterator, "_top_up", recorded)
-
-    def rank_main(rank: int) -> List[List[str]]:  # rank 0 gets the 1-frame seqs, rank 1 the long ones
-        ds = pptorch.ServerDataset(srv.address, job="t15", rank=rank, world_size=2, batch_frames=200, timeout=TIMEOUT)
-        return tags_of(list(data.DataLoader(ds, batch_size=None)))
-
-    got, errors = run_ranks(2, rank_main)
-    assert not errors, errors
-    assert [len(b) for b in got[0]] == [len(b) for b in got[1]]
-    want = [s["seq_tag"] for s in reference(cfg, 1)]
-    for rank in range(2):
-        assert [tag for batch in got[rank] for tag in batch] == want[rank::2]
-    # rank 1 waits while rank 0 receives the 201 seqs it needs to propose (the next one does not
-    # fit): it holds about as many of its own, plus its window (32)
-    assert 150 < most[0] <= 201 + 2 * 32
-
-
-def test_a_rank_that_leaves_releases_the_others(uneven):
-    srv, cfg = uneven
-
-    def rank_main(rank: int) -> List[List[str]]:
-        ds = pptorch.ServerDataset(
-            srv.address, job="t20", rank=rank, world_size=2, batch_frames=200, window=4, timeout=TIMEOUT
-        )
-        batches = iter(data.DataLoader(ds, batch_size=None))
-        if rank == 0:
-            return tags_of(list(batches))
-        got = tags_of([next(batches) for _ in range(2)])
-        ds.close()  # the rank exits: its batch sizes are not waited for
-        return got
-
-    got, errors = run_ranks(2, rank_main)
-    assert not errors, errors
-    assert [tag for batch in got[0] for tag in batch] == [s["seq_tag"] for s in reference(cfg, 1)][0::2]
-    assert len(got[0]) > 2 and len(got[0][2]) > len(got[0][0])  # then on alone, with its own batch sizes
-
-
-def _loader(address: str, bucket: int, state: Any = None) -> Any:
-    opts = dict(job=f"t16-{bucket}", batch_frames=200, bucket_window=bucket, timeout=TIMEOUT)
-    loader = stateful.StatefulDataLoader(pptorch.ServerDataset(address, **opts), batch_size=None, num_workers=2)
-    if state is not None:
-        loader.load_state_dict(state)
-    return loader
-
-
-@pytest.mark.parametrize("bucket", [1, 5])
-def test_a_loader_resumes_exactly_after_its_clients_timed_out(uneven, bucket):
-    srv, _ = uneven
-    straight = tags_of(list(_loader(srv.address, bucket)))
-    loader = _loader(srv.address, bucket)
-    it = iter(loader)
-    first = [next(it) for _ in range(3)]  # worker 0 is a batch ahead of worker 1
-    state = copy.deepcopy(loader.state_dict())
-    del it, loader  # the trainer dies: its loader's workers with it, their clients unclosed
-    gc.collect()
-
-    wait_for(lambda: job_clients(srv) == 0, 30, "the server to count the dead loader's clients gone")
-    rest = tags_of(list(_loader(srv.address, bucket, state)))
-    assert tags_of(first) + rest == straight
-
-
-@pytest.mark.parametrize("bucket", [1, 5])
-def test_a_loader_resumes_exactly_from_a_restarted_server(uneven, bucket):
-    _, cfg = uneven
-    with run_server(cfg, workers=1) as srv:
-        loader = _loader(srv.address, bucket)
-        it = iter(loader)
-        first = tags_of([next(it) for _ in range(3)])  # worker 0 is a batch ahead of worker 1
-        state = copy.deepcopy(loader.state_dict())
-        straight = first + tags_of(list(it))
-    with run_server(cfg, workers=1) as srv:  # it knows no batch size of the epoch
-        assert first + tags_of(list(_loader(srv.address, bucket, state))) == straight
 
 
 def test_a_state_from_an_epochs_end_without_set_epoch_reads_that_epoch_again(server):
@@ -542,30 +417,6 @@ def test_a_stream_that_fails_closes_its_client(server):
     assert ds._client is None  # closed: no keepalives hold its place in the job
     with pytest.raises(Superseded):
         next(it)  # and the error stays
-
-
-def _as_older_state(state: Any) -> Any:
-    """A loader state as ppclient 0.2.0 saved it: a window's yielded batches counted ("skip"), not sized."""
-    if isinstance(state, dict):
-        state = {k: _as_older_state(v) for k, v in state.items()}
-        if "sizes" in state and "position" in state:
-            state["skip"] = len(state.pop("sizes"))
-        return state
-    if isinstance(state, list):
-        return [_as_older_state(v) for v in state]
-    return state
-
-
-def test_a_bucketed_state_saved_by_the_older_client_resumes_exactly(uneven):
-    srv, _ = uneven
-    straight = tags_of(list(_loader(srv.address, 5)))
-    loader = _loader(srv.address, 5)
-    it = iter(loader)
-    first = tags_of([next(it) for _ in range(3)])
-    state = _as_older_state(copy.deepcopy(loader.state_dict()))
-    assert "'skip'" in repr(state) and "'sizes'" not in repr(state)
-    del it, loader
-    assert first + tags_of(list(_loader(srv.address, 5, state))) == straight
 
 
 @pytest.mark.parametrize("name", ["DataLoader", "StatefulDataLoader"])

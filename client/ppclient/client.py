@@ -6,8 +6,8 @@ An epoch's seqs arrive on a DEALER socket: the client grants the server credit f
 `window` seqs and tops it up as it consumes them, so the server never sends more than
 the trainer takes. While a run is live the server sends a keepalive every heartbeat
 interval, which tells a slow epoch (an Error naming what it waits for) from a dead server
-(ServerUnavailable); a wait for other readers of the job whose clients live (their batch
-sizes, or room in their windows) is neither, and lasts as long as they do. A small thread
+(ServerUnavailable); a wait for other readers of the job whose clients live (room in their
+windows) is neither, and lasts as long as they do. A small thread
 with its own socket tells the server, about once a second, that this client lives, so a
 trainer busy with something else for a while (a validation pass, a checkpoint) keeps its
 shard and its job.
@@ -26,9 +26,10 @@ from typing import Any, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple, 
 import msgpack
 import zmq
 
-from . import endpoints, keyfiles, protocol, shm, wire
+from . import collate, endpoints, keyfiles, protocol, shm, wire
+from .batching import Batching
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded, UsageError
-from .protocol import Channel, Item, Peer
+from .protocol import Batch, Channel, Item, Peer
 from .throttle import Throttled
 
 log = logging.getLogger("ppclient")
@@ -78,6 +79,11 @@ class Client:
     server; "tcp://HOST:PORT": that address, e.g. a port a firewall lets through; False: every
     result through the server). Workers on this host hand over array bytes in shared memory.
 
+    `batching`: how the job's epochs are cut into batches (a dict of ppclient.batching's keys:
+    max_seqs, max_frames, length_key, bucket_window, pad), the same for every rank of a job;
+    None: as the server's config says; False: one seq at a time. With batches, an epoch yields
+    padded batches and every count, `start` and `window` counts batches.
+
     Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
     directory or key file, a rank not below world_size) raise UsageError here, before any
     socket exists.
@@ -96,8 +102,10 @@ class Client:
         drop_last: bool = True,
         subshard: Tuple[int, int] = (0, 1),
         direct: Union[bool, str] = True,
+        batching: Union[bool, Dict[str, Any], None] = None,
     ):
         self.address = endpoints.check(address, "address")
+        self.batching = _batching_arg(batching)
         _int_arg("window", window, 1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
             raise UsageError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {timeout!r}")
@@ -337,8 +345,8 @@ class Client:
 
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
-        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, and the
-        config fingerprint (what a resume state is checked against)."""
+        """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, the
+        config fingerprint (what a resume state is checked against) and the config's batching."""
         reply = self._request(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
@@ -350,6 +358,7 @@ class Client:
             "version": reply.version,
             "protocol": protocol.PROTOCOL,
             "fingerprint": reply.fingerprint,
+            "batching": reply.batching,
         }
 
     def status(self) -> Dict[str, Any]:
@@ -378,12 +387,13 @@ class Client:
         tags = [str(t) for t in seq_list] if seq_list is not None else None
         order = [_int_arg("seq_order entry", i, 0) for i in seq_order] if seq_order is not None else None
         fingerprint = None  # not resuming a state: nothing to check
+        batching = self.batching
         if state is not None:
-            epoch, start, fingerprint = self._resume(state, epoch, seq_selection(tags, order))
+            epoch, start, fingerprint, batching = self._resume(state, epoch, seq_selection(tags, order))
         _int_arg("epoch", epoch, 0)
         _int_arg("start", start, 0)
         assert isinstance(epoch, int)
-        accepted = self._ask(epoch, start, tags, order, fingerprint)
+        accepted = self._ask(epoch, start, tags, order, fingerprint, batching)
         it = EpochIterator(self, self._data_socket(), accepted, epoch, start, tags, order)
         self._inbox[it.run] = deque()
         try:
@@ -404,6 +414,7 @@ class Client:
         seq_list: Optional[List[str]],
         seq_order: Optional[List[int]],
         fingerprint: Optional[str],
+        batching: Optional[Dict[str, Any]],
     ) -> protocol.EpochAccepted:
         """Ask for this client's part of an epoch from its `start`-th seq (also again, from where an
         iterator was, after the server restarted)."""
@@ -429,6 +440,7 @@ class Client:
                 direct=self._direct_endpoint if self._direct is not None else "",
                 direct_key=self._keys.public if self._keys is not None and self._direct is not None else b"",
                 host=self._host,
+                batching=batching,
             ),
             protocol.EpochAccepted,
         )
@@ -463,7 +475,14 @@ class Client:
                 "always gives one"
             )
         _int_arg("the state's position", state["position"], 0)
-        return state["epoch"], state["position"], fingerprint
+        # the state's position counts its batches: it resumes with its cut (a state of ppclient 0.2.0
+        # was read seq by seq)
+        saved = _batching_arg(state.get("batching") or False)
+        if self.batching is not None and self.batching != saved:
+            raise UsageError(
+                f"the state was taken of an epoch read in {_words(saved)}, this client asks for {_words(self.batching)}"
+            )
+        return state["epoch"], state["position"], fingerprint, saved
 
     def _keep_alive(self) -> None:
         if self._alive is None:
@@ -584,6 +603,26 @@ class Client:
         self.close()
 
 
+def _batching_arg(value: Union[bool, Dict[str, Any], None]) -> Optional[Dict[str, Any]]:
+    """A batching argument as it travels: None (the server's default), {} (one seq at a time) or
+    the checked settings."""
+    if value is None:
+        return None
+    if value is False:
+        return {}
+    if value is True:
+        raise UsageError(
+            "batching must be a dict of settings, None (the server's default) or False (one seq at a time)"
+        )
+    return Batching.from_dict(value).to_dict()
+
+
+def _words(batching: Optional[Dict[str, Any]]) -> str:
+    if not batching:
+        return "one seq at a time"
+    return f"batches of {Batching.from_dict(batching).describe()}"
+
+
 def _authenticator(ctx: zmq.Context, authorized: Tuple[bytes, ...], refused: Throttled) -> Any:
     """Only workers with an authorised key may send results to this client; refusals are logged."""
     from zmq.auth.thread import ThreadAuthenticator
@@ -635,8 +674,8 @@ class _Alive(threading.Thread):
 
 
 class EpochIterator(Iterator[Dict[str, Any]]):
-    """This rank's seqs of one epoch in order. Raises MapperError, Superseded or ServerUnavailable,
-    never hangs; once it has raised, every later next() raises the same error.
+    """This rank's seqs (or batches) of one epoch in order. Raises MapperError, Superseded or
+    ServerUnavailable, never hangs; once it has raised, every later next() raises the same error.
 
     A server that stops sending anything (not even keepalives) is asked `info` now and then;
     when a restarted one (another instance, the same config fingerprint) answers at the address
@@ -657,10 +696,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._sock = sock
         self.run = accepted.run
         self.epoch = epoch
-        self.start = start  # index in the shard of the first seq this iterator yields
+        self.start = start  # index in the shard of the first seq (or batch) this iterator yields
         self.rank = client.rank
         self.world_size = client.world_size
-        self.num_seqs: Optional[int] = None
+        self.num_seqs: Optional[int] = None  # seqs (batches, when the job batches) it yields in all
+        self.batching: Optional[Dict[str, Any]] = None  # the job's cut, once started (None: seq by seq)
         self.fingerprint = accepted.fingerprint
         self._instance = accepted.instance  # the server process that serves the run
         self._seq_list, self._seq_order = seq_list, seq_order
@@ -673,7 +713,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._end: Optional[int] = None  # seqs the current run has for this iterator, once End came
         self._error: Optional[Error] = None
         # Seqs by position: direct results may come out of order, twice, or before the server's End.
-        self._buffer: Dict[int, Item] = {}
+        self._buffer: Dict[int, Union[Item, Batch]] = {}
+        self._partial: Dict[int, Batch] = {}  # seqs of batches the server cut but did not pad, not all here yet
         self._lanes = client.world_size * client.subshards
         self._first = client.rank + client.subshard * client.world_size + start * self._lanes
         self._direct = client._direct is not None
@@ -690,17 +731,18 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._workers = 0
         self._started = False
         self._sized = False  # num_seqs was set by the first run to start
-        self._agreed: Dict[int, int] = {}  # batch sizes the server answered, by batch index
 
     def __len__(self) -> int:
-        """Seqs this iterator yields in all (from its start), if the server knows it in advance."""
+        """Seqs (batches, when the job batches) this iterator yields in all (from its start), if the
+        server knows it in advance."""
         if self.num_seqs is None:
-            raise TypeError("the number of seqs of this epoch is not known in advance")
+            what = "batches" if self.batching else "seqs"
+            raise TypeError(f"the number of {what} of this epoch is not known in advance")
         return self.num_seqs
 
     @property
     def position(self) -> int:
-        """Index in this rank's shard of the next seq (start + seqs yielded so far)."""
+        """Index in this rank's shard of the next seq or batch (start + those yielded so far)."""
         return self.start + self._consumed
 
     def state_dict(self) -> Dict[str, Any]:
@@ -716,42 +758,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             "drop_last": self._client.drop_last,
             "subshard": [self._client.subshard, self._client.subshards],
             "seq_selection": seq_selection(self._seq_list, self._seq_order),
+            "batching": self.batching,
         }
 
     def __iter__(self) -> EpochIterator:
         return self
-
-    def agree(self, index: int, size: int, start: int, wait: bool = True, cut: str = "") -> int:
-        """The size of batch `index` (of the epoch, from 0) for every reader of the job: this reader
-        proposes `size` seqs (as many of its next ones as fit its batch; 0: it has none left), and
-        the server answers with the smallest size proposed by a reader with seqs left, once every
-        such reader has proposed. `start`: the seqs this reader took in its batches before this
-        one (the same in every reader; it tells a reader resumed behind the others the size they
-        took). Used by readers that batch by frames (ppclient.torch), so that all of them take
-        the same number of seqs per batch and cut the same number of batches.
-        `wait=False`: only propose (a reader with no seqs left need not hear the answer). `cut`: the
-        reader's batching settings in words; the server keeps agreed sizes for a job's recent
-        epochs, and a proposal with other settings (a new training) has the epoch cut anew.
-
-        While it waits, the seqs that come keep their credit: the other readers may need many
-        more seqs than this one to propose (short seqs), and the server releases seqs in epoch
-        order. So this reader holds about as many seqs as the others take for this batch."""
-        if self._error is not None:
-            raise self._error
-        _int_arg("index", index, 0)
-        _int_arg("size", size, 0)
-        _int_arg("start", start, 0)
-        run = -1
-        while run != self.run:  # (proposed again to a restarted server)
-            run = self.run
-            proposal = protocol.BatchSize(run=run, index=index, size=size, start=start, cut=cut)
-            self._sock.send_multipart([protocol.DELIMITER, *protocol.encode(proposal)])
-            if not wait:
-                return size
-            while index not in self._agreed and run == self.run:
-                self._receive("batch", index)
-                self._top_up(held=len(self._buffer))
-        return self._agreed.pop(index)
 
     def _grant(self, n: int) -> None:
         """Grants are cumulative (total so far), so one lost on a reset connection is repaired by the next."""
@@ -802,14 +813,21 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 raise StopIteration
             self._receive("progress")
         item = self._buffer.pop(expected)
-        seq = protocol.item_to_seq(item)
+        seq = self._build(item)
         self._consumed += 1
         self._top_up(end=self._finished())  # (at the end, tells the server how many were taken)
         return seq
 
-    def _receive(self, what: str, batch: int = 0) -> None:
-        """Take the next message of this run (`what`: "started", "progress", or "batch": the size
-        of batch `batch`); raise when none comes within the timeout. Keepalives that say the run
+    def _build(self, item: Union[Item, Batch]) -> Dict[str, Any]:
+        """What the trainer gets: a seq, a padded batch, or the seqs of a batch padded here."""
+        if isinstance(item, Item):
+            return protocol.item_to_seq(item)
+        pad = self.batching.get("pad", {}) if self.batching else {}
+        return collate.pad([protocol.item_to_seq(i) for i in item.items], lambda key: pad.get(key, 0))
+
+    def _receive(self, what: str) -> None:
+        """Take the next message of this run (`what`: "started" or "progress"); raise when none
+        comes within the timeout. Keepalives that say the run
         waits for other readers whose clients live extend it: a paused reader fails no one. Waiting
         for a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost).
         When nothing at all comes for 2 heartbeat intervals, ask who serves the address: a
@@ -830,7 +848,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             if decoded is None:
                 now = time.monotonic()
                 if now >= deadline:
-                    self._timed_out(what, timeout, began, batch)
+                    self._timed_out(what, timeout, began)
                 if now >= self._probe_at and self._restarted(deadline):
                     self._resume_run()
                     return
@@ -890,8 +908,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         )
         client._inbox.pop(self.run, None)
         self._buffer.clear()
+        self._partial.clear()
         try:
-            accepted = client._ask(self.epoch, self.position, self._seq_list, self._seq_order, self.fingerprint)
+            accepted = client._ask(
+                self.epoch, self.position, self._seq_list, self._seq_order, self.fingerprint, self.batching or {}
+            )
         except Error as exc:
             self._raise(exc)
         self.run, self._instance = accepted.run, accepted.instance
@@ -920,10 +941,11 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 )
             self._started = True
             self.fingerprint = msg.fingerprint
+            self.batching = msg.batching
         elif isinstance(msg, (protocol.Seqs, protocol.DirectSeqs)):
             if decoded.bad:
                 self._raise(Error(f"epoch {self.epoch}: malformed seq from the server: {decoded.bad[0].reason}"))
-            self._take(decoded.items)
+            self._take(self._whole(decoded.items))
         elif isinstance(msg, protocol.End):
             self._done = True
             self._end = msg.count
@@ -947,15 +969,29 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             if msg.failure == protocol.FailureKind.REQUEST.value:
                 self._raise(Error(f"cannot start epoch {self.epoch}: {msg.message}"))
             self._raise(Error(f"epoch {self.epoch} failed on the server: {msg.message}"))
-        elif isinstance(msg, protocol.BatchAgreed):
-            self._agreed[msg.index] = msg.size
         elif isinstance(msg, protocol.Superseded):
             self._done = True
             self._raise(
                 Superseded(f"epoch {self.epoch} was superseded by epoch {msg.epoch}, requested by another client")
             )
 
-    def _take(self, items: List[Item]) -> None:
+    def _whole(self, items: List[Item]) -> List[Union[Item, Batch]]:
+        """The items, with the seqs of a batch the server cut but did not pad as one Batch once
+        they are all here (they may come in several messages)."""
+        if not any(item.batch is not None for item in items):
+            return list(items)
+        out: List[Union[Item, Batch]] = []
+        for item in items:
+            if item.batch is None:
+                out.append(item)
+                continue
+            batch = self._partial.setdefault(item.batch, Batch(item.batch, []))
+            batch.items.append(item)
+            if len(batch.items) >= (item.size or 1):
+                out.append(self._partial.pop(item.batch))
+        return out
+
+    def _take(self, items: List[Union[Item, Batch]]) -> None:
         """Into the reorder buffer; duplicates and seqs already yielded are dropped."""
         expected, lanes = self._expected, self._lanes
         for item in items:
@@ -983,7 +1019,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         except zmq.ZMQError:
             pass
 
-    def _timed_out(self, what: str, timeout: float, began: float, batch: int) -> None:
+    def _timed_out(self, what: str, timeout: float, began: float) -> None:
         """Alive means keepalives kept coming while we waited; else the server is gone."""
         address = self._client.address
         silent = time.monotonic() - self._alive_at
@@ -1001,13 +1037,6 @@ class EpochIterator(Iterator[Dict[str, Any]]):
                 Error(
                     f"epoch {self.epoch} did not start within {timeout:g} s although the server at "
                     f"{address} is alive{waiting}"
-                )
-            )
-        if what == "batch":
-            self._raise(
-                Error(
-                    f"epoch {self.epoch}: the size of batch {batch} was not agreed within {timeout:g} s although "
-                    f"the server at {address} is alive (every reader of the job must cut its batches){waiting}"
                 )
             )
         self._raise(

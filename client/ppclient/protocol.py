@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 8
+PROTOCOL = 9
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -108,6 +108,9 @@ class EpochRequest(Message):
     `direct`: the endpoint of the client's direct ROUTER, where workers may send its results
     ("" : everything through the server); `direct_key`: its CURVE public key (with keys);
     `host`: the client's shared-memory host id ("" : none).
+    `batching`: how the job's epochs are cut into batches (ppclient.batching's dict; None: as the
+    server's config says; {}: one seq at a time). With batches, positions, `start` and counts
+    count batches: batch j of the epoch goes to lane j % (world_size * subshards).
     """
 
     kind = "epoch"
@@ -131,6 +134,7 @@ class EpochRequest(Message):
     direct: str = ""
     direct_key: bytes = b""
     host: str = ""
+    batching: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ class InfoReply(Message):
     version: str = ""
     fingerprint: str = ""
     instance: str = ""
+    batching: Optional[Dict[str, Any]] = None  # the config's default batching (None: one seq at a time)
 
 
 @dataclass(frozen=True)
@@ -241,8 +246,9 @@ class Missing(Message):
 
 @dataclass(frozen=True)
 class Started(Message):
-    """The epoch is set up; `num_seqs`: seqs this shard delivers from its start (None when a
-    stream mapper may change the count); `fingerprint`: the config's, for resume states."""
+    """The epoch is set up; `num_seqs`: seqs (batches, when the job batches) this shard delivers
+    from its start (None when not known in advance); `fingerprint`: the config's, for resume
+    states; `batching`: the job's batching settings (None: one seq at a time)."""
 
     kind = "started"
     channel = Channel.DATA
@@ -251,11 +257,14 @@ class Started(Message):
     run: int = _nonneg()
     num_seqs: Optional[int] = None
     fingerprint: str = ""
+    batching: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
 class Seqs(Message):
-    """Delivered seqs; item `i` is the position in the epoch (rank, rank + world_size, ...)."""
+    """Delivered seqs or batches; an item's `i` is its position in the epoch (rank, rank +
+    world_size, ...). A padded batch is one item; the seqs of a batch the server cut but did not
+    pad (map_seq_stream) are items that name it (`g`), its client pads them."""
 
     kind = "seqs"
     channel = Channel.DATA
@@ -277,8 +286,8 @@ class Keepalive(Message):
     interval: float = 1.0
     workers: int = _nonneg()
     waiting_for: str = ""  # what holds the epoch back, in words
-    # what the client waits for is other readers of the job whose clients live (their batch
-    # sizes, or room in their windows for the seqs before its own): not a failure, it keeps waiting
+    # what the client waits for is other readers of the job whose clients live (room in their
+    # windows for the seqs before its own): not a failure, it keeps waiting
     waits_on_readers: bool = False
 
 
@@ -322,38 +331,6 @@ class Superseded(Message):
     receiver = (Peer.CLIENT,)
     run: int = _nonneg()
     epoch: int = _nonneg()  # the epoch that replaced it
-
-
-@dataclass(frozen=True)
-class BatchSize(Message):
-    """A reader that batches by frames proposes how many seqs its batch number `index` of the
-    epoch (counted from 0) takes: as many as fit its cap (0: it has no seqs left). `start`: the
-    seqs of its part of the shard in its batches before this one (the same in every reader).
-    `cut`: its batching settings, in words (the same in every reader of one training)."""
-
-    kind = "batch_size"
-    channel = Channel.DATA
-    sender = (Peer.CLIENT,)
-    receiver = (Peer.SERVER,)
-    run: int = _nonneg()
-    index: int = _nonneg()
-    size: int = _nonneg()
-    start: int = _nonneg()
-    cut: str = ""  # the reader's batching settings: a proposal with others begins the epoch's batches anew
-
-
-@dataclass(frozen=True)
-class BatchAgreed(Message):
-    """Batch `index` of every reader of the job's epoch takes `size` seqs: the smallest size any
-    reader with seqs left proposed (0: none has any)."""
-
-    kind = "batch_agreed"
-    channel = Channel.DATA
-    sender = (Peer.SERVER,)
-    receiver = (Peer.CLIENT,)
-    run: int = _nonneg()
-    index: int = _nonneg()
-    size: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -469,7 +446,8 @@ class Bye(Message):
 
 @dataclass(frozen=True)
 class RunOpen(Message):
-    """Tasks of `run` may follow; `check_tags`: outputs must keep the input's seq_tag."""
+    """Tasks of `run` may follow; `check_tags`: outputs must keep the input's seq_tag; `pad`: the
+    value each key of a batch is padded with (others: 0)."""
 
     kind = "run_open"
     channel = Channel.WORKER
@@ -478,6 +456,7 @@ class RunOpen(Message):
     run: int = _nonneg()
     epoch: int = _nonneg()
     check_tags: bool = False
+    pad: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -506,7 +485,9 @@ class RunDropped(Message):
 @dataclass(frozen=True)
 class Tasks(Message):
     """map_seq inputs. `to[k]`: the consumer item k's result goes to directly (b"": to the server);
-    empty: every result to the server."""
+    empty: every result to the server. Items that name a batch (`g`) are the seqs of that batch,
+    in order: the worker maps each and pads them into one result. `probe`: the batch is suspect
+    (it was on a worker that died): say which seq is being mapped (`mapping`) before each."""
 
     kind = "tasks"
     channel = Channel.WORKER
@@ -516,6 +497,21 @@ class Tasks(Message):
     per_item = ("to",)
     run: int = _nonneg()
     to: List[bytes] = field(default_factory=list)
+    probe: bool = False
+
+
+@dataclass(frozen=True)
+class Mapping(Message):
+    """The worker is about to map the seq `seq_tag` of the suspect batch at `pos`: if it dies now,
+    that seq is the one charged with it."""
+
+    kind = "mapping"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    run: int = _nonneg()
+    pos: int = _nonneg()
+    seq_tag: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -775,8 +771,6 @@ MESSAGES: Dict[str, Type[Message]] = {
         End,
         RunFailed,
         Superseded,
-        BatchSize,
-        BatchAgreed,
         ClientAlive,
         ClientClosed,
         Hello,
@@ -790,6 +784,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         RunClose,
         RunDropped,
         Tasks,
+        Mapping,
         Results,
         Completed,
         InputsLost,
@@ -833,6 +828,12 @@ class Item:
     own memory, for a receiver on its host that reads it there (cross-memory attach): `spans`
     is `[[address, nbytes], ...]`, one per array (header key "m"). `direct` marks a result the
     worker sent to its consumer itself (the server holds only its position and size).
+
+    Batches: `batch` (header key "g") marks a seq of batch `batch` of the epoch, a batch of
+    `size` seqs (header key "n"): a batch's inputs, or the seqs of a batch its client pads; they
+    may come in several messages. `size` without `batch` marks a padded batch of that many seqs:
+    its arrays are the padded ones and their `:lengths`, and each meta entry is a list with one
+    value per seq.
     """
 
     pos: int
@@ -843,13 +844,19 @@ class Item:
     block: Optional[List[Any]] = None
     direct: bool = False
     spans: Optional[List[List[int]]] = None
+    batch: Optional[int] = None
+    size: Optional[int] = None
 
-    def header(self, pos: Optional[int] = None) -> Dict[str, Any]:
-        h = {"i": self.pos if pos is None else pos, "meta": self.meta, "arrays": self.arrays}
+    def header(self) -> Dict[str, Any]:
+        h = {"i": self.pos, "meta": self.meta, "arrays": self.arrays}
         if self.block is not None:
             h["b"] = self.block
         elif self.spans is not None:
             h["m"] = self.spans
+        if self.batch is not None:
+            h["g"] = self.batch
+        if self.size is not None:
+            h["n"] = self.size
         return h
 
     @property
@@ -857,14 +864,53 @@ class Item:
         """The frames that travel with the header (none when the arrays are elsewhere)."""
         return [] if self.block is not None or self.spans is not None else self.frames
 
-    def with_pos(self, pos: int, meta: Optional[Dict[str, Any]] = None) -> Item:
-        return Item(
-            pos, self.meta if meta is None else meta, self.arrays, self.frames, self.nbytes, self.block, self.direct
-        )
+    @property
+    def task(self) -> int:
+        """The position of the task the item belongs to: its batch's, for a seq of a batch."""
+        return self.pos if self.batch is None else self.batch
 
     @property
     def seq_tag(self) -> Optional[str]:
-        return self.meta.get("seq_tag")
+        """The seq's tag (a padded batch's first one)."""
+        tag = self.meta.get("seq_tag")
+        return tag[0] if type(tag) is list and tag else tag if type(tag) is str else None
+
+    @property
+    def padded(self) -> bool:
+        """A padded batch (one item for several seqs)."""
+        return self.size is not None and self.batch is None
+
+    @property
+    def seqs(self) -> int:
+        """How many seqs the item holds (a padded batch holds several)."""
+        return self.size if self.padded else 1  # type: ignore[return-value]
+
+
+@dataclass
+class Batch:
+    """The inputs of batch `pos` of an epoch (the server's cut): its seqs, in the order they are
+    padded, each an item naming the batch. The scheduler moves it as one task."""
+
+    pos: int
+    items: List[Item]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    @property
+    def seq_tag(self) -> Optional[str]:
+        return self.items[0].seq_tag if self.items else None
+
+    @property
+    def seqs(self) -> int:
+        return len(self.items)
+
+    def tags(self, limit: int = 4) -> str:
+        """Its seqs' tags in words (for errors)."""
+        tags = [repr(item.seq_tag) for item in self.items[:limit]]
+        more = len(self.items) - limit
+        return ", ".join(tags) + (f" and {more} more" if more > 0 else "")
 
 
 def item_header_bytes(item: Item) -> int:
@@ -879,17 +925,26 @@ def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:
 
 
 def item_to_seq(item: Item) -> Dict[str, Any]:
-    """The seq dict of an Item (arrays are read-only views of its frames)."""
-    return wire.build_seq(item.arrays, item.meta, item.frames)
+    """The seq dict of an Item (arrays are views of its frames), or a padded batch's dict (see
+    collate.batch_dict)."""
+    if not item.padded:
+        return wire.build_seq(item.arrays, item.meta, item.frames)
+    from .collate import batch_dict
+
+    return batch_dict(wire.build_seq(item.arrays, {}, item.frames), item.meta)
 
 
 def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List[Item], Any]:
     """The items with their arrays copied into one block of `ring` (shm.Ring), and the block; the
-    items themselves and None if the ring has no room. One block per message: one allocation,
-    and one release once the receiver has dropped every array of every seq in it."""
+    items themselves and None if the ring has no room (or nothing needs one: items laid out in a
+    block of their own already stay as they are). One block per message: one allocation, and one
+    release once the receiver has dropped every array of every seq in it."""
     from . import shm
 
-    packed = shm.pack(ring, [_as_array(f) for item in items for f in item.frames], owner)
+    loose = [item for item in items if item.block is None]
+    if not loose:
+        return list(items), None
+    packed = shm.pack(ring, [_as_array(f) for item in loose for f in item.frames], owner)
     if packed is None:
         return list(items), None
     block, offsets = packed
@@ -897,17 +952,11 @@ def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List
     out: List[Item] = []
     at = 0
     for item in items:
+        if item.block is not None:
+            out.append(item)
+            continue
         n = len(item.frames)
-        out.append(
-            Item(
-                item.pos,
-                item.meta,
-                item.arrays,
-                [],
-                item.nbytes,
-                [ref.offset, ref.nbytes, ref.seq, offsets[at : at + n]],
-            )
-        )
+        out.append(dataclasses.replace(item, frames=[], block=[ref.offset, ref.nbytes, ref.seq, offsets[at : at + n]]))
         at += n
     return out, block
 
@@ -922,7 +971,7 @@ def to_spans(items: Sequence[Item]) -> Optional[List[Item]]:
             if type(f) is not wire.numpy.ndarray or not f.flags.c_contiguous:
                 return None
             spans.append([f.ctypes.data, f.nbytes])
-        out.append(Item(item.pos, item.meta, item.arrays, [], item.nbytes, spans=spans))
+        out.append(dataclasses.replace(item, frames=[], spans=spans))
     return out
 
 
@@ -962,7 +1011,7 @@ def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
                 give_arrays(group, views)
                 continue
         for item in group:
-            bad.append(BadItem(item.pos, reason))
+            bad.append(BadItem(item.task, reason))
             failed.add(id(item))
     if failed:
         items[:] = [item for item in items if id(item) not in failed]
@@ -1011,7 +1060,7 @@ def give_arrays(items: Sequence[Item], arrays: Sequence[Any]) -> None:
 
 
 class BadItem(typing.NamedTuple):
-    pos: Optional[int]  # the position the item claimed, if it was an int
+    pos: Optional[int]  # the task's position the item claimed (its batch, for a seq of one), if it was an int
     reason: str
 
 
@@ -1042,14 +1091,20 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
         _check_spans(pos, spans, arrays, frames)
     elif len(arrays) != len(frames):
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
-    for key, value in meta.items():
-        t = type(value)
-        if not (
-            (key == "seq_tag" and t is str)
-            or (key == "seq_idx" and t is int)
-            or (key == "complete_frac" and (t is float or t is int))
-        ):
-            raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
+    batch = spec.get("g")
+    seqs = spec.get("n")
+    if batch is not None and (type(batch) is not int or batch < 0 or seqs is None):
+        raise ProtocolError(f"item {pos}: batch {batch!r:.40} is not an int >= 0 with a size")
+    if seqs is not None and (type(seqs) is not int or seqs < 1):
+        raise ProtocolError(f"item {pos}: bad batch size {seqs!r:.40}")
+    if seqs is None or batch is not None:
+        for key, value in meta.items():
+            if not _meta_ok(key, value):
+                raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
+    else:
+        for key, values in meta.items():
+            if type(values) is not list or len(values) != seqs or not all(_meta_ok(key, v) for v in values):
+                raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40} of a batch of {seqs}: {values!r:.40}")
     sizes = []
     keys = set()
     for spec_ in arrays:
@@ -1082,7 +1137,7 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                     f"item {pos}: array {spec_[0]!r} spans {size} bytes, not those of {spec_[2]} {spec_[1]}"
                 )
             nbytes += size
-        return Item(pos, meta, arrays, [], nbytes, spans=spans)
+        return Item(pos, meta, arrays, [], nbytes, spans=spans, batch=batch, size=seqs)
     if block is None:
         for spec_, frame, want in zip(arrays, frames, sizes):
             size = frame.nbytes if type(frame) is not bytes and hasattr(frame, "nbytes") else len(frame)
@@ -1091,13 +1146,22 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                     f"item {pos}: array {spec_[0]!r} has {size} bytes, not those of {spec_[2]} {spec_[1]}"
                 )
             nbytes += size
-        return Item(pos, meta, arrays, list(frames), nbytes)
+        return Item(pos, meta, arrays, list(frames), nbytes, batch=batch, size=seqs)
     limit = block[1]
     for offset, size in zip(block[3], sizes):
         if offset + size > limit:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
-    return Item(pos, meta, arrays, [], nbytes, block=block)
+    return Item(pos, meta, arrays, [], nbytes, block=block, batch=batch, size=seqs)
+
+
+def _meta_ok(key: str, value: Any) -> bool:
+    t = type(value)
+    return (
+        (key == "seq_tag" and t is str)
+        or (key == "seq_idx" and t is int)
+        or (key == "complete_frac" and (t is float or t is int))
+    )
 
 
 def _check_spans(pos: int, spans: Any, arrays: Any, frames: Sequence[Any]) -> None:
@@ -1273,7 +1337,7 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
         try:
             out.items.append(check_item(spec, bufs[at : at + n]))
         except ProtocolError as exc:
-            out.bad.append(BadItem(_position(spec), str(exc)))
+            out.bad.append(BadItem(_task_position(spec), str(exc)))
         at += n
     else:
         if at == len(bufs):
@@ -1281,7 +1345,7 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
     # frames cannot be matched to items: every item is bad
     out.items.clear()
     out.bad = [
-        BadItem(_position(spec) if type(spec) is dict else None, "items and frames do not match") for spec in specs
+        BadItem(_task_position(spec) if type(spec) is dict else None, "items and frames do not match") for spec in specs
     ]
     return out
 
@@ -1289,6 +1353,12 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
 def _position(spec: Dict[str, Any]) -> Optional[int]:
     pos = spec.get("i")
     return pos if type(pos) is int and pos >= 0 else None
+
+
+def _task_position(spec: Dict[str, Any]) -> Optional[int]:
+    """The position of the task an item header belongs to: its batch's, for a seq of a batch."""
+    batch = spec.get("g")
+    return batch if type(batch) is int and batch >= 0 else _position(spec)
 
 
 class VersionMismatch(ProtocolError):

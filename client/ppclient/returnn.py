@@ -122,6 +122,7 @@ class ServerDataset(CachedDataset2):
             keys=self._keys,
             drop_last=self._drop_last,
             direct=self._direct,
+            batching=False,  # RETURNN batches by itself: one seq at a time
         )
 
     def _client_for_shard(self) -> Client:

@@ -449,26 +449,40 @@ class Ring:
         self.close()
 
 
+def layout(sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """Where arrays of these byte sizes lie in one block (each at a 64-byte aligned offset), and
+    the block's size."""
+    offsets: List[int] = []
+    pos = 0
+    for n in sizes:
+        pos = _round_up(pos)
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def view(block: Block, offset: int, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
+    """A writable array of the block's memory at `offset` (as `layout` placed it)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return block.data[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
 def pack(ring: Ring, arrays: List[np.ndarray], owner: bytes = b"") -> Optional[Tuple[Block, List[int]]]:
     """Copy `arrays` into one block (each at a 64-byte aligned offset, one copy each).
 
     Returns the block and each array's offset in it, or None when the ring has no room.
     """
     arrays = [np.asarray(a) for a in arrays]
-    offsets: List[int] = []
-    pos = 0
     for a in arrays:
         if a.dtype.hasobject:
             raise ValueError(f"cannot pack an array of dtype {a.dtype}")
-        pos = _round_up(pos)
-        offsets.append(pos)
-        pos += a.nbytes
-    block = ring.alloc(pos, owner)
+    offsets, size = layout([a.nbytes for a in arrays])
+    block = ring.alloc(size, owner)
     if block is None:
         return None
     for a, off in zip(arrays, offsets):
         if a.nbytes:
-            block.data[off : off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+            view(block, off, a.dtype, a.shape)[...] = a
     return block, offsets
 
 

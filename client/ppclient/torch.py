@@ -3,7 +3,7 @@
     from ppclient.torch import ServerDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    ds = ServerDataset("tcp://trainer:5555", job="asr", batch_frames=20000)
+    ds = ServerDataset("tcp://trainer:5555", job="asr", batch_frames=20000, max_seqs=64, bucket_window=256)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
     for epoch in range(1, 11):
         ds.set_epoch(epoch)                     # as with DistributedSampler
@@ -12,23 +12,24 @@
 
 Rank and world size come from `torch.distributed` when it is initialised, else from the
 RANK and WORLD_SIZE environment variables, else 0 and 1; each rank reads its strided shard.
-Under a DataLoader with k workers, worker w reads every k-th seq of the rank's shard from
-its w-th on (a subshard), so a loader that takes from its workers in turn (batch_size=None)
-yields the rank's seqs in their epoch order; with batching (`batch_frames`), each worker
-batches its own subshard. `set_epoch` reaches persistent DataLoader workers too (the epoch
-lives in shared memory). `state_dict()`/`load_state_dict()` follow the stateful protocol
-of torchdata's StatefulDataLoader: per worker, the epoch and the position in its subshard,
-so a resumed loader delivers exactly what the interrupted one would have delivered next; a
-state applies to its own epoch (after a state from an epoch's end, set_epoch's next epoch
-begins).
+With batching the server cuts the epoch into batches and its workers pad them; batch j goes
+to rank j % world_size. Under a DataLoader with k workers, worker w reads every k-th seq (or
+batch) of the rank's shard from its w-th on (a subshard), so a loader that takes from its
+workers in turn (batch_size=None) yields the rank's part in epoch order. `set_epoch` reaches
+persistent DataLoader workers too (the epoch lives in shared memory). `state_dict()` /
+`load_state_dict()` follow the stateful protocol of torchdata's StatefulDataLoader: per
+worker, the epoch and the position in its subshard, so a resumed loader delivers exactly what
+the interrupted one would have delivered next; a state applies to its own epoch (after a
+state from an epoch's end, set_epoch's next epoch begins).
 
-Arrays become tensors with `torch.from_numpy`, sharing the received frames (writable with
-pyzmq 27 and later; with older pyzmq a frame is read-only and is copied once, to spare
-PyTorch's warning about non-writable arrays). That is no copy where the dataset is iterated;
-from DataLoader workers, PyTorch moves each tensor into shared memory once (a copy) to pass
-it to the main process. Pinning belongs in the main process: `DataLoader(pin_memory=True)`
-pins the seqs and batches (dicts of tensors) there; `ServerDataset(pin_memory=True)` pins
-only when the dataset is iterated in the main process (num_workers=0).
+Arrays become tensors with `torch.from_numpy`, sharing the received memory (a worker's shared
+memory on one host, else the received frames; writable with pyzmq 27 and later; with older
+pyzmq a frame is read-only and is copied once, to spare PyTorch's warning about non-writable
+arrays). That is no copy where the dataset is iterated; from DataLoader workers, PyTorch moves
+each tensor into shared memory once (a copy) to pass it to the main process. Pinning belongs
+in the main process: `DataLoader(pin_memory=True)` pins the seqs and batches (dicts of
+tensors) there; `ServerDataset(pin_memory=True)` pins only when the dataset is iterated in
+the main process (num_workers=0).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ import numpy
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from . import collate
+from .batching import Batching
 from .client import Client, EpochIterator
 from .errors import Error, UsageError
-from .wire import META_KEYS
 
 log = logging.getLogger("ppclient.torch")
 
@@ -82,76 +84,14 @@ def to_tensors(seq: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _length(seq: Dict[str, Any], key: Optional[str]) -> int:
-    """Frames of a seq: its `key`'s first axis, or the longest first axis of its tensors."""
-    if key is not None:
-        return int(seq[key].shape[0])
-    return max(
-        (int(v.shape[0]) for k, v in seq.items() if k not in META_KEYS and isinstance(v, torch.Tensor) and v.ndim),
-        default=1,
-    )
-
-
 def collate_padded(seqs: List[Dict[str, Any]], pin_memory: bool = False) -> Dict[str, Any]:
-    """Seqs (tensor dicts) as one batch: every tensor key padded with zeros to the longest along
-    its first axis, with `key + ":lengths"` (int64); 0-d tensors stacked; other values (strings)
-    and meta entries as lists (`seq_idx`, `complete_frac` as tensors)."""
-    batch: Dict[str, Any] = {}
-    first = seqs[0]
-    for key, value in first.items():
-        if key in META_KEYS:
-            continue
-        if not isinstance(value, torch.Tensor):
-            batch[key] = [s[key] for s in seqs]
-            continue
-        tensors = [s[key] for s in seqs]
-        if value.dim() == 0:
-            batch[key] = torch.stack(tensors)
-            continue
-        lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-        padded = tensors[0].new_zeros((len(tensors), int(lengths.max()), *value.shape[1:]))
-        for i, t in enumerate(tensors):
-            padded[i, : t.shape[0]] = t
-        batch[key] = padded
-        batch[key + ":lengths"] = lengths
-    if pin_memory:
-        batch = pinned(batch)
-    batch["seq_tag"] = [s.get("seq_tag") for s in seqs]
-    batch["seq_idx"] = torch.tensor([int(s.get("seq_idx", -1)) for s in seqs], dtype=torch.int64)
-    batch["complete_frac"] = torch.tensor([float(s.get("complete_frac", 0.0)) for s in seqs], dtype=torch.float64)
-    return batch
-
-
-def cut(
-    window: List[Dict[str, Any]],
-    batch_frames: Optional[int],
-    max_seqs: Optional[int],
-    length_key: Optional[str],
-    *,
-    sort: bool,
-) -> List[List[Dict[str, Any]]]:
-    """Greedy batches, as RETURNN cuts them: a seq joins the batch while (seqs in it) * (longest
-    one) stays within `batch_frames` and it holds at most `max_seqs`; a seq longer than
-    `batch_frames` is a batch of its own. `sort`: by length first (stably), so that batches hold
-    seqs of similar length (less padding)."""
-    lengths = [_length(s, length_key) for s in window]
-    order = sorted(range(len(window)), key=lambda i: lengths[i]) if sort else list(range(len(window)))
-    out: List[List[Dict[str, Any]]] = []
-    batch: List[Dict[str, Any]] = []
-    longest = 0
-    for i in order:
-        n = lengths[i]
-        fits = (batch_frames is None or (len(batch) + 1) * max(longest, n) <= batch_frames) and (
-            max_seqs is None or len(batch) < max_seqs
-        )
-        if batch and not fits:
-            out.append(batch)
-            batch, longest = [], 0
-        batch.append(window[i])
-        longest = max(longest, n)
-    if batch:
-        out.append(batch)
-    return out
+    """Seqs (dicts of tensors or arrays) as one batch, as the server's workers pad a batch: every
+    array key zero-padded to the longest along its first axis, with `key + ":lengths"` (int64);
+    scalars stacked; `seq_tag` (and string keys) as lists, `seq_idx` and `complete_frac` as
+    tensors. A collate_fn for a DataLoader over seqs."""
+    as_numpy = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in seq.items()} for seq in seqs]
+    batch = to_tensors(collate.pad(as_numpy))
+    return pinned(batch) if pin_memory else batch
 
 
 class _Plan(NamedTuple):
@@ -164,9 +104,14 @@ class _Plan(NamedTuple):
 class ServerDataset(IterableDataset):
     """One ppserver epoch per iteration (`set_epoch(n)` picks it), this rank's shard of it.
 
-    Without `batch_frames`/`max_seqs` it yields one seq at a time (a dict of tensors plus
-    `seq_tag`, `seq_idx`, `complete_frac`); use it with `DataLoader(batch_size=None)` or a
-    collate of your own. With them it yields padded batches (see `collate_padded`).
+    Without `batch_frames`/`max_seqs` it yields what the server's config says: one seq at a time
+    (a dict of tensors plus `seq_tag`, `seq_idx`, `complete_frac`) unless the config sets a
+    `batching`. With them the server cuts the epoch into batches (at most `max_seqs` seqs and
+    `batch_frames` padded frames each, sorted by length `bucket_window` seqs at a time) and its
+    workers pad them: it yields batches `{key: (B, T, ...), key + ":lengths": (B,), "seq_tag":
+    [...], "seq_idx": (B,), "complete_frac": (B,)}`. Batch j of the epoch goes to rank
+    j % world_size, so with drop_last every rank takes the same number of steps. Use it with
+    `DataLoader(batch_size=None)`.
     """
 
     def __init__(
@@ -186,6 +131,7 @@ class ServerDataset(IterableDataset):
         max_seqs: Optional[int] = None,
         bucket_window: int = 1,
         length_key: Optional[str] = None,
+        pad: Optional[Dict[str, float]] = None,
         pin_memory: bool = False,
     ):
         super().__init__()
@@ -194,6 +140,15 @@ class ServerDataset(IterableDataset):
                 raise UsageError(f"{name} must be an int >= 1 or None, got {value!r}")
         if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 1:
             raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
+        batching: Optional[Dict[str, Any]] = None  # the server's default
+        if batch_frames is not None or max_seqs is not None:
+            batching = {
+                "max_frames": batch_frames,
+                "max_seqs": max_seqs,
+                "bucket_window": bucket_window,
+                "length_key": length_key,
+                "pad": pad or {},
+            }
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
         self.address = address
@@ -210,12 +165,10 @@ class ServerDataset(IterableDataset):
             "keys": keys,
             "direct": direct,
             "drop_last": drop_last,
+            "batching": batching,
         }
-        self.batching = batch_frames is not None or max_seqs is not None
-        self.batch_frames = batch_frames
-        self.max_seqs = max_seqs
-        self.bucket_window = bucket_window
-        self.length_key = length_key
+        if batching is not None:
+            Batching.from_dict(batching, "ServerDataset's batching")  # a bad value is a UsageError now
         self.pin_memory = pin_memory
         self._loaded: Optional[Dict[str, Any]] = None  # a state to start the next iteration from
         self._num_seqs: Optional[int] = None  # seqs per epoch, once asked for (len())
@@ -316,18 +269,19 @@ class ServerDataset(IterableDataset):
     def __len__(self) -> int:
         """Seqs this rank gets in an epoch, so that `len(DataLoader(ds, batch_size=None))` works
         (an LR schedule, a progress bar); the server is asked once. TypeError (as for any iterable
-        without a length) when it is not known in advance: with batching, or when the server
-        does not know the count of an epoch before reading it."""
-        if self.batching:
-            raise TypeError(
-                "len() of a ServerDataset that batches (batch_frames/max_seqs) is not known in advance: the "
-                "number of batches depends on the seqs' lengths and on the DataLoader's num_workers (each "
-                "worker batches its own part of the shard)"
-            )
+        without a length) when it is not known in advance: with batches (their number depends on
+        the epoch's order; `len()` of the iterator of an epoch that has begun gives it), or when
+        the server does not know the count of an epoch before reading it."""
+        opts = self.client_options
         if self._num_seqs is None:
-            opts = self.client_options
             with Client(self.address, timeout=opts["timeout"], keys=opts["keys"], direct=False) as client:
-                self._num_seqs = client.info()["num_seqs"]
+                info = client.info()
+            if opts["batching"] or (opts["batching"] is None and info.get("batching")):
+                raise TypeError(
+                    "len() of a ServerDataset that batches is not known before its epoch begins: the number of "
+                    "batches depends on the epoch's order of lengths"
+                )
+            self._num_seqs = info["num_seqs"]
             if self._num_seqs is None:
                 raise TypeError(
                     "len() of this ServerDataset is not known in advance: the server learns an epoch's number "
@@ -374,25 +328,15 @@ class ServerDataset(IterableDataset):
 class _Stream(Iterator[Any]):
     """One iteration of a ServerDataset. Opens its epoch lazily, so a loaded state applies first.
 
-    Its state is where a resume starts: the position (in this reader's part of the shard) of
-    the first seq not yet yielded and the index of the next batch, or, with `bucket_window` N,
-    those of the current window of N plus the sizes of its batches already yielded (on resume,
-    the window is sorted again and those batches cut off it locally, then skipped).
-
-    With `batch_frames`, the size of each batch is agreed among all readers of the job (every
-    rank's DataLoader workers): each proposes as many of its next seqs as fit the caps, and
-    batch i of every reader takes the smallest proposal (`EpochIterator.agree`). So every
-    reader cuts the same number of batches (equal steps for DDP ranks, with drop_last) and all
-    stay at the same place in their shards. A proposal also says how many seqs the reader took
-    before the batch, so a reader resumed one batch behind another learns the size of that
-    batch from the other's next proposal, even from a server that has forgotten it.
-    """
+    Its state is the iterator's (`EpochIterator.state_dict`: the position in this reader's part
+    of the shard, in seqs or batches), so a resumed loader yields exactly what the interrupted
+    one would have yielded next: the server's cut is the same every time."""
 
     def __init__(self, ds: ServerDataset, part: int, parts: int, plan: _Plan):
         self.ds = ds
         self.part, self.parts = part, parts
         self.epoch = plan.epoch
-        self.resume = plan.resume  # an EpochIterator state (plus the batching's) to start from
+        self.resume = plan.resume  # an EpochIterator state to start from
         self.refusal = plan.refusal
         # pinned memory survives only in the process that uses the tensors: the main one
         self.pin = ds.pin_memory and parts == 1 and get_worker_info() is None
@@ -403,34 +347,20 @@ class _Stream(Iterator[Any]):
                 "the main process, unpinned): pass pin_memory=True to the DataLoader, which pins in the main process",
             )
         self.it: Optional[EpochIterator] = None
-        self.position = 0  # in the part: the first seq not yet yielded (or the current window's first)
-        self.batch = 0  # index of the next batch in the epoch
-        self.sizes: List[int] = []  # sizes of the current window's batches already yielded
-        # resuming: the sizes of the window's batches yielded before the state (None: cut again, as a
-        # state of ppclient 0.2.0 has only their number)
-        self.saved: List[Optional[int]] = []
         self.error: Optional[Error] = None  # what ended the iteration, raised again by every later next()
-        self.pending: List[Dict[str, Any]] = []  # received, not yet yielded (batching without buckets)
-        self.ended = False  # the shard's seqs have all been received
-        self.window: List[Dict[str, Any]] = []  # the current window's seqs not yet yielded, by length
-        self.window_size = 0
         self.finished = plan.finished
-        # batches cut by frames are agreed among the job's readers (alone, a reader needs no one)
-        self.agree = ds.batch_frames is not None and ds.world_size * parts > 1
-        # the settings the sizes are agreed for: a training with others has the epoch's batches cut anew
-        self.cut = f"{ds.batch_frames} frames, {ds.max_seqs} seqs, key {ds.length_key}, window {ds.bucket_window}"
+
+    def __len__(self) -> int:
+        """What this iteration yields in all (seqs or batches), once its epoch has begun."""
+        return len(self.it if self.it is not None else self._open())
 
     def state_dict(self) -> Dict[str, Any]:
         it = self.it
-        if self.finished or (
-            it is not None and it.num_seqs is not None and self.position >= it.start + it.num_seqs
-        ):  # (everything yielded, though the end may not have been asked for)
-            return {"epoch": self.epoch, "resume": None, "finished": True}
+        if self.finished or (it is not None and it.num_seqs is not None and it.position >= it.start + it.num_seqs):
+            return {"epoch": self.epoch, "resume": None, "finished": True}  # (all yielded, the end not asked for)
         if it is None:
             return {"epoch": self.epoch, "resume": self.resume}
-        state = it.state_dict()
-        state.update(position=self.position, batch=self.batch - len(self.sizes), sizes=list(self.sizes))
-        return {"epoch": self.epoch, "resume": state}
+        return {"epoch": self.epoch, "resume": it.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         plan = self.ds._plan(state)
@@ -447,19 +377,10 @@ class _Stream(Iterator[Any]):
                     f"the state was saved by reader {saved[0]} of {saved[1]} of the rank (DataLoader num_workers "
                     f"{saved[1]}); this is reader {self.part} of {self.parts}: resume with the same num_workers"
                 )
-            it = client.epoch(state=resume)
-            if "sizes" in resume:
-                self.saved = [int(n) for n in resume["sizes"]]
-            else:
-                self.saved = [None] * int(resume.get("skip", 0))
-            self.batch = int(resume.get("batch", 0))
+            self.it = client.epoch(state=resume)
         else:
-            it = client.epoch(self.epoch)
-            self.saved, self.batch = [], 0
-        self.sizes = []
-        self.position = it.start
-        self.it = it
-        return it
+            self.it = client.epoch(self.epoch)
+        return self.it
 
     def __iter__(self) -> _Stream:
         return self
@@ -472,7 +393,7 @@ class _Stream(Iterator[Any]):
         if self.error is not None:
             raise self.error
         try:
-            item = self._next(self.it if self.it is not None else self._open())
+            item = to_tensors(next(self.it if self.it is not None else self._open()))
         except StopIteration:
             self.finished = True
             self.ds.close()
@@ -481,88 +402,7 @@ class _Stream(Iterator[Any]):
             self.error = exc
             self.ds.close()
             raise
-        return item
-
-    def _next(self, it: EpochIterator) -> Any:
-        ds = self.ds
-        if not ds.batching:
-            seq = to_tensors(next(it))
-            self.position += 1
-            return pinned(seq) if self.pin else seq
-        if ds.bucket_window == 1:
-            return collate_padded(self._greedy(it), pin_memory=self.pin)
-        return collate_padded(self._bucketed(it), pin_memory=self.pin)
-
-    def _receive(self, it: EpochIterator) -> bool:
-        """One more seq into `pending`; False at the end of the shard."""
-        if not self.ended:
-            try:
-                self.pending.append(to_tensors(next(it)))
-                return True
-            except StopIteration:
-                self.ended = True
-        return False
-
-    def _cut(self, seqs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
-        ds = self.ds
-        return cut(seqs, ds.batch_frames, ds.max_seqs, ds.length_key, sort=False)
-
-    def _take_batch(
-        self, it: EpochIterator, seqs: List[Dict[str, Any]], saved: Optional[int] = None
-    ) -> List[Dict[str, Any]]:
-        """The next batch from the front of `seqs` (removed from it): as many seqs as fit the caps,
-        or, with batch_frames, as many as every reader of the job agreed on for this batch, or
-        `saved` (a resumed window's batch, of the size it had)."""
-        fits = len(self._cut(seqs)[0]) if seqs else 0
-        size = fits
-        if saved is not None:
-            size = saved
-            if size > fits:
-                raise Error(
-                    f"epoch {self.epoch}: batch {self.batch} had {size} seqs when the state was saved, but only "
-                    f"{fits} fit this reader's batch_frames/max_seqs: resume with the settings the state was saved with"
-                )
-        elif self.agree:  # (no seqs left: none of the job's batches wait for this reader)
-            size = it.agree(self.batch, fits, self.position + sum(self.sizes), wait=fits > 0, cut=self.cut)
-            if fits and size > fits:
-                raise Error(
-                    f"epoch {self.epoch}: batch {self.batch} was agreed with {size} seqs, but only {fits} fit this "
-                    "reader's batch_frames/max_seqs: another reader of the job batches this epoch with other "
-                    "settings (all readers of a job must batch alike)"
-                )
-        if size == 0 or not seqs:
-            raise StopIteration
-        self.batch += 1
-        batch = seqs[:size]
-        del seqs[:size]
-        return batch
-
-    def _greedy(self, it: EpochIterator) -> List[Dict[str, Any]]:
-        """The next batch, cut as the seqs come; the seqs that do not fit wait for the next one."""
-        while len(self._cut(self.pending)) < 2 and self._receive(it):
-            pass  # until the first batch is complete (the next seq does not fit) or the shard ends
-        batch = self._take_batch(it, self.pending)
-        self.position += len(batch)
-        return batch
-
-    def _bucketed(self, it: EpochIterator) -> List[Dict[str, Any]]:
-        """The next batch of the current window of `bucket_window` seqs, sorted by length (stably);
-        a resumed window is sorted again, and the batches yielded before cut off it as they were."""
-        ds = self.ds
-        if not self.window:
-            self.window = [to_tensors(seq) for seq in _take(it, ds.bucket_window)]
-            self.window_size = len(self.window)
-            lengths = [_length(seq, ds.length_key) for seq in self.window]
-            self.window = [self.window[i] for i in sorted(range(len(self.window)), key=lambda i: lengths[i])]
-            saved, self.saved = self.saved, []
-            for size in saved:
-                self.sizes.append(len(self._take_batch(it, self.window, size)))
-        batch = self._take_batch(it, self.window)
-        self.sizes.append(len(batch))
-        if not self.window:  # the window is all yielded: a resume starts after it
-            self.position += self.window_size
-            self.sizes, self.window_size = [], 0
-        return batch
+        return pinned(item) if self.pin else item
 
 
 def _can_pin() -> bool:
@@ -587,12 +427,3 @@ def pinned(seq: Dict[str, Any]) -> Dict[str, Any]:
         _warn_once("no accelerator", "pin_memory=True but no accelerator is available: nothing is pinned")
         return seq
     return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in seq.items()}
-
-
-def _take(it: Iterator[Dict[str, Any]], n: int) -> List[Dict[str, Any]]:
-    out = []
-    for seq in it:
-        out.append(seq)
-        if len(out) == n:
-            break
-    return out

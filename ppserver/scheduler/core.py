@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ppclient.protocol import (
     BadItem,
-    BatchAgreed,
+    Batch,
     ConsumerGone,
     ConsumerRoute,
     End,
@@ -43,9 +43,10 @@ from ppclient.protocol import (
     Unknown,
 )
 
+from ..cut import Cutter
 from . import events as ev
 from .instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
-from .jobs import Agreement, Answer, Client, Job, Lane, Run
+from .jobs import Client, Job, Lane, Run
 from .seqs import SeqDispatch
 from .settings import Failure, Settings
 from .streams import StreamDispatch
@@ -87,6 +88,7 @@ class Scheduler:
             ev.ResultsReceived: self._on_results,
             ev.WorkerMessageMalformed: self._on_malformed_message,
             ev.TaskFailed: self._on_task_failed,
+            ev.MappingReported: self._on_mapping,
             ev.StreamAcked: self._on_stream_acked,
             ev.StreamOutputsReceived: self._on_stream_outputs,
             ev.StreamFinished: self._on_stream_finished,
@@ -108,7 +110,6 @@ class Scheduler:
             ),
             ev.RunFailedElsewhere: lambda e, out: self._fail_id(e.run, Failure(FailureKind.SERVER, e.message), out),
             ev.CreditGranted: self._on_credit,
-            ev.BatchSizeProposed: self._on_batch_size,
             ev.ConsumerAlive: self._on_alive,
             ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out),
         }
@@ -161,7 +162,7 @@ class Scheduler:
                 if client.route is not None:
                     out.append(ToWorker(w.wid, client.route))
         for run in self._running():
-            out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.seq_list is not None)))
+            out.append(ToWorker(w.wid, _run_open(run)))
             assert run.dispatch is not None
             run.dispatch.assign(self.workers, out)
 
@@ -215,23 +216,10 @@ class Scheduler:
         self.last_beat = e.now
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
-        told = set()
         for run in self.runs.values():
             for lane in run.lanes:
                 if lane.consumer is not None and lane.connected and not lane.settled:
-                    told.add((lane.consumer, run.run))
                     out.append(ToClient(lane.consumer, self._keepalive(run.run, *self._holdup(run, lane))))
-        # readers waiting for a batch size, also those whose run has ended (their last batches)
-        job = self.job
-        if job is None:
-            return
-        for agreement in job.agreements.values():
-            for index, waiting in agreement.waiting.items():
-                for consumer, run_id in waiting:
-                    if (consumer, run_id) not in told:
-                        told.add((consumer, run_id))
-                        holdup = self._agreement_holdup(job, agreement, index)
-                        out.append(ToClient(consumer, self._keepalive(run_id, *holdup)))
 
     def _keepalive(self, run: int, waiting_for: str, on_readers: bool) -> Keepalive:
         return Keepalive(
@@ -305,6 +293,9 @@ class Scheduler:
                     e.reason,
                 )
             self._maybe_fail(e.run, failure, out)
+
+    def _on_mapping(self, e: ev.MappingReported, out: List[Instruction]) -> None:
+        self.workers[e.wid].mapping = (e.run, e.pos, e.seq_tag)
 
     def _on_task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, SeqDispatch)
@@ -389,11 +380,13 @@ class Scheduler:
                 for k in mine
                 if mine[k] != asked[k]
             ]
+            if e.batching != job.batching:
+                conflicts.append(f"{_batching(e.batching)}, where the job has {_batching(job.batching)}")
             return (
                 f"this request of job {job.name!r} conflicts with the job's {clients}: "
-                f"{'; '.join(conflicts)}. Every rank of a job must use the same world_size, drop_last and "
-                f"DataLoader num_workers; the job keeps its settings until {'that client is' if one else 'they are'} "
-                f"gone ({gone})"
+                f"{'; '.join(conflicts)}. Every rank of a job must use the same world_size, drop_last, "
+                f"DataLoader num_workers and batching; the job keeps its settings until "
+                f"{'that client is' if one else 'they are'} gone ({gone})"
             )
         main = self._main_run(job, e.epoch)
         if main is not None:
@@ -432,8 +425,15 @@ class Scheduler:
             )
             for run in list(job.runs.values()):
                 self._supersede(run, e.epoch, out)
-        self.job = Job(e.job, e.world_size, e.drop_last, e.subshards)
-        log.info("job %r: world_size %d, drop_last %s, %s", e.job, e.world_size, e.drop_last, _readers(e.subshards))
+        self.job = Job(e.job, e.world_size, e.drop_last, e.subshards, e.batching)
+        log.info(
+            "job %r: world_size %d, drop_last %s, %s, %s",
+            e.job,
+            e.world_size,
+            e.drop_last,
+            _readers(e.subshards),
+            _batching(e.batching),
+        )
         return self.job
 
     @staticmethod
@@ -468,7 +468,6 @@ class Scheduler:
                 for wid in self.workers:
                     out.append(ToWorker(wid, client.route))
         lane.direct = client.route is not None
-        self._agreed(run.job.reader(run, e.lane, e.consumer), out)
         log.info(
             "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
             run.job.who(e.lane),
@@ -503,7 +502,7 @@ class Scheduler:
         self.runs[run.run] = run
         self.last_run = run
         self._attach(run, e, out)
-        out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order))
+        out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, None if self.settings.stream else job.batching))
         if solo is not None:
             log.info(
                 "%s of job %r resumes epoch %d at seq %d of its shard, behind the job's run: "
@@ -538,7 +537,6 @@ class Scheduler:
         if client.route is not None:
             for wid in self.workers:
                 out.append(ToWorker(wid, ConsumerGone(consumer=consumer)))
-        self._agreed(job.client_gone(consumer), out)  # its batch sizes are not waited for
         for run, lane in job.lanes_of(consumer):
             if lane.gone:
                 continue
@@ -575,6 +573,9 @@ class Scheduler:
             run.total = e.num_seqs
         if s.stream:
             run.dispatch = StreamDispatch(run.run, run.epoch, e.num_seqs, s)
+            if run.job.batching is not None:
+                run.cutter = Cutter(run.job.batching)
+                run.total = None  # batches: known once the merged outputs are all cut
         else:
             first = min(((lane.start * run.width + lane.rank) for lane in run.lanes if not lane.gone), default=0)
             run.dispatch = SeqDispatch(
@@ -588,26 +589,28 @@ class Scheduler:
                 width=run.width,
             )
         count = "an unknown number of" if e.num_seqs is None else str(e.num_seqs)
-        log.info("epoch %d started (run %d, %s input seqs)", run.epoch, run.run, count)
+        log.info("epoch %d started (run %d, %s %s)", run.epoch, run.run, count, _inputs(run, s.stream))
         for lane in run.lanes:
             if lane.consumer is not None and not lane.gone:
                 self._to_lane(run, lane, self._started(run, lane), out)
         for w in self.workers.values():
-            out.append(ToWorker(w.wid, RunOpen(run=run.run, epoch=run.epoch, check_tags=run.seq_list is not None)))
+            out.append(ToWorker(w.wid, _run_open(run)))
         run.dispatch.assign(self.workers, out)
 
     def _started(self, run: Run, lane: Lane) -> Started:
         size = run.shard_size(lane.rank)
+        batching = run.job.batching
         return Started(
             run=run.run,
             num_seqs=None if size is None else max(size - lane.start, 0),
             fingerprint=self.settings.fingerprint,
+            batching=None if batching is None else batching.to_dict(),
         )
 
     def _on_inputs(self, e: ev.InputsRead, out: List[Instruction]) -> None:
         run = self.runs.get(e.run)
         if run is not None and run.dispatch is not None:
-            run.dispatch.add_inputs(e.items)
+            run.dispatch.add_inputs(e.items)  # type: ignore[arg-type]  # (Batches only for a SeqDispatch)
 
     def _on_inputs_ended(self, e: ev.InputsEnded, out: List[Instruction]) -> None:
         run = self.runs.get(e.run)
@@ -617,14 +620,14 @@ class Scheduler:
         run.num_seqs = e.count
         if isinstance(run.dispatch, StreamDispatch):
             run.dispatch.inputs_ended(e.count)
-            if s.preserves_num_seqs:
+            if s.preserves_num_seqs and run.cutter is None:
                 run.total = e.count
         else:
             run.total = e.count
             end = run.end()
             assert end is not None
             run.dispatch.inputs_ended(e.count, end)
-        log.info("epoch %d (run %d) has %d input seqs", run.epoch, run.run, e.count)
+        log.info("epoch %d (run %d) has %d %s", run.epoch, run.run, e.count, _inputs(run, s.stream))
 
     def _on_replay(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
         d = self._dispatch_of(e.run, StreamDispatch)
@@ -672,41 +675,6 @@ class Scheduler:
                 e.pos,
                 run.epoch,
             )
-
-    def _on_batch_size(self, e: ev.BatchSizeProposed, out: List[Instruction]) -> None:
-        job = self.job
-        where = job.readers.get((e.run, e.consumer)) if job is not None else None
-        if job is None or where is None:
-            return  # not a reader of this job (e.g. of a job since replaced): it times out, saying why
-        epoch, lane = where
-        self._on_alive(ev.ConsumerAlive(e.now, e.consumer), out)
-        agreement = job.agreement(epoch, e.cut)
-        for run in job.runs.values():
-            if agreement.end is None and run.epoch == epoch:
-                agreement.end = run.end()
-        self._agreed(agreement.propose(e.index, lane, e.size, e.start, (e.consumer, e.run)), out)
-
-    @staticmethod
-    def _agreed(answers: List[Answer], out: List[Instruction]) -> None:
-        for consumer, run, index, size in answers:
-            out.append(ToClient(consumer, BatchAgreed(run=run, index=index, size=size)))
-
-    @staticmethod
-    def _agreement_holdup(job: Job, agreement: Agreement, index: int) -> Tuple[str, bool]:
-        """Who batch `index` waits for, in words, and whether they are all live readers (the
-        waiting client then waits on: a paused reader fails no one)."""
-        past = agreement.past(index)
-        if past:  # no proposal will tell the size: not a wait on readers (the client's timeout ends it)
-            return (
-                f"the size of batch {index}: {_lanes(job, past)} of job {job.name!r} went past it, and this server "
-                "does not know the size it had (states saved at different steps, resumed after a server restart: "
-                "resume every reader of a job from states of one step)",
-                False,
-            )
-        missing = agreement.missing(index)
-        away = {lane for lane in missing if not job.live_reader(agreement, lane)}
-        who = _lanes(job, missing, lambda lane: " (not connected)" if lane in away else "")
-        return f"{who} of job {job.name!r} to propose the size of batch {index}", bool(missing) and not away
 
     def _router(self, run: Run) -> Callable[[int], bytes]:
         """Where a position's result goes directly: its lane's consumer, if that one takes direct results."""
@@ -769,20 +737,19 @@ class Scheduler:
         if state == "done":
             elapsed = max(self.now - (run.started or run.requested), 1e-9)
             delivered = sum(lane.delivered for lane in run.lanes)
+            unit = "batches" if run.job.batching is not None else "seqs"
             log.info(
-                "epoch %d (run %d) done: %d seqs in %.2f s (%.1f seqs/s)",
+                "epoch %d (run %d) done: %d %s in %.2f s (%.1f %s/s)",
                 run.epoch,
                 run.run,
                 delivered,
+                unit,
                 elapsed,
                 delivered / elapsed,
+                unit,
             )
         run.state = state
         run.ended = self.now
-        agreement = run.job.agreements.get(run.epoch)
-        if agreement is not None and agreement.end is None and run.end() is not None:
-            agreement.end = run.end()  # readers whose shard is used up need not propose their next batch
-            self._agreed(agreement.settle(), out)
         self.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
         for lane in run.lanes:
@@ -869,11 +836,15 @@ class Scheduler:
         hold = run.job.drop_last and world > 1 and run.total is None
         end = run.end()
         while True:
-            item = d.pop_next(out, room)
+            item: Optional[Union[Item, Batch]]
+            if run.cutter is not None:
+                item = self._pop_batch(run, out, room)
+            else:
+                item = d.pop_next(out, room)
+                if item is not None and stream:
+                    self._clamp(run, item)
             if item is None:
                 break
-            if stream:
-                self._clamp(run, item)
             if hold:
                 run.group.append(item)
                 if len(run.group) == world:
@@ -882,7 +853,7 @@ class Scheduler:
                     run.group.clear()
             else:
                 self._to_ready(run, item, end)
-        if stream and run.total is None:
+        if stream and run.total is None and run.cutter is None:
             run.total = d.total()
         if run.total is not None and run.group:
             end = run.end()
@@ -890,8 +861,40 @@ class Scheduler:
                 self._to_ready(run, it, end)
             run.group.clear()
 
+    def _pop_batch(self, run: Run, out: List[Instruction], room: Callable[[int], bool]) -> Optional[Batch]:
+        """map_seq_stream with batching: the next batch cut from the merged outputs, if its lane
+        has room. Outputs are taken (in merged order) only while no cut batch waits, so the run
+        holds at most one bucket window of them beyond what the lanes' credit allows."""
+        d, cutter = run.dispatch, run.cutter
+        assert isinstance(d, StreamDispatch) and cutter is not None
+        key = run.job.batching.length_key if run.job.batching is not None else None
+        while not run.cut:
+            item = d.pop_next(out, lambda pos: True)
+            if item is None:
+                if run.total is None and d.total() is not None:  # every output is out: cut the rest
+                    self._add_batches(run, cutter.finish())
+                    run.total = cutter.count
+                    continue
+                return None
+            self._clamp(run, item)
+            run.uncut[item.pos] = item
+            self._add_batches(run, cutter.add(item.pos, _length(item, key)))
+        batch = run.cut[0]
+        if not room(batch.pos):
+            return None
+        return run.cut.popleft()
+
     @staticmethod
-    def _to_ready(run: Run, item: Item, end: Optional[int]) -> None:
+    def _add_batches(run: Run, cut: List[List[int]]) -> None:
+        for positions in cut:
+            items = [run.uncut.pop(p) for p in positions]
+            for item in items:
+                item.batch, item.size = run.batches_cut, len(items)
+            run.cut.append(Batch(run.batches_cut, items))
+            run.batches_cut += 1
+
+    @staticmethod
+    def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:
         """Into its rank's lane (`end`: run.end(), passed in: this runs once per seq)."""
         width = run.job.lanes
         lane = run.lanes[item.pos % width]
@@ -918,8 +921,13 @@ class Scheduler:
             items = [lane.ready.popleft() for _ in range(min(batch, len(lane.ready)))]
             lane.delivered += len(items)
             lane.delivered_bytes += sum(i.nbytes for i in items)
-            self.total_delivered += len(items)
-            sent = [i for i in items if not i.direct]  # direct ones are at the consumer already
+            self.total_delivered += sum(i.seqs for i in items)
+            sent: List[Item] = []
+            for i in items:
+                if isinstance(i, Batch):
+                    sent += i.items  # cut, not padded: the seqs name their batch, the client pads them
+                elif not i.direct:  # direct ones are at the consumer already
+                    sent.append(i)
             if sent:
                 out.append(ToClient(lane.consumer, Seqs(run=run.run), sent))  # type: ignore[arg-type]
 
@@ -933,12 +941,13 @@ class Scheduler:
                 run.job.finish(run.epoch, lane.rank)
                 self._to_lane(run, lane, End(run=run.run, count=lane.delivered), out)
                 log.info(
-                    "%s of job %r finished epoch %d (run %d): %d seqs",
+                    "%s of job %r finished epoch %d (run %d): %d %s",
                     run.job.who(lane.rank),
                     run.job.name,
                     run.epoch,
                     run.run,
                     lane.delivered,
+                    "batches" if run.job.batching is not None else "seqs",
                 )
         self._check_finished(run, out)
 
@@ -959,11 +968,6 @@ class Scheduler:
             busy = f" ({self.reader_busy})" if self.reader_busy else ""
             return f"the dataset to set up the epoch{busy}", False
         job = run.job
-        agreement = job.agreements.get(run.epoch)
-        if lane is not None and agreement is not None:
-            for index, waiting in agreement.waiting.items():
-                if (lane.consumer, run.run) in waiting:
-                    return self._agreement_holdup(job, agreement, index)
         if not self.workers:
             return "a worker (none is connected)", False
         if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes)):
@@ -1071,6 +1075,32 @@ def _readers(n: int) -> str:
     return f"{n} readers per rank, i.e. DataLoader num_workers {n}"
 
 
+def _inputs(run: Run, stream: bool) -> str:
+    """What a run's reader reads, in words: its input seqs, or the batches it cuts."""
+    return "batches" if run.job.batching is not None and not stream else "input seqs"
+
+
+def _run_open(run: Run) -> RunOpen:
+    batching = run.job.batching
+    pad = dict(batching.pad) if batching is not None else {}
+    return RunOpen(run=run.run, epoch=run.epoch, check_tags=run.seq_list is not None, pad=pad)
+
+
+def _length(item: Item, key: Optional[str]) -> int:
+    """An output's length for the cut: the first axis of its `key` (None: `data`, else its first array)."""
+    for name, _, shape in item.arrays:
+        if name == key or (key is None and name == "data"):
+            return shape[0] if shape else 1
+    if key is None and item.arrays:
+        shape = item.arrays[0][2]
+        return shape[0] if shape else 1
+    return 1
+
+
+def _batching(batching: Optional[Any]) -> str:
+    return "one seq at a time" if batching is None else f"batches of {batching.describe()}"
+
+
 def _describe_exit(rc: int) -> str:
     import signal
 
@@ -1080,8 +1110,3 @@ def _describe_exit(rc: int) -> str:
         except ValueError:
             return f"signal {-rc}"
     return f"code {rc}"
-
-
-def _lanes(job: Job, lanes: List[int], note: Callable[[int], str] = lambda lane: "") -> str:
-    """The first 8 of `lanes` in words (each with its `note`), for keepalives and status."""
-    return ", ".join(job.who(lane) + note(lane) for lane in lanes[:8]) + (", ..." if len(lanes) > 8 else "")

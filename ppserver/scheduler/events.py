@@ -10,9 +10,10 @@ into these; nothing else reaches the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
-from ppclient.protocol import BadItem, Item
+from ppclient.batching import Batching
+from ppclient.protocol import BadItem, Batch, Item
 
 
 @dataclass(slots=True)
@@ -108,6 +109,15 @@ class TaskFailed(WorkerEvent):
 
 
 @dataclass(slots=True)
+class MappingReported(WorkerEvent):
+    """The worker is about to map seq `seq_tag` of the suspect batch at `pos` (it runs it alone)."""
+
+    run: int
+    pos: int
+    seq_tag: Optional[str]
+
+
+@dataclass(slots=True)
 class StreamAcked(WorkerEvent):
     run: int
     partition: int
@@ -182,14 +192,15 @@ class EpochRequested(Event):
     direct: str = ""  # the client's direct endpoint ("": results through the server)
     direct_key: bytes = b""
     host: str = ""
+    batching: Optional[Batching] = None  # the job's cut (the server's default applied); None: seq by seq
 
     @property
     def lane(self) -> int:
         return self.rank + self.subshard * self.world_size
 
     @property
-    def job_key(self) -> Tuple[str, int, bool, int]:
-        return (self.job, self.world_size, self.drop_last, self.subshards)
+    def job_key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
+        return (self.job, self.world_size, self.drop_last, self.subshards, self.batching)
 
 
 @dataclass(slots=True)
@@ -214,20 +225,23 @@ class RunStarted(Event):
 
     run: int
     epoch: int
-    num_seqs: Optional[int]  # None: the dataset learns its count by reading (see InputsEnded)
+    num_seqs: Optional[int]  # seqs, or batches of a batched map_seq run; None: learnt by reading (InputsEnded)
     check_tags: bool = False
 
 
 @dataclass(slots=True)
 class InputsRead(Event):
+    """Inputs the reader read: seqs, or the batches of a batched map_seq run."""
+
     run: int
-    items: List[Item]
+    items: List[Union[Item, Batch]]
 
 
 @dataclass(slots=True)
 class InputsEnded(Event):
     """A dataset whose count was not known in advance has no seq at `count`: the epoch has
-    `count` inputs, and the positions asked for from there on will not come."""
+    `count` inputs (batches, of a batched map_seq run), and the positions asked for from there
+    on will not come."""
 
     run: int
     count: int
@@ -274,18 +288,6 @@ class MissingReported(Event):
     consumer: bytes
     run: int
     pos: int
-
-
-@dataclass(slots=True)
-class BatchSizeProposed(Event):
-    """A reader that batches by frames proposes the size of its batch `index` of the epoch."""
-
-    consumer: bytes
-    run: int
-    index: int
-    size: int
-    start: int  # seqs of the reader's part in its batches before this one
-    cut: str = ""  # the reader's batching settings
 
 
 @dataclass(slots=True)

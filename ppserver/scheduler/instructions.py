@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from ppclient.batching import Batching
 from ppclient.protocol import Item, Message
 
 
@@ -42,17 +43,20 @@ class Reply(Instruction):
 
 @dataclass(frozen=True)
 class Prepare(Instruction):
-    """Set the dataset up for a new run's epoch (after checking the request against it)."""
+    """Set the dataset up for a new run's epoch (after checking the request against it).
+    `batching`: a map_seq run that batches; its positions are then the epoch's batches (the
+    reader cuts them) and its inputs are Batch objects."""
 
     run: int
     epoch: int
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
+    batching: Optional[Batching] = None
 
 
 @dataclass(frozen=True)
 class Read(Instruction):
-    """Read these positions of the run's epoch, in this order (ascending, each once)."""
+    """Read these positions (seqs, or batches) of the run's epoch, in this order (ascending, each once)."""
 
     run: int
     positions: List[int] = field(default_factory=list)

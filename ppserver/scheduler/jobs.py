@@ -10,6 +10,10 @@ rank + s * world_size of world_size * subshards, which holds positions i with
 i % lanes == lane: the reader's client (its data socket), where it starts, what has been
 released to it and what it has been granted. drop_last drops the epoch's last
 num_seqs % world_size positions, so that every rank gets the same count.
+
+A job that batches has its epochs cut into batches (cut.py), and then a position is a batch:
+batch j goes to lane j % lanes, counts, starts and credit count batches, and drop_last makes
+every rank's number of batches equal.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Union
 
-from ppclient.protocol import ConsumerRoute, Item
+from ppclient.batching import Batching
+from ppclient.protocol import Batch, ConsumerRoute, Item
 
+from ..cut import Cutter
 from .instructions import ToClient
 from .seqs import SeqDispatch
 from .streams import StreamDispatch
@@ -42,7 +48,7 @@ class Lane:
     delivered: int = 0  # seqs sent to the current consumer
     delivered_bytes: int = 0
     released: int = 0  # index in the shard of the next position released (dropped ones included)
-    ready: Deque[Item] = field(default_factory=deque)  # released, to send in this step
+    ready: Deque[Union[Item, Batch]] = field(default_factory=deque)  # released, to send in this step
     attached_at: float = 0.0
     direct: bool = False  # the consumer takes results straight from workers
     consumed: int = 0  # seqs the consumer has taken (from `start`)
@@ -94,7 +100,11 @@ class Run:
     error: Optional[str] = None
     reading_stopped: bool = False
     complete_frac: float = 0.0  # stream mode: the largest released so far (never decreases)
-    group: List[Item] = field(default_factory=list)  # stream, drop_last: a group of W not yet complete
+    group: List[Union[Item, Batch]] = field(default_factory=list)  # stream, drop_last: a group of W not complete
+    cutter: Optional[Cutter] = None  # stream mode, batching: cuts the merged outputs into batches
+    cut: Deque[Batch] = field(default_factory=deque)  # such batches, cut and not yet released
+    uncut: Dict[int, Item] = field(default_factory=dict)  # outputs the cutter holds (a bucket window at most)
+    batches_cut: int = 0
     total: Optional[int] = None  # outputs of the whole epoch, once known
     held_by: Optional[int] = None  # the lane without room for the next output to release, if one is
 
@@ -140,180 +150,16 @@ class Client:
     route: Optional[ConsumerRoute] = None  # how workers reach its direct ROUTER (None: through the server)
 
 
-Answer = Tuple[bytes, int, int, int]  # a batch size to send: consumer, run, batch index, size
-
-
-@dataclass
-class Agreement:
-    """Batch sizes of one epoch of a job whose readers batch by frames. Every reader (lane)
-    proposes the size of its next batch (0: it has no seqs left); batch i takes, in every
-    reader, the smallest size proposed for it by a reader with seqs left. So all readers take
-    the same number of seqs per batch, stay at the same index of their shards, and cut the
-    same number of batches (with drop_last, where every rank has as many seqs).
-
-    A proposal also says where the batch starts (the seqs of the reader's part before it, the
-    same in every reader): once batch i + 1 has a start, batch i took the difference, so a
-    reader resumed behind the others learns its size from theirs. A reader whose client is
-    gone (or that left the epoch) is not waited for: the batches it holds are agreed among the
-    others, and only for them (such sizes are not kept: when it comes back, those batches
-    are agreed anew)."""
-
-    lanes: int
-    end: Optional[int] = None  # the epoch's first position no lane gets, once known
-    sizes: Dict[int, int] = field(default_factory=dict)  # agreed, by batch index
-    starts: Dict[int, int] = field(default_factory=dict)  # batch -> seqs of every reader's part before it
-    proposals: Dict[int, Dict[int, int]] = field(default_factory=dict)  # batch -> lane -> size
-    waiting: Dict[int, Set[Tuple[bytes, int]]] = field(default_factory=dict)  # batch -> (consumer, run) to answer
-    out_at: Dict[int, int] = field(default_factory=dict)  # lane -> the first batch it had no seqs for
-    readers: Dict[int, bytes] = field(default_factory=dict)  # lane -> the client that reads it now
-    gone: Set[int] = field(default_factory=set)  # lanes whose client is gone or left the epoch: not waited for
-    partial_from: Optional[int] = None  # the first batch agreed without a gone lane's proposal
-    latest: Dict[int, int] = field(default_factory=dict)  # lane -> the last batch it proposed
-    cut: str = ""  # the readers' batching settings the sizes are for
-
-    def propose(self, index: int, lane: int, size: int, start: int, who: Tuple[bytes, int]) -> List[Answer]:
-        """Record a proposal; the answers now due."""
-        self.starts.setdefault(index, start)
-        self.latest[lane] = max(self.latest.get(lane, index), index)
-        if index in self.sizes:
-            return [(*who, index, self.sizes[index])] + self.settle()
-        if size == 0:
-            self.out_at[lane] = min(self.out_at.get(lane, index), index)
-        self.proposals.setdefault(index, {})[lane] = size
-        self.waiting.setdefault(index, set()).add(who)
-        return self.settle()
-
-    def settle(self) -> List[Answer]:
-        """Agree on every batch whose proposals are all in, or whose size the start of the next
-        batch tells (also after the epoch's end became known, or a lane went)."""
-        answers = []
-        for index in sorted(self.proposals):
-            start, following = self.starts.get(index), self.starts.get(index + 1)
-            if start is not None and following is not None and following >= start:
-                agreed = following - start  # the readers past it took that many
-            elif self.missing(index):
-                continue
-            else:
-                if self._open(index) and (self.partial_from is None or index < self.partial_from):
-                    self.partial_from = index  # only gone lanes are missing: agreed without them
-                agreed = min((n for n in self.proposals[index].values() if n > 0), default=0)
-            del self.proposals[index]
-            if self.partial_from is None or index < self.partial_from:
-                self.sizes[index] = agreed
-            answers += [(consumer, run, index, agreed) for consumer, run in self.waiting.pop(index, ())]
-        return answers
-
-    def _open(self, index: int) -> List[int]:
-        """The lanes that have not proposed batch `index` and may have seqs for it."""
-        proposed = self.proposals.get(index, {})
-        before = self.starts.get(index)
-        return [
-            lane
-            for lane in range(self.lanes)
-            if lane not in proposed
-            and self.out_at.get(lane, index) >= index
-            and not (self.end is not None and before is not None and self.shard(lane) <= before)
-        ]
-
-    def waits(self) -> bool:
-        """Whether a reader waits for a size of this agreement."""
-        return any(self.waiting.values())
-
-    def past(self, index: int) -> List[int]:
-        """The lanes batch `index` waits for that have proposed a later batch: the size it had
-        then is not known here (a server that restarted since), and no proposal will tell it."""
-        return [lane for lane in self.missing(index) if self.latest.get(lane, index) > index]
-
-    def missing(self, index: int) -> List[int]:
-        """The lanes batch `index` waits for: they may have seqs for it, and have not gone."""
-        return [lane for lane in self._open(index) if lane not in self.gone]
-
-    def attach(self, lane: int, consumer: bytes) -> None:
-        """A client reads the lane. One that takes it over from another client, or comes back
-        after it left, begins a new pass over the epoch (a resumed job, or the epoch read again):
-        the other lanes' clients are expected anew, and the batches agreed without a gone lane
-        are forgotten (they are agreed anew, with it)."""
-        if self.readers.get(lane, consumer) != consumer or lane in self.gone:
-            self.readers.clear()
-            self.gone.clear()
-            if self.partial_from is not None:
-                first, self.partial_from = self.partial_from, None
-                for table in (self.sizes, self.starts, self.proposals, self.waiting):
-                    for index in [i for i in table if i >= first]:
-                        del table[index]
-                for other in [n for n, at in self.out_at.items() if at >= first]:
-                    del self.out_at[other]
-        self.readers[lane] = consumer
-
-    def leave(self, lanes: List[int], consumer: Optional[bytes] = None) -> List[Answer]:
-        """The lanes' client is gone (or they left the epoch): they are not waited for."""
-        self.gone.update(lanes)
-        if consumer is not None:
-            for waiting in self.waiting.values():
-                waiting.difference_update({who for who in waiting if who[0] == consumer})
-        return self.settle()
-
-    def shard(self, lane: int) -> int:
-        assert self.end is not None
-        return max(0, -(-(self.end - lane) // self.lanes))
-
-
 @dataclass
 class Job:
     name: str
     world: int  # ranks
     drop_last: bool
     subshards: int = 1  # readers per rank
+    batching: Optional[Batching] = None  # the cut of its epochs (None: seq by seq)
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
     finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> ranks that finished it (recent ones)
-    agreements: Dict[int, Agreement] = field(default_factory=dict)  # epoch -> its batch sizes (recent epochs)
-    readers: Dict[Tuple[int, bytes], Tuple[int, int]] = field(default_factory=dict)  # (run, consumer) -> epoch, lane
-
-    def reader(self, run: Run, lane: int, consumer: bytes) -> List[Answer]:
-        """A client reads a lane of a run: it may propose batch sizes for the run's epoch, also
-        after the run has ended (its last batches are agreed once it has every seq). The lane
-        has left the earlier epochs: their batches no longer wait for it (the answers now due)."""
-        self.readers[(run.run, consumer)] = (run.epoch, lane)
-        for key, (epoch, _) in list(self.readers.items()):
-            if epoch < run.epoch - 2:
-                del self.readers[key]
-        for epoch in [e for e in self.agreements if e < run.epoch - 2]:
-            del self.agreements[epoch]
-        answers = []
-        for epoch, agreement in self.agreements.items():
-            if epoch == run.epoch:
-                agreement.attach(lane, consumer)
-            elif epoch < run.epoch and lane not in agreement.gone:
-                answers += agreement.leave([lane])
-        return answers
-
-    def agreement(self, epoch: int, cut: str) -> Agreement:
-        """The epoch's batch sizes for readers with batching settings `cut`. Sizes agreed with
-        other settings that no reader waits for are of an earlier training of the job: the epoch
-        is cut anew. (With the same settings the sizes are the same: they follow from the seqs.)"""
-        agreement = self.agreements.get(epoch)
-        if agreement is not None and agreement.cut != cut and not agreement.waits():
-            agreement = None
-        if agreement is None:
-            agreement = self.agreements[epoch] = Agreement(self.lanes, cut=cut)
-            for (_, consumer), (e, lane) in self.readers.items():  # in the order they came
-                if e == epoch and consumer in self.clients:
-                    agreement.readers[lane] = consumer
-        return agreement
-
-    def client_gone(self, consumer: bytes) -> List[Answer]:
-        """A client closed or went silent: the batches it was to propose are agreed without it."""
-        answers = []
-        for agreement in self.agreements.values():
-            lanes = [lane for lane, reader in agreement.readers.items() if reader == consumer]
-            if lanes:
-                answers += agreement.leave(lanes, consumer)
-        return answers
-
-    def live_reader(self, agreement: Agreement, lane: int) -> bool:
-        """Whether the lane's reader of the agreement's epoch is a live client."""
-        return agreement.readers.get(lane) in self.clients
 
     def finish(self, epoch: int, rank: int) -> None:
         self.finished.setdefault(epoch, set()).add(rank)
@@ -341,8 +187,8 @@ class Job:
         return f"rank {rank}" if self.subshards == 1 else f"rank {rank} (reader {part} of {self.subshards})"
 
     @property
-    def key(self) -> Tuple[str, int, bool, int]:
-        return (self.name, self.world, self.drop_last, self.subshards)
+    def key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
+        return (self.name, self.world, self.drop_last, self.subshards, self.batching)
 
     def describe(self) -> Dict[str, Any]:
         return {
@@ -350,6 +196,7 @@ class Job:
             "world_size": self.world,
             "drop_last": self.drop_last,
             "subshards": self.subshards,
+            "batching": None if self.batching is None else self.batching.to_dict(),
             "clients": len(self.clients),
         }
 

@@ -10,6 +10,11 @@ that kills workers, and the run fails naming it. A malformed result is dropped a
 redone on another worker when there is one; `max_seq_retries` malformed results of one seq
 fail the run too, so a broken worker cannot loop forever.
 
+Batches: in a run that batches, a position is a batch of the epoch and an input is a Batch (its
+seqs, cut by the reader); it travels as its seqs, each naming the batch, and comes back as one
+padded result. A suspect batch is probed: its worker says which seq it maps before each one,
+so a crash is charged to the batch and the failure names the seq that was being mapped.
+
 Direct results: a task may name the consumer its result goes to (`route`); the worker sends
 it there and tells the server only its position and size (`completed`). Its input is kept
 until the consumer has taken the seq (`forget`), so a result lost on the way (`lost`: the
@@ -20,9 +25,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple, Union
 
-from ppclient.protocol import BadItem, FailureKind, Item, Tasks
+from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks
 
 from .instructions import Instruction, ToWorker
 from .settings import Failure, Settings
@@ -51,7 +56,7 @@ class SeqDispatch:
         self.requested: Set[int] = set()  # read or asked for, not yet released or dropped
         self.awaiting = 0  # asked for, not yet arrived
         self.fed = 0  # inputs received from the reader
-        self.pending: Dict[int, Item] = {}  # inputs whose result has not arrived
+        self.pending: Dict[int, Union[Item, Batch]] = {}  # inputs whose result has not arrived
         self.todo: List[int] = []  # heap of positions to send: redone ones come first, being lower
         self.inflight: Dict[int, bytes] = {}  # position -> worker running it
         self.results: Dict[int, Item] = {}  # results waiting for their turn
@@ -61,17 +66,17 @@ class SeqDispatch:
         self.next_out = first  # the next position to release
         self.route = route  # position -> the consumer its result goes to directly (b"": the server)
         self.width = width  # lanes: position p belongs to lane p % width
-        self.kept: Dict[int, Item] = {}  # inputs of direct results the consumer has not taken yet
+        self.kept: Dict[int, Union[Item, Batch]] = {}  # inputs of direct results the consumer has not taken yet
         self.kept_order: Dict[int, Deque[int]] = {}  # lane -> its kept positions, in order
         self.relay: Set[int] = set()  # lost direct results, being made again to go through the server
         self.late: List[Item] = []  # such results, to send to their consumer now
         # inputs of in-flight tasks whose position was dropped: a worker reading the server's memory
         # may not have read them yet, so they stay until the task is settled
-        self.orphans: Dict[int, Item] = {}
+        self.orphans: Dict[int, Union[Item, Batch]] = {}
         self.unreadable: Dict[int, int] = {}  # times a position's input could not be read by its worker
 
     # ---- inputs ---------------------------------------------------------------------------
-    def add_inputs(self, items: List[Item]) -> None:
+    def add_inputs(self, items: List[Union[Item, Batch]]) -> None:
         for item in items:
             self.awaiting -= 1
             if item.pos not in self.requested:
@@ -79,10 +84,6 @@ class SeqDispatch:
             self.fed = max(self.fed, item.pos + 1)
             self.pending[item.pos] = item
             heapq.heappush(self.todo, item.pos)
-
-    def starving(self) -> bool:
-        """No input is waiting to be sent: a worker may be about to run dry."""
-        return not self.todo
 
     def requests(self, capacity: int) -> List[int]:
         """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
@@ -132,12 +133,7 @@ class SeqDispatch:
             if crashed:
                 self.deaths[pos] = self.deaths.get(pos, 0) + 1
                 if self.deaths[pos] >= self.settings.max_seq_retries:
-                    tag = self._tag(pos)
-                    return Failure(
-                        FailureKind.MAPPER,
-                        f"seq {tag!r} was in flight on {self.deaths[pos]} workers that died processing it",
-                        seq_tag=tag,
-                    )
+                    return self._killed(pos, w)
             heapq.heappush(self.todo, pos)
         return None
 
@@ -145,6 +141,30 @@ class SeqDispatch:
         item = self.pending.get(pos)
         tag = item.seq_tag if item is not None else None
         return tag if tag is not None else f"#{pos}"
+
+    def _what(self, pos: int) -> str:
+        """The input at `pos` in words: a seq, or a batch and its seqs."""
+        item = self.pending.get(pos)
+        if isinstance(item, Batch):
+            return f"batch {pos} (seqs {item.tags()})"
+        return f"seq {self._tag(pos)!r}"
+
+    def _killed(self, pos: int, w: WorkerState) -> Failure:
+        """The run's failure once the input at `pos` has been on max_seq_retries workers that died; a
+        probed batch names the seq its last worker was mapping."""
+        n = self.deaths[pos]
+        if w.mapping is not None and w.mapping[:2] == (self.run, pos) and w.mapping[2] is not None:
+            tag = w.mapping[2]
+            return Failure(
+                FailureKind.MAPPER,
+                f"seq {tag!r} (of batch {pos}) was being mapped when the last of {n} workers that held its batch died",
+                seq_tag=tag,
+            )
+        return Failure(
+            FailureKind.MAPPER,
+            f"{self._what(pos)} was in flight on {n} workers that died processing it",
+            self._tag(pos),
+        )
 
     def results_received(self, w: WorkerState, items: List[Item], bad: List[BadItem]) -> Optional[Failure]:
         for item in items:
@@ -176,11 +196,10 @@ class SeqDispatch:
             self._settle(w, pos, keep_input=True)
             self.malformed[pos] = self.malformed.get(pos, 0) + 1
             if self.malformed[pos] >= self.settings.max_seq_retries:
-                tag = self._tag(pos)
                 return Failure(
                     FailureKind.MAPPER,
-                    f"seq {tag!r}: {self.malformed[pos]} malformed results ({reason})",
-                    seq_tag=tag,
+                    f"{self._what(pos)}: {self.malformed[pos]} malformed results ({reason})",
+                    seq_tag=self._tag(pos),
                 )
             self.avoid[pos] = w.wid
             heapq.heappush(self.todo, pos)
@@ -200,7 +219,7 @@ class SeqDispatch:
             if item is None or pos in self.relay:
                 self.relay.discard(pos)
                 continue  # dropped meanwhile, or a lost one's redo that went direct after all
-            self.results[pos] = Item(pos, {}, [], [], size, direct=True)
+            self.results[pos] = Item(pos, {}, [], [], size, direct=True, size=None if item.seqs == 1 else item.seqs)
             self._keep(pos, item)
 
     def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:
@@ -216,10 +235,9 @@ class SeqDispatch:
             if wanted:
                 self.unreadable[pos] = self.unreadable.get(pos, 0) + 1
                 if self.unreadable[pos] >= self.settings.max_seq_retries:
-                    tag = self._tag(pos)
                     return redone, Failure(
                         FailureKind.SERVER,
-                        f"the input of seq {tag!r} could not be read by {self.unreadable[pos]} workers",
+                        f"the input of {self._what(pos)} could not be read by {self.unreadable[pos]} workers",
                     )
                 heapq.heappush(self.todo, pos)
                 redone += 1
@@ -235,7 +253,7 @@ class SeqDispatch:
             return False
         return True
 
-    def _keep(self, pos: int, task: Item) -> None:
+    def _keep(self, pos: int, task: Union[Item, Batch]) -> None:
         self.kept[pos] = task
         self.kept_order.setdefault(pos % self.width, deque()).append(pos)
 
@@ -307,13 +325,15 @@ class SeqDispatch:
                     break
                 w = max(candidates, key=lambda w: w.free())
                 limit = min(w.free(), chunk)
-            batch: List[Item] = []
+            items: List[Item] = []  # the tasks' seqs (a batch's travel one after the other)
             to: List[bytes] = []
+            tasks = 0
             nbytes = 0
+            probe = False
             max_bytes = s.dispatch_bytes if w.input_bytes is None else w.input_bytes
-            while self.todo and len(batch) < limit and nbytes < max_bytes:
+            while self.todo and tasks < limit and nbytes < max_bytes:
                 pos = self.todo[0]
-                if batch and (pos in self.deaths or self.avoid.get(pos) == w.wid):
+                if tasks and (pos in self.deaths or self.avoid.get(pos) == w.wid):
                     break
                 heapq.heappop(self.todo)
                 item = self.pending.get(pos)
@@ -321,12 +341,15 @@ class SeqDispatch:
                     continue
                 self.inflight[pos] = w.wid
                 w.tasks.add((self.run, pos))
-                batch.append(item)
+                tasks += 1
+                seqs = item.items if isinstance(item, Batch) else [item]
+                items += seqs
+                probe = probe or (pos in self.deaths and isinstance(item, Batch))
                 if self.route is not None:
-                    to.append(b"" if pos in self.relay else self.route(pos))
+                    to += [b"" if pos in self.relay else self.route(pos)] * len(seqs)
                 nbytes += item.nbytes
-            if batch:
-                out.append(ToWorker(w.wid, Tasks(run=self.run, to=to if any(to) else []), batch))
+            if items:
+                out.append(ToWorker(w.wid, Tasks(run=self.run, to=to if any(to) else [], probe=probe), items))
         for pos in deferred:
             heapq.heappush(self.todo, pos)
 

@@ -30,16 +30,17 @@ class WorkerState:
     capacity: int
     joined: float
     last_seen: float
-    tasks: Set[Tuple[int, int]] = field(default_factory=set)  # (run, pos) of map_seq tasks held
+    tasks: Set[Tuple[int, int]] = field(default_factory=set)  # (run, pos) of map_seq tasks (seqs or batches) held
     partitions: Set[Tuple[int, int]] = field(default_factory=set)  # (run, partition) of streams run here
     done: int = 0
-    isolating: bool = False  # runs one suspect seq alone, so that a crash names the right seq
+    isolating: bool = False  # runs one suspect seq (or batch) alone, so that a crash names the right seq
     # bytes of inputs per task message: None, dispatch_bytes (the inputs travel in the message);
     # else what its way of getting them allows (shared memory: a part of the segment; reading the
     # server's memory: no limit)
     input_bytes: Optional[float] = None
     # inputs of tasks in flight when their run ended, by run: kept until the worker drops the run
     retained: Dict[int, List[Any]] = field(default_factory=dict)
+    mapping: Optional[Tuple[int, int, Optional[str]]] = None  # (run, pos, seq_tag) its suspect batch maps now
 
     @property
     def name(self) -> str:

@@ -1,0 +1,104 @@
+"""How a job's epochs are cut into batches: the settings a client asks for and a server checks.
+
+The server cuts every epoch of a job that batches into batches of seqs (greedily, as RETURNN
+and Lhotse's samplers do: a seq joins the batch while the batch keeps within `max_seqs` seqs
+and `max_frames` padded frames, seqs times the longest), the workers pad each batch into one
+array per key, and batch j of the epoch goes to rank j % world_size. The settings travel as
+a small dict in the epoch request; `Batching.from_dict` is the one place that checks them, on
+both sides, so a bad value is one line naming it before anything is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from .errors import UsageError
+
+KEYS = ("max_seqs", "max_frames", "length_key", "bucket_window", "pad")
+MAX_BUCKET_WINDOW = 1 << 20  # seqs the server sorts at a time (it holds their lengths, or the seqs)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """`max_seqs`: seqs per batch; `max_frames`: padded frames per batch (seqs x the longest, in
+    the lengths the cut uses; a longer seq is a batch of its own); `length_key`: the key whose
+    first axis is a seq's length (None: `data`, else the first key); `bucket_window`: seqs sorted
+    by length at a time before cutting (1: the epoch's order is kept); `pad`: the value each key
+    is padded with (others: 0)."""
+
+    max_seqs: Optional[int] = None
+    max_frames: Optional[int] = None
+    length_key: Optional[str] = None
+    bucket_window: int = 1
+    pad: Tuple[Tuple[str, float], ...] = field(default=())
+
+    @classmethod
+    def from_dict(cls, value: Any, where: str = "batching") -> Batching:
+        """The settings of a dict; UsageError (one line naming the key) for anything else."""
+        if not isinstance(value, dict):
+            raise UsageError(f"{where} must be a dict with keys from {', '.join(KEYS)}, got {value!r:.80}")
+        unknown = sorted(str(k) for k in value if k not in KEYS)
+        if unknown:
+            raise UsageError(f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(KEYS)}")
+        max_seqs = _count(value.get("max_seqs"), f"{where}['max_seqs']")
+        max_frames = _count(value.get("max_frames"), f"{where}['max_frames']")
+        if max_seqs is None and max_frames is None:
+            raise UsageError(f"{where} needs max_seqs or max_frames (or both)")
+        key = value.get("length_key")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise UsageError(f"{where}['length_key'] must be a data key (a non-empty str) or None, got {key!r:.80}")
+        window = value.get("bucket_window", 1)
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_BUCKET_WINDOW:
+            raise UsageError(f"{where}['bucket_window'] must be an int from 1 to {MAX_BUCKET_WINDOW}, got {window!r}")
+        pad = value.get("pad") or {}
+        if not isinstance(pad, dict):
+            raise UsageError(f"{where}['pad'] must be a dict {{key: number}}, got {pad!r:.80}")
+        for k, v in pad.items():
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise UsageError(f"{where}['pad'] must map keys to numbers, got {k!r:.40}: {v!r:.40}")
+        return cls(max_seqs, max_frames, key, window, tuple(sorted(pad.items())))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The canonical dict (what travels, what a job compares, what a resume state keeps)."""
+        return {
+            "max_seqs": self.max_seqs,
+            "max_frames": self.max_frames,
+            "length_key": self.length_key,
+            "bucket_window": self.bucket_window,
+            "pad": dict(self.pad),
+        }
+
+    def pad_value(self, key: str) -> float:
+        for k, v in self.pad:
+            if k == key:
+                return v
+        return 0
+
+    def describe(self) -> str:
+        """In words, for errors and logs."""
+        parts = []
+        if self.max_seqs is not None:
+            parts.append(f"max_seqs {self.max_seqs}")
+        if self.max_frames is not None:
+            parts.append(f"max_frames {self.max_frames}")
+        if self.length_key is not None:
+            parts.append(f"length_key {self.length_key!r}")
+        if self.bucket_window != 1:
+            parts.append(f"bucket_window {self.bucket_window}")
+        if self.pad:
+            parts.append(f"pad {dict(self.pad)}")
+        return ", ".join(parts)
+
+
+def describe(value: Optional[Dict[str, Any]]) -> str:
+    """A request's batching (a canonical dict, or None: one seq at a time), in words."""
+    return "one seq at a time" if value is None else f"batches of {Batching.from_dict(value).describe()}"
+
+
+def _count(value: Any, where: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**62:
+        raise UsageError(f"{where} must be an int >= 1 or None, got {value!r:.80}")
+    return value

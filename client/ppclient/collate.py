@@ -1,0 +1,155 @@
+"""Padding the seqs of a batch into one array per key (numpy only: workers and clients share it).
+
+A batch of B seqs becomes, for every data key, one array `[B, T_max, ...]` (each seq's array
+at the front of its row, the rest filled with the key's pad value) plus `key:lengths`, the
+int64 lengths `[B]`; a key whose arrays are scalars becomes `[B]`. Meta entries become
+`seq_tag` (a list of str), `seq_idx` (int64 `[B]`) and `complete_frac` (float64 `[B]`).
+String keys pad with empty strings; clients hand them to the trainer as lists.
+
+Workers lay the padded arrays out first (`layout`) and fill them where they will travel
+(a shared-memory block, on one host), so padding is the only copy between the mapper's
+output and the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import numpy
+
+from .wire import META_KEYS
+
+LENGTHS = ":lengths"  # suffix of the key holding a padded key's lengths
+
+
+class BatchError(ValueError):
+    """The seqs of a batch cannot be padded together (keys, dtypes or feature axes differ)."""
+
+    def __init__(self, message: str, seq_tag: Optional[str] = None):
+        super().__init__(message)
+        self.seq_tag = seq_tag
+
+
+class Column(NamedTuple):
+    """One padded array of a batch: its key, dtype, shape and the rows' lengths (None: scalars)."""
+
+    key: str
+    dtype: numpy.dtype
+    shape: tuple
+    lengths: Optional[List[int]]
+
+
+def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
+    """The padded arrays of a batch, keys in the first seq's order; BatchError naming the seq
+    whose arrays do not fit the first one's."""
+    first = seqs[0]
+    columns = []
+    for key, value in first.items():
+        if key in META_KEYS:
+            continue
+        dtype = value.dtype
+        trailing = value.shape[1:]
+        lengths = []
+        for seq in seqs:
+            array = seq.get(key)
+            if not isinstance(array, numpy.ndarray):
+                raise BatchError(f"batch: seq has no array {key!r}, the batch's first seq has", seq.get("seq_tag"))
+            if array.ndim != value.ndim or array.shape[1:] != trailing:
+                raise BatchError(
+                    f"batch: {key!r} has shape {array.shape}, the batch's first seq has {value.shape}: only the first "
+                    "axis may differ",
+                    seq.get("seq_tag"),
+                )
+            if array.dtype != dtype:
+                if array.dtype.kind in "US" and array.dtype.kind == dtype.kind:
+                    dtype = max(dtype, array.dtype, key=lambda d: d.itemsize)  # the longest string fits all
+                else:
+                    raise BatchError(
+                        f"batch: {key!r} has dtype {array.dtype}, the batch's first seq has {value.dtype}",
+                        seq.get("seq_tag"),
+                    )
+            if value.ndim:
+                lengths.append(array.shape[0])
+        if value.ndim:
+            columns.append(Column(key, dtype, (len(seqs), max(lengths), *trailing), lengths))
+        else:
+            columns.append(Column(key, dtype, (len(seqs),), None))
+    extra = [k for seq in seqs for k in seq if k not in META_KEYS and k not in first]
+    if extra:
+        seq = next(s for s in seqs if extra[0] in s)
+        raise BatchError(f"batch: seq has array {extra[0]!r}, the batch's first seq has not", seq.get("seq_tag"))
+    return columns
+
+
+def fill(
+    seqs: Sequence[Dict[str, Any]],
+    columns: Sequence[Column],
+    out: Dict[str, numpy.ndarray],
+    pad: Callable[[str], float],
+) -> None:
+    """Write the seqs' arrays into `out` (one array per column and per lengths key, e.g. views of a
+    shared-memory block), padding each row's tail."""
+    for col in columns:
+        dest = out[col.key]
+        key = col.key
+        if col.lengths is None:
+            for i, seq in enumerate(seqs):
+                dest[i] = seq[key]
+            continue
+        value = "" if col.dtype.kind in "US" else pad(key)
+        longest = col.shape[1]
+        for i, (seq, n) in enumerate(zip(seqs, col.lengths)):
+            row = dest[i]
+            row[:n] = seq[key]
+            if n < longest:
+                row[n:] = value
+        out[key + LENGTHS][...] = col.lengths
+
+
+def arrays_of(columns: Sequence[Column]) -> List[tuple]:
+    """(key, dtype, shape) of every array of a padded batch, in the order they travel."""
+    out = []
+    for col in columns:
+        out.append((col.key, col.dtype, col.shape))
+        if col.lengths is not None:
+            out.append((col.key + LENGTHS, numpy.dtype(numpy.int64), (col.shape[0],)))
+    return out
+
+
+def meta_of(seqs: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
+    """The batch's meta entries as lists (one entry per seq), as they travel in its header."""
+    meta: Dict[str, List[Any]] = {}
+    for key in META_KEYS:
+        if any(key in seq for seq in seqs):
+            meta[key] = [seq.get(key) for seq in seqs]
+    return meta
+
+
+def pad(seqs: Sequence[Dict[str, Any]], pad_value: Callable[[str], float] = lambda key: 0) -> Dict[str, Any]:
+    """The seqs as one batch dict (new arrays): what a client makes of a batch whose seqs came unpadded."""
+    columns = layout(seqs)
+    out = {key: numpy.empty(shape, dtype) for key, dtype, shape in arrays_of(columns)}
+    fill(seqs, columns, out, pad_value)
+    return batch_dict(out, meta_of(seqs))
+
+
+def batch_dict(arrays: Dict[str, Any], meta: Dict[str, List[Any]]) -> Dict[str, Any]:
+    """A batch as the trainer gets it: the padded arrays, `seq_tag` as a list, `seq_idx` and
+    `complete_frac` as arrays, string keys as lists (one str, or list of str, per seq)."""
+    batch: Dict[str, Any] = {}
+    for key, array in arrays.items():
+        if isinstance(array, numpy.ndarray) and array.dtype.kind in "US" and not key.endswith(LENGTHS):
+            lengths = arrays.get(key + LENGTHS)
+            if lengths is None:
+                batch[key] = array.tolist()
+            else:
+                batch[key] = [row[:n].tolist() for row, n in zip(array, lengths.tolist())]
+        else:
+            batch[key] = array
+    if "seq_tag" in meta:
+        batch["seq_tag"] = list(meta["seq_tag"])
+    if "seq_idx" in meta:
+        batch["seq_idx"] = numpy.array(meta["seq_idx"], dtype=numpy.int64)
+    if "complete_frac" in meta:
+        batch["complete_frac"] = numpy.array(meta["complete_frac"], dtype=numpy.float64)
+    return batch

@@ -1,0 +1,100 @@
+"""Cutting an epoch into batches: a pure function of the seqs' lengths in epoch order and the
+batching settings, so the batches never depend on workers, ranks, timing or crashes.
+
+Greedy, as RETURNN's and Lhotse's samplers cut: a seq joins the current batch while the batch
+keeps within `max_seqs` seqs and `max_frames` padded frames (seqs times the longest); a seq
+longer than `max_frames` is a batch of its own. With `bucket_window` N, each run of N
+consecutive seqs of the epoch is sorted by length (stably) before it is cut, so a batch holds
+seqs of similar length (less padding); a window's last batch may be short.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+from ppclient.batching import Batching
+
+Batch = List[int]  # the epoch positions of a batch's seqs, in the order they are padded
+
+
+class _Greedy:
+    """The batch being filled; `add` returns the batches it completes."""
+
+    def __init__(self, b: Batching):
+        self.max_seqs, self.max_frames = b.max_seqs, b.max_frames
+        self.batch: Batch = []
+        self.longest = 0
+
+    def add(self, pos: int, n: int) -> List[Batch]:
+        done = []
+        if (
+            self.batch
+            and self.max_frames is not None
+            and (len(self.batch) + 1) * max(n, self.longest) > self.max_frames
+        ):
+            done.append(self.batch)
+            self.batch, self.longest = [], 0
+        self.batch.append(pos)
+        if n > self.longest:
+            self.longest = n
+        if self.max_seqs is not None and len(self.batch) >= self.max_seqs:
+            done.append(self.batch)
+            self.batch, self.longest = [], 0
+        return done
+
+    def finish(self) -> List[Batch]:
+        done = [self.batch] if self.batch else []
+        self.batch, self.longest = [], 0
+        return done
+
+
+def cut(seqs: Sequence[Tuple[int, int]], b: Batching) -> List[Batch]:
+    """Batches of (position, length) pairs, cut in the order given."""
+    greedy = _Greedy(b)
+    out: List[Batch] = []
+    for pos, n in seqs:
+        out += greedy.add(pos, n)
+    return out + greedy.finish()
+
+
+class Cutter:
+    """Cuts an epoch whose lengths come one seq at a time (as a reader reads them): `add` returns
+    the batches complete by now, `finish` the rest at the epoch's end. The same lengths give the
+    same batches as `cut_epoch`."""
+
+    def __init__(self, batching: Batching):
+        self.window_size = batching.bucket_window
+        self.b = batching
+        self.greedy = _Greedy(batching)
+        self.window: List[Tuple[int, int]] = []
+        self.count = 0  # batches returned so far
+
+    def add(self, pos: int, length: int) -> List[Batch]:
+        if self.window_size == 1:
+            return self._counted(self.greedy.add(pos, length))
+        self.window.append((pos, length))
+        if len(self.window) < self.window_size:
+            return []
+        return self.finish()
+
+    def finish(self) -> List[Batch]:
+        """The batches of what is left (the epoch ended, or a window is full)."""
+        window, self.window = self.window, []
+        return self._counted(cut(_sorted(window), self.b) if window else self.greedy.finish())
+
+    def _counted(self, batches: List[Batch]) -> List[Batch]:
+        self.count += len(batches)
+        return batches
+
+
+def cut_epoch(lengths: Sequence[int], b: Batching) -> List[Batch]:
+    """Every batch of an epoch whose seq lengths (in epoch order) are known up front."""
+    cutter = Cutter(b)
+    out: List[Batch] = []
+    for pos, n in enumerate(lengths):
+        out += cutter.add(pos, int(n))
+    return out + cutter.finish()
+
+
+def _sorted(window: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    return sorted(window, key=lambda pn: pn[1])  # stable: equal lengths keep the epoch's order

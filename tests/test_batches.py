@@ -1,0 +1,420 @@
+"""Batches as the unit of work: the server cuts each epoch, workers map and pad, one message each.
+
+The cut and the padding alone (pure), the scheduler moving batches (events in, instructions
+out), and real services whose batches are compared bit for bit with the reference epoch,
+cut and padded in this process: for any number of workers and ranks, both data paths, a
+killed worker, a resumed iterator and map_seq_stream.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+from conftest import (
+    DATA_PATHS,
+    assert_data_path,
+    assert_same_batches,
+    collect,
+    collect_with,
+    numpy_config,
+    read,
+    reference,
+    reference_batches,
+    run_server,
+    shard,
+    wait_for,
+)
+from test_data_path import is_shared
+
+import ppclient
+from ppclient import collate, protocol
+from ppclient.batching import Batching
+from ppclient.protocol import Batch
+from ppserver.cut import Cutter, cut, cut_epoch
+from ppserver.scheduler import Reply, Scheduler, Settings, ToClient, ToWorker
+from ppserver.scheduler import events as ev
+
+MAPPER = """
+def map_seq(seq, *, rng, **kwargs):
+    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
+    return seq
+"""
+BATCHING = {"max_seqs": 6, "max_frames": 160, "bucket_window": 16, "pad": {"classes": -1}}
+
+
+# ---- the cut and the padding, alone ------------------------------------------------------------
+@pytest.mark.unit
+def test_the_cut_is_greedy_within_both_caps_and_a_long_seq_is_a_batch_of_its_own():
+    b = Batching(max_seqs=3, max_frames=10)
+    lengths = [2, 3, 1, 1, 30, 4, 4, 1]
+    assert cut(list(enumerate(lengths)), b) == [[0, 1, 2], [3], [4], [5, 6], [7]]
+    # (the 4th seq would make 4 seqs; 30 alone exceeds 10; 4, 4 and 1 would be 3 x 4 = 12 frames)
+    assert cut_epoch(lengths, Batching(max_seqs=2)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.unit
+def test_buckets_sort_each_window_by_length_and_the_reading_cutter_agrees_with_the_whole_epochs():
+    rnd = random.Random(5)
+    for _ in range(200):
+        n = rnd.randint(0, 60)
+        lengths = [rnd.randint(0, 40) for _ in range(n)]
+        b = Batching(
+            max_seqs=rnd.choice([None, 1, 3, 7]), max_frames=rnd.choice([None, 20, 50]), bucket_window=rnd.randint(1, 9)
+        )
+        if b.max_seqs is None and b.max_frames is None:
+            continue
+        batches = cut_epoch(lengths, b)
+        cutter, streamed = Cutter(b), []
+        for pos, n_ in enumerate(lengths):
+            got = cutter.add(pos, n_)
+            assert all(p <= pos for batch in got for p in batch)  # only seqs already read
+            streamed += got
+        assert streamed + cutter.finish() == batches
+        assert sorted(p for batch in batches for p in batch) == list(range(n))  # every seq once
+        w = b.bucket_window
+        for batch in batches:
+            assert w == 1 or len({p // w for p in batch}) == 1  # within one window
+            frames = len(batch) * max(lengths[p] for p in batch)
+            assert b.max_seqs is None or len(batch) <= b.max_seqs
+            assert b.max_frames is None or frames <= b.max_frames or len(batch) == 1
+            if w > 1:
+                assert [lengths[p] for p in batch] == sorted(lengths[p] for p in batch)
+
+
+@pytest.mark.unit
+def test_padding_gives_one_array_per_key_with_lengths_and_names_a_seq_that_does_not_fit():
+    seqs = [
+        {"data": np.ones((2, 3), "f4"), "classes": np.array([1, 2], "i4"), "n": np.array(7), "seq_tag": "a",
+         "seq_idx": 4, "complete_frac": 0.5},
+        {"data": np.full((4, 3), 2, "f4"), "classes": np.array([3], "i4"), "n": np.array(8), "seq_tag": "b",
+         "seq_idx": 5, "complete_frac": 0.75},
+    ]  # fmt: skip
+    batch = collate.pad(seqs, lambda key: -1 if key == "classes" else 0)
+    assert batch["data"].shape == (2, 4, 3) and batch["data:lengths"].tolist() == [2, 4]
+    assert batch["data"][0, 2:].sum() == 0 and batch["data"][1].min() == 2
+    assert batch["classes"].tolist() == [[1, 2], [3, -1]]  # padded with the key's value
+    assert batch["n"].tolist() == [7, 8] and "n:lengths" not in batch  # scalars are stacked
+    assert batch["seq_tag"] == ["a", "b"] and batch["seq_idx"].tolist() == [4, 5]
+    assert batch["complete_frac"].dtype == np.float64
+    seqs[1]["data"] = np.ones((4, 5), "f4")
+    with pytest.raises(collate.BatchError, match=r"'data' has shape \(4, 5\).*\(2, 3\)") as info:
+        collate.pad(seqs)
+    assert info.value.seq_tag == "b"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({}, "needs max_seqs or max_frames"),
+        ({"max_seqs": 0}, r"\['max_seqs'\] must be an int >= 1"),
+        ({"max_frames": True}, r"\['max_frames'\] must be an int >= 1"),
+        ({"max_seqs": 4, "bucket": 3}, "unknown key 'bucket'"),
+        ({"max_seqs": 4, "bucket_window": 0}, r"\['bucket_window'\] must be an int from 1"),
+        ({"max_seqs": 4, "pad": {"data": "x"}}, r"\['pad'\] must map keys to numbers"),
+        ({"max_seqs": 4, "length_key": 3}, r"\['length_key'\] must be a data key"),
+    ],
+)
+def test_bad_batching_settings_are_one_line_naming_the_key(value, message):
+    with pytest.raises(ppclient.UsageError, match=message) as info:
+        Batching.from_dict(value)
+    assert "\n" not in str(info.value)
+
+
+# ---- the scheduler moving batches --------------------------------------------------------------
+def batch_input(pos: int, seqs: List[int]) -> Batch:
+    items = []
+    for p in seqs:
+        item = protocol.seq_to_item({"data": np.full((2,), p, "f4"), "seq_tag": f"s{p}", "seq_idx": p}, p)
+        item.batch, item.size = pos, len(seqs)
+        items.append(item)
+    return Batch(pos, items)
+
+
+def padded(pos: int, n: int) -> protocol.Item:
+    seqs = [{"data": np.full((2,), pos, "f4"), "seq_tag": f"b{pos}.{k}", "seq_idx": k} for k in range(n)]
+    batch = collate.pad(seqs)
+    meta = {"seq_tag": batch.pop("seq_tag"), "seq_idx": batch.pop("seq_idx").tolist()}
+    arrays = [[k, v.dtype.str, list(v.shape)] for k, v in batch.items()]
+    return protocol.Item(pos, meta, arrays, list(batch.values()), sum(v.nbytes for v in batch.values()), size=n)
+
+
+class BatchSim:
+    """A scheduler serving one job that batches; the shorthands of tests/test_scheduler.py."""
+
+    def __init__(self, world: int = 1, stream: bool = False, buf_size: int = 2):
+        settings = Settings(buf_size=buf_size, stream=stream, partitions=1, direct=False)
+        self.s = Scheduler(settings)
+        self.now = 0.0
+        self.b = Batching(max_seqs=2)
+        self.world = world
+        self.out: List[Any] = []
+
+    def __call__(self, event_type, *args, **kw) -> List[Any]:
+        out = self.s.handle(event_type(self.now, *args, **kw))
+        self.out += out
+        return out
+
+    def start(self, num_batches: Any) -> int:
+        for rank in range(self.world):
+            out = self(
+                ev.EpochRequested, b"req", b"r%d" % rank, 1, job="j", rank=rank, world_size=self.world, batching=self.b
+            )
+            (reply,) = [i.msg for i in out if isinstance(i, Reply)]
+            run = reply.run
+        self(ev.RunChecked, run)
+        for rank in range(self.world):
+            self(ev.CreditGranted, b"r%d" % rank, run, 100)
+        self(ev.RunStarted, run, 1, num_batches)
+        return run
+
+
+def to_workers(out: List[Any], kind=protocol.Tasks) -> List[ToWorker]:
+    return [i for i in out if isinstance(i, ToWorker) and isinstance(i.msg, kind)]
+
+
+def to_clients(out: List[Any], kind=protocol.Seqs) -> List[ToClient]:
+    return [i for i in out if isinstance(i, ToClient) and isinstance(i.msg, kind)]
+
+
+@pytest.mark.unit
+def test_a_batch_travels_as_its_seqs_naming_it_and_batch_j_goes_to_rank_j_mod_world():
+    sim = BatchSim(world=2)
+    run = sim.start(5)
+    prepares = [i for i in sim.out if type(i).__name__ == "Prepare"]
+    assert prepares[0].batching == sim.b  # the reader cuts: positions are batches
+    sim(ev.WorkerJoined, b"w", "host", 1)
+    out = sim(ev.InputsRead, run, [batch_input(j, [2 * j, 2 * j + 1]) for j in range(5)])
+    tasks = to_workers(out)
+    assert [(it.pos, it.batch, it.size) for t in tasks for it in t.items] == [
+        (0, 0, 2),
+        (1, 0, 2),
+        (2, 1, 2),
+        (3, 1, 2),
+    ]
+    opened = to_workers(sim.out, protocol.RunOpen)
+    assert opened and opened[0].msg.pad == {}
+    out = sim(ev.ResultsReceived, b"w", run, [padded(0, 2), padded(1, 2)], [])
+    got = {c.consumer: [it.pos for it in c.items] for c in to_clients(out)}
+    assert got == {b"r0": [0], b"r1": [1]}
+    for j in (2, 3):  # the last batch (4) goes to no one: drop_last with 2 ranks
+        sim(ev.ResultsReceived, b"w", run, [padded(j, 2)], [])
+    ends = to_clients(sim.out, protocol.End)
+    assert sorted((e.consumer, e.msg.count) for e in ends) == [(b"r0", 2), (b"r1", 2)]  # equal steps
+    started = to_clients(sim.out, protocol.Started)
+    assert {s.msg.num_seqs for s in started} == {2} and started[0].msg.batching == sim.b.to_dict()
+
+
+@pytest.mark.unit
+def test_a_suspect_batch_is_probed_and_its_last_crash_names_the_seq_being_mapped():
+    sim = BatchSim(buf_size=1)
+    run = sim.start(1)
+    sim(ev.InputsRead, run, [batch_input(0, [0, 1])])
+    for k in range(3):  # max_seq_retries workers take the batch and die (no heartbeat for 5 s)
+        wid = b"w%d" % k
+        out = sim(ev.WorkerJoined, wid, "host", 10 + k)
+        (task,) = to_workers(out)
+        assert task.msg.probe == (k > 0)  # a suspect after the first crash: the worker says what it maps
+        if k == 2:
+            sim(ev.MappingReported, wid, run, 0, "s0")
+            sim(ev.MappingReported, wid, run, 0, "s1")
+        sim.now += 6.0
+        sim(ev.Tick)
+    (failed,) = [i.msg for i in to_clients(sim.out, protocol.RunFailed)]
+    assert failed.seq_tag == "s1" and "seq 's1' (of batch 0) was being mapped" in failed.message
+
+
+@pytest.mark.unit
+def test_stream_outputs_are_cut_into_batches_the_client_pads():
+    sim = BatchSim(stream=True)
+    run = sim.start(None)
+    sim(ev.WorkerJoined, b"w", "host", 1)
+    (opened,) = to_workers(sim.out, protocol.StreamOpen)
+    outputs = [
+        protocol.seq_to_item({"data": np.zeros((n,), "f4"), "seq_tag": f"o{k}"}, k) for k, n in enumerate([3, 1, 2])
+    ]
+    sim(ev.StreamOutputsReceived, b"w", run, 0, opened.msg.incarnation, outputs, [])
+    sim(ev.StreamFinished, b"w", run, 0, opened.msg.incarnation)
+    seqs = to_clients(sim.out)
+    assert [(it.pos, it.batch, it.size) for c in seqs for it in c.items] == [(0, 0, 2), (1, 0, 2), (2, 1, 1)]
+    (end,) = to_clients(sim.out, protocol.End)
+    assert end.msg.count == 2  # batches
+
+
+# ---- real services ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return numpy_config(
+        tmp_path_factory.mktemp("batches"), MAPPER, n=61, ordering="laplace:.20", extra="buf_size = 3\n"
+    )
+
+
+def pull(address: str, world: int, epoch: int, **kw) -> Dict[int, List[dict]]:
+    """Every rank's batches of `epoch`, each rank a client in a thread of its own."""
+    got: Dict[int, List[dict]] = {}
+    errors: List[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            with ppclient.Client(address, rank=rank, world_size=world, job=f"b{world}", timeout=30, **kw) as c:
+                got[rank] = collect(c.epoch(epoch))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return got
+
+
+@pytest.mark.parametrize(
+    "workers, world, path", [(1, 1, "direct"), (3, 1, "via-server"), (3, 3, "direct"), (1, 3, "via-server")]
+)
+def test_batches_are_the_reference_epoch_cut_and_padded_for_any_workers_ranks_and_path(tmp_path, workers, world, path):
+    cfg = numpy_config(tmp_path, MAPPER, n=61, ordering="laplace:.20", extra="buf_size = 3\n" + DATA_PATHS[path])
+    want = reference_batches(cfg, 2, BATCHING)
+    log = str(tmp_path / "server.log")
+    with run_server(cfg, workers=workers, log_path=log) as srv:
+        got = pull(srv.address, world, 2, batching=BATCHING)
+    for rank in range(world):
+        assert_same_batches(got[rank], shard(want, rank, world))
+    if world > 1:
+        assert len({len(got[rank]) for rank in range(world)}) == 1  # equal steps
+    assert_data_path(read(log), path)
+    assert "batches of max_seqs 6, max_frames 160, bucket_window 16" in read(log)
+
+
+def test_padded_batches_come_straight_through_shared_memory_and_len_is_known_up_front(corpus, tmp_path):
+    want = reference_batches(corpus, 1, BATCHING)
+    log = str(tmp_path / "server.log")
+    with run_server(corpus, workers=2, log_path=log) as srv, srv.client(batching=BATCHING) as c:
+        collect(c.epoch(2))
+        wait_for(lambda: read(log).count("(shared memory)") == 2, 10, "both workers to send through shared memory")
+        it = c.epoch(1)
+        assert len(it) == len(want)  # NumpyDataset knows every length: the server cut the epoch up front
+        got = collect(it)
+        shared = sum(is_shared(b["data"]) for b in got)
+        assert_same_batches(got, want)
+        assert shared == len(got), shared  # padded straight into the workers' segments
+        assert it.state_dict()["batching"] == Batching.from_dict(BATCHING).to_dict()
+
+
+LENGTH_FN = """
+def batch_length(seq):
+    return 2 * seq["data"].shape[0]  # e.g. a speed perturbation by 2 in the mapper
+batching = {"max_frames": 200, "max_seqs": 5}
+"""
+
+
+def test_a_config_batch_length_cuts_as_the_reader_reads_and_the_config_batching_is_the_default(tmp_path):
+    cfg = numpy_config(tmp_path, MAPPER, n=33, extra=LENGTH_FN)
+    want = reference_batches(cfg, 3, {"max_frames": 200, "max_seqs": 5})
+    with run_server(cfg, workers=2) as srv:
+        with srv.client() as c:
+            assert c.info()["batching"]["max_frames"] == 200
+            it = c.epoch(3)
+            with pytest.raises(TypeError, match="number of batches of this epoch is not known in advance"):
+                len(it)
+            assert_same_batches(collect(it), want)
+        with srv.client(batching=False, job="seqs") as c:  # one seq at a time, asked for
+            got = collect(c.epoch(3))
+    assert [s["seq_tag"] for s in got] == [s["seq_tag"] for s in reference(cfg, 3)]
+
+
+def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
+    want = reference_batches(corpus, 4, BATCHING)
+    with run_server(corpus, workers=2) as srv:
+        with srv.client(batching=BATCHING, job="resume") as c:
+            it = c.epoch(4)
+            first = [next(it) for _ in range(3)]
+            state = it.state_dict()
+        assert state["position"] == 3  # batches
+        with srv.client(job="resume") as c:  # the state carries its batching
+            rest = collect_with(c.epoch(state=state), {2: lambda: os.kill(srv.worker_pids()[0], signal.SIGKILL)})
+        assert_same_batches(first + rest, want)
+        wait_for(lambda: len(srv.worker_pids()) == 2, 30, "the killed worker to be replaced")
+        with srv.client(batching=False, job="resume") as c:
+            with pytest.raises(
+                ppclient.UsageError, match="the state was taken of an epoch read in batches of max_seqs 6"
+            ):
+                c.epoch(state=state)
+
+
+STREAM = """
+import numpy as np
+def map_seq_stream(seqs, *, rng, **kwargs):
+    held = None
+    for seq in seqs:
+        if held is None:
+            held = seq
+            continue
+        yield {
+            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
+            "classes": np.concatenate([held["classes"], seq["classes"]]),
+            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
+            "complete_frac": seq["complete_frac"],
+        }
+        held = None
+    if held is not None:
+        yield held
+stream_partitions = 2
+"""
+
+
+def test_map_seq_stream_batches_cut_the_merged_outputs_by_their_lengths(tmp_path):
+    cfg = numpy_config(tmp_path, STREAM, n=50)
+    batching = {"max_frames": 300, "bucket_window": 8, "pad": {"classes": -1}}
+    want = reference_batches(cfg, 1, batching)
+    with run_server(cfg, workers=2) as srv:
+        got = pull(srv.address, 2, 1, batching=batching)
+    for rank in range(2):
+        assert_same_batches(got[rank], shard(want, rank, 2))
+
+
+FAILING = """
+import os
+def map_seq(seq, **kwargs):
+    if seq["seq_tag"] == "seq-7":
+        if os.environ.get("PPTEST_CRASH"):
+            os._exit(3)  # kills its worker
+        raise ValueError("cannot map this one")
+    return seq
+max_seq_retries = 2
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_a_seq_that_fails_fails_its_batch_naming_the_seq(tmp_path, crash):
+    cfg = numpy_config(tmp_path, FAILING, n=20)
+    env = {"PPTEST_CRASH": "1"} if crash else None
+    with run_server(cfg, workers=2, env=env) as srv, srv.client(batching={"max_seqs": 4}) as c:
+        with pytest.raises(ppclient.MapperError) as info:
+            collect(c.epoch(1))
+    assert info.value.seq_tag == "seq-7"
+    if crash:
+        assert "seq 'seq-7' (of batch 1) was being mapped when the last of 2 workers" in str(info.value)
+    else:
+        assert "batch 1: ValueError: cannot map this one" in str(info.value)
+
+
+def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(corpus):
+    with run_server(corpus, workers=1) as srv:
+        with srv.client(rank=0, world_size=2, job="x", batching={"max_seqs": 4}) as c0:
+            c0.epoch(1)
+            with srv.client(rank=1, world_size=2, job="x", batching={"max_seqs": 5}) as c1:
+                with pytest.raises(
+                    ppclient.Error, match="batches of max_seqs 5, where the job has batches of max_seqs 4"
+                ):
+                    c1.epoch(1)
+        with srv.client(job="y", batching={"max_seqs": 2, "length_key": "text"}) as c:
+            with pytest.raises(ppclient.Error, match=r"batching\['length_key'\] 'text' is not an input key of this server"):
+                c.epoch(1)
