@@ -539,18 +539,14 @@ class NumpyDataset(Dataset):
             tags = file_tags
         self._tags = [f"seq-{i}" for i in range(n)] if tags is None else _validate_tags(tags, n)
         self._len_key = "data" if "data" in self._seqs[0] else next(iter(self._seqs[0]))
+        self._views = [{k: _read_only(a) for k, a in seq.items()} for seq in self._seqs]
 
     def _num_corpus_seqs(self) -> int:
         return len(self._seqs)
 
     def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         # Read-only views: the server sends them without copying, and nothing may change the corpus.
-        out = {}
-        for k, a in self._seqs[corpus_idx].items():
-            v = a.view()
-            v.flags.writeable = False
-            out[k] = v
-        return out
+        return dict(self._views[corpus_idx])
 
     def _tag(self, corpus_idx: int) -> str:
         return self._tags[corpus_idx]
@@ -567,6 +563,12 @@ class NumpyDataset(Dataset):
         return np.fromiter(
             (seq[key].shape[0] if seq[key].ndim else 1 for seq in self._seqs), dtype=np.int64, count=len(self._seqs)
         )
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 # ---- DemoDataset ----------------------------------------------------------------------------

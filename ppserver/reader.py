@@ -455,7 +455,7 @@ class Reader(threading.Thread):
                 self.ends[run] = len(cut.batches)
                 self._emit(ev.InputsEnded(time.monotonic(), run, len(cut.batches)))
                 return
-            items = [self._take_read(cut, pos) for pos in cut.batches[index]]
+            items = self._read_seqs(cut, cut.batches[index])
         except Exception as exc:
             self.busy = None
             log.exception("reading the dataset failed in run %d", run)
@@ -472,10 +472,22 @@ class Reader(threading.Thread):
         self.out.append((run, Batch(index, items)))
         self._wake()
 
-    def _take_read(self, cut: _Cut, pos: int) -> Item:
-        """A seq of a batch: read as the cut went along, or read now (a batch cut up front)."""
-        item = cut.read.pop(pos, None)
-        return item if item is not None else self._read_one(pos)
+    def _read_seqs(self, cut: _Cut, positions: List[int]) -> List[Item]:
+        """A batch's seqs: read as the cut went along, or read now (a batch cut up front; the
+        hot loop of batching: kept lean)."""
+        read, get_seq, monotonic = cut.read, self.dataset.get_seq, time.monotonic
+        items = []
+        since = monotonic()
+        for pos in positions:
+            item = read.pop(pos, None)
+            if item is None:
+                self.busy = ("get_seq", pos, since)
+                item = seq_to_item(get_seq(pos), pos)
+                self.calls["get_seq"] += 1
+            items.append(item)
+        self.busy = None
+        self.seconds["get_seq"] += monotonic() - since
+        return items
 
     def _cut_next(self, run: int, cut: _Cut) -> bool:
         """Read one more seq and cut; False if a command waits (the batch is finished later)."""

@@ -17,6 +17,7 @@ between the mapper's output and the trainer.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import traceback
 import typing
@@ -345,9 +346,7 @@ class MapSeqRunner:
         when it is on this host (and the segment has room), else into arrays of their own."""
         columns = collate.layout(outs)
         specs = collate.arrays_of(columns)
-        offsets, size = shm.layout(
-            [int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize for _, dtype, shape in specs]
-        )
+        offsets, size = shm.layout([math.prod(shape) * dtype.itemsize for _, dtype, shape in specs])
         block = self.routes.block_for(dest, size) if dest and self.routes is not None else None
         if block is not None:
             arrays = {key: shm.view(block, off, dtype, shape) for (key, dtype, shape), off in zip(specs, offsets)}

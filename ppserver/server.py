@@ -299,20 +299,25 @@ class Server:
         if not items:
             self._send(self.workers_sock, [ident, *protocol.encode(instr.msg)])
             return
-        # one message unless headers are huge; a block or addresses are made per message (a
-        # receiver's lease on a block covers the seqs of one message)
-        placed = instr.wid in self.cma_ready or instr.wid in self.shm_ready
-        for msg, part in protocol.split_fitting(instr.msg, items, placed):
-            self._send_inputs(ident, instr.wid, msg, part)
+        # Inputs by address (a worker reading this process's memory: the scheduler keeps each input
+        # until its result is settled), in a block of the worker's segment, or in the message; one
+        # message unless headers are huge (encoded once: each costs about a microsecond per seq)
+        if instr.wid in self.cma_ready and type(instr.msg) is protocol.Tasks:
+            spans = protocol.to_spans(items)
+            if spans is not None:
+                items = spans
+        elif instr.wid in self.shm_ready:  # a block per message (a receiver's lease covers one message)
+            for msg, part in protocol.split_fitting(instr.msg, items, placed=True):
+                self._send_in_block(ident, instr.wid, msg, part)
+            return
+        for frames in protocol.encode_fitting(instr.msg, items):
+            self._send(self.workers_sock, [ident, *frames])
 
-    def _send_inputs(self, ident: bytes, wid: bytes, msg: protocol.Message, items: List[Item]) -> None:
-        """Inputs by address (a worker reading this process's memory), in a block of the worker's
-        segment, or in the message; a block of a message that was not sent is given back."""
+    def _send_in_block(self, ident: bytes, wid: bytes, msg: protocol.Message, items: List[Item]) -> None:
+        """Inputs in a block of the worker's segment (or, if it is full, in the message); a block of
+        a message that was not sent is given back."""
         block = None
-        spans = protocol.to_spans(items) if wid in self.cma_ready and type(msg) is protocol.Tasks else None
-        if spans is not None:
-            items = spans  # the scheduler keeps each input until its result is settled
-        elif wid in self.shm_ready:
+        if wid in self.shm_ready:
             ring = self.rings[wid]
             items, block = protocol.to_block(items, ring)  # the worker frees it when done
             if block is None:

@@ -893,10 +893,11 @@ class Batch:
 
     pos: int
     items: List[Item]
+    nbytes: int = -1  # of its arrays (counted when made)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(item.nbytes for item in self.items)
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = sum(item.nbytes for item in self.items)
 
     @property
     def seq_tag(self) -> Optional[str]:
@@ -965,13 +966,14 @@ def to_spans(items: Sequence[Item]) -> Optional[List[Item]]:
     """The items with their arrays named by address in this process (its memory must stay as it
     is until the receiver has read it); None if a frame is not a C-contiguous numpy array."""
     out: List[Item] = []
+    ndarray = wire.numpy.ndarray
     for item in items:
         spans = []
-        for f in item.frames:
-            if type(f) is not wire.numpy.ndarray or not f.flags.c_contiguous:
+        for f in item.frames:  # (split_seq made them C-contiguous)
+            if type(f) is not ndarray:
                 return None
-            spans.append([f.ctypes.data, f.nbytes])
-        out.append(dataclasses.replace(item, frames=[], spans=spans))
+            spans.append([f.__array_interface__["data"][0], f.nbytes])
+        out.append(Item(item.pos, item.meta, item.arrays, [], item.nbytes, None, False, spans, item.batch, item.size))
     return out
 
 
@@ -1103,7 +1105,7 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                 raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40}: {value!r:.40}")
     else:
         for key, values in meta.items():
-            if type(values) is not list or len(values) != seqs or not all(_meta_ok(key, v) for v in values):
+            if type(values) is not list or len(values) != seqs or not _meta_list_ok(key, values):
                 raise ProtocolError(f"item {pos}: bad meta entry {key!r:.40} of a batch of {seqs}: {values!r:.40}")
     sizes = []
     keys = set()
@@ -1153,6 +1155,19 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
     return Item(pos, meta, arrays, [], nbytes, block=block, batch=batch, size=seqs)
+
+
+def _meta_list_ok(key: str, values: List[Any]) -> bool:
+    """A padded batch's meta entry: one value per seq, each of the entry's type."""
+    types = set(map(type, values))  # (in C: a batch's meta lists are checked once per message)
+    if key == "seq_tag":
+        return types <= _STR
+    if key == "seq_idx":
+        return types <= _INT
+    return key == "complete_frac" and types <= _NUMBER
+
+
+_STR, _INT, _NUMBER = {str}, {int}, {int, float}
 
 
 def _meta_ok(key: str, value: Any) -> bool:

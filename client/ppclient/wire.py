@@ -92,18 +92,25 @@ def split_seq(seq: Dict[str, Any]) -> Tuple[Dict[str, Any], List[List[Any]], Lis
             if value is not None:
                 meta[key] = _meta_value(key, value)
             continue
-        if not isinstance(key, str):
+        if type(key) is not str:
             raise WireError(f"key {key!r} is a {type(key).__name__}, expected a str")
         if not isinstance(value, numpy.ndarray):
             raise WireError(f"entry {key!r} is a {type(value).__name__}, expected a numpy array")
-        if not plain_dtype(value.dtype):
-            raise WireError(f"entry {key!r} has unsupported dtype {value.dtype}")
+        dtype = value.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            if not plain_dtype(dtype):
+                raise WireError(f"entry {key!r} has unsupported dtype {dtype}")
+            name = _DTYPE_NAMES[dtype] = dtype.str
         if not value.flags.c_contiguous:
             value = numpy.ascontiguousarray(value)
-        arrays.append([key, value.dtype.str, list(value.shape)])
+        arrays.append([key, name, list(value.shape)])
         bufs.append(value)  # no copy: a socket send copies small ones anyway, shared memory copies once
         nbytes += value.nbytes
     return meta, arrays, bufs, nbytes
+
+
+_DTYPE_NAMES: Dict[numpy.dtype, str] = {}  # plain dtypes seen, and how they travel (dtype.str is slow to make)
 
 
 def _meta_value(key: str, value: Any) -> Any:
