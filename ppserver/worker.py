@@ -174,7 +174,7 @@ class Worker:
             self.routes.identity = self.session.identity or b""
             self.routes.set(msg)
         elif isinstance(msg, protocol.ConsumerGone):
-            self.routes.drop(msg.consumer, gone=True)
+            self.routes.drop(msg.consumer, gone=True, closed=msg.closed)
         elif isinstance(msg, protocol.RunClose):
             self.runs.pop(msg.run, None)
             self.seqs.drop_run(msg.run)

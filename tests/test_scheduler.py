@@ -270,6 +270,23 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     assert sent(out, protocol.RunClose, b"w1")
 
 
+def test_workers_hear_whether_a_direct_consumer_closed_or_went_silent():
+    """A client that closed takes no more blocks (its workers free those it never took); one that
+    went silent may still be reading: only its exit frees them."""
+    sim = direct_sim(4)
+    out = sim(ev.ConsumerClosed, CONSUMER)
+    assert [i.msg for i in sent(out, protocol.ConsumerGone, b"w1")] == [
+        protocol.ConsumerGone(consumer=CONSUMER, closed=True)
+    ]
+    sim.start(4, epoch=2, consumer=b"client-2", direct="tcp://10.0.0.2:7001")
+    sim.now += 31.0  # its timeout (30 s) without a keepalive
+    sim(ev.HeartbeatReceived, b"w1")
+    out = sim(ev.Tick)
+    assert [i.msg for i in sent(out, protocol.ConsumerGone, b"w1")] == [
+        protocol.ConsumerGone(consumer=b"client-2", closed=False)
+    ]
+
+
 def test_late_and_duplicate_results_are_dropped():
     sim = Sim(buf_size=2, heartbeat_timeout=2.0)
     sim.join(b"slow")

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 from . import wire
 from .errors import Error
 
-PROTOCOL = 8
+PROTOCOL = 9
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
 PROTO_FIELD = "proto"  # requests, replies and worker registration carry the protocol version
@@ -548,13 +548,15 @@ class ConsumerRoute(Message):
 
 @dataclass(frozen=True)
 class ConsumerGone(Message):
-    """The consumer left: close the connection to it and free what it holds."""
+    """The consumer left: close the connection to it and free what it holds. `closed`: it said so
+    (`client_closed`), so it takes no block any more: the blocks it has not taken are free at once."""
 
     kind = "consumer_gone"
     channel = Channel.WORKER
     sender = (Peer.SERVER,)
     receiver = (Peer.WORKER,)
     consumer: bytes = b""
+    closed: bool = False
 
 
 # ---- direct results (worker DEALER -> client direct ROUTER) -----------------------------------

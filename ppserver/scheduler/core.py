@@ -110,7 +110,7 @@ class Scheduler:
             ev.CreditGranted: self._on_credit,
             ev.BatchSizeProposed: self._on_batch_size,
             ev.ConsumerAlive: self._on_alive,
-            ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out),
+            ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out, closed=True),
         }
 
     # ---- the one entry point -----------------------------------------------------------------
@@ -529,15 +529,16 @@ class Scheduler:
             lane.gone = True
             self._check_finished(other, out)
 
-    def _consumer_gone(self, consumer: bytes, why: str, out: List[Instruction]) -> None:
-        """A client closed or went silent: its lanes are dropped (the rank may resume later)."""
+    def _consumer_gone(self, consumer: bytes, why: str, out: List[Instruction], closed: bool = False) -> None:
+        """A client closed or went silent: its lanes are dropped (the rank may resume later).
+        `closed`: it said so, and takes nothing more: the workers free the blocks it never took."""
         job = self.job
         client = job.clients.pop(consumer, None) if job is not None else None
         if job is None or client is None:
             return
         if client.route is not None:
             for wid in self.workers:
-                out.append(ToWorker(wid, ConsumerGone(consumer=consumer)))
+                out.append(ToWorker(wid, ConsumerGone(consumer=consumer, closed=closed)))
         self._agreed(job.client_gone(consumer), out)  # its batch sizes are not waited for
         for run, lane in job.lanes_of(consumer):
             if lane.gone:
