@@ -409,6 +409,70 @@ def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
     assert failed.msg.seq_tag == "s0" and failed.msg.message == "seq 's0': 2 malformed results (undecodable header)"
 
 
+def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_naming_it():
+    sim = Sim(buf_size=2, max_seq_retries=3)
+    sim.join(b"a")
+    sim.start(4)
+    sim.feed([0, 1, 2, 3])
+    huge = "x" * 100_000
+    sim.s.runs[sim.run].dispatch.pending[1] = item(1, tag=huge)  # as the reader handed it over
+    sim.join(b"b")
+    assert sorted(tasks(sim.out, b"a")) == [0, 1] and sorted(tasks(sim.out, b"b")) == [2, 3]
+    why = "header of 2000076 bytes exceeds 1048576"
+    out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
+    assert tasks(out) == [] and sim.s.dropped_by_workers == 1  # "b" is busy: 1 waits for it, not for "a"
+    out = sim.results(b"b", [2, 3])
+    assert tasks(out, b"b") == [1]
+    out = sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [1], why)
+    assert tasks(out, b"a") == [1]  # "a" has room again, and is not the one that dropped it last
+    out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
+    (failed,) = client_msgs(out, protocol.RunFailed)
+    assert failed.msg.failure == "dataset"
+    tag = protocol.short_tag(huge)
+    assert tag is not None and len(tag) < 300 and failed.msg.seq_tag == tag
+    assert failed.msg.message == f"seq {tag!r} (position 1): 3 workers could not take its input ({why})"
+
+
+def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without_work_nothing():
+    sim = Sim(buf_size=2)
+    sim.join(b"a")
+    sim.start(4)
+    sim.feed(range(4))
+    sim.join(b"b")
+    before = list(sim.out)
+    for what in ("route", "consumer_gone", "run_close"):  # they carried no work: nothing to redo
+        assert sim(ev.MessageDropped, b"a", what, None, None, [], "junk") == []
+    assert sim(ev.MessageDropped, b"a", "tasks", sim.run + 7, None, [0], "junk") == []  # not a live run
+    assert sim.out == before and sim.s.dropped_by_workers == 4
+    sim(ev.MessageDropped, b"a", "", None, None, [], "undecodable header")  # which? everything of "a"
+    assert sim.s.workers[b"a"].tasks == set()
+    out = sim.results(b"b", [2, 3])
+    assert sorted(tasks(out, b"b")) == [0, 1]  # redone on "b"
+    sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [], "an item without a position")  # every task of the run
+    assert sim.s.workers[b"b"].tasks == set()
+    assert sorted(tasks(sim.out, b"a")[-2:]) == [0, 1]
+
+
+def test_a_stream_message_a_worker_dropped_restarts_its_partition_elsewhere():
+    sim = stream_sim(buf_size=2, partitions=2, max_seq_retries=2)
+    sim.join(b"a")
+    sim.join(b"b")
+    sim.start(4)
+    sim.feed(range(4))
+    owner = {i.msg.partition: i.wid for i in sent(sim.out, protocol.StreamOpen)}
+    other = b"b" if owner[1] == b"a" else b"a"
+    out = sim(ev.MessageDropped, owner[1], "stream_inputs", 1, 1, [], "header of 2000076 bytes exceeds 1048576")
+    assert ToWorker(owner[1], protocol.StreamClose(run=1, partition=1)) in out
+    assert [(i.wid, i.msg.partition) for i in sent(out, protocol.StreamOpen)] == [(other, 1)]
+    assert sim(ev.MessageDropped, owner[1], "stream_inputs", 1, 1, [], "late") == []  # not its partition now
+    out = sim(ev.MessageDropped, other, "stream_inputs", 1, 1, [], "header of 2000076 bytes exceeds 1048576")
+    (failed,) = client_msgs(out, protocol.RunFailed)
+    assert failed.msg.failure == "dataset"
+    assert failed.msg.message == (
+        "stream partition 1 (last input 's3') could not be taken by 2 workers (header of 2000076 bytes exceeds 1048576)"
+    )
+
+
 # ---- runs: preparing, superseding, refusing -----------------------------------------------------
 def test_started_and_failures_wait_for_the_data_socket():
     sim = Sim()
