@@ -11,7 +11,9 @@ A consumer on this host gets the arrays in blocks of this worker's segment (`rin
 each block itself when it drops the arrays. The blocks of a consumer are freed once its
 process has exited (only then can none of its arrays be in use), whether the server said it
 is gone, this worker lost the server, or nobody has noticed yet (a kill -9): the worker
-looks at its consumers' processes about once a second.
+looks at its consumers' processes about once a second. A consumer that closed (the server
+says so) takes no block any more: those it never made arrays of (unread in its socket, or
+on the way when it closed) are freed at once, though its process lives on.
 """
 
 from __future__ import annotations
@@ -114,13 +116,18 @@ class Routes:
         except zmq.Again:
             pass
 
-    def drop(self, consumer: bytes, gone: bool = False) -> None:
+    def drop(self, consumer: bytes, gone: bool = False, closed: bool = False) -> None:
         """Close the connection; `gone`: the consumer left. The blocks it held are free once its
         process has exited (before that, arrays it yielded may still be in use: it frees each
-        itself when they are dropped)."""
+        itself when they are dropped). `closed`: it said it closed, so it will never take the
+        blocks it has not taken yet: they are free now."""
         route = self.routes.pop(consumer, None)
         if route is not None:
             route.sock.close(linger=0)
+        if closed and self.ring is not None:
+            n = self.ring.release_owner(consumer, taken=False)
+            if n:
+                log.info("freed %d shared-memory blocks consumer %s never took: it closed", n, consumer.hex()[:12])
         if gone:
             self._depart(consumer)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ppclient.batching import Batching
-from ppclient.protocol import Batch, Item, seq_to_item
+from ppclient.protocol import MAX_ITEM_HEADER_BYTES, Batch, Item, oversized_header, seq_to_item, short_tag
 
 from .cut import Cutter, cut_epoch
 from .scheduler import events as ev
@@ -86,6 +86,24 @@ class Replay:
 @dataclass(frozen=True)
 class Stop:
     run: int
+
+
+class InputRefused(Exception):
+    """A seq read from the dataset that no worker could take: its run fails naming it."""
+
+
+def input_item(seq: Any, pos: int) -> Item:
+    """A seq as an input to send. One whose header (its seq_tag, meta entries and array specs)
+    could not travel in a message is refused here: a worker would have to drop it."""
+    item = seq_to_item(seq, pos)
+    size = oversized_header(item)
+    if size is not None:
+        tag = short_tag(item.seq_tag)
+        raise InputRefused(
+            f"seq {tag if tag is not None else f'#{pos}'!r} (position {pos}) cannot be sent to a worker: its header "
+            f"(seq_tag, meta entries and array specs) is {size} bytes, more than {MAX_ITEM_HEADER_BYTES}"
+        )
+    return item
 
 
 class Mailbox:
@@ -395,7 +413,13 @@ class Reader(threading.Thread):
         return length
 
     def _read_one(self, pos: int) -> Item:
-        return seq_to_item(self._call("get_seq", pos, self.dataset.get_seq, pos), pos)
+        return input_item(self._call("get_seq", pos, self.dataset.get_seq, pos), pos)
+
+    def _refused(self, run: int, exc: InputRefused) -> None:
+        """A seq no worker could take fails its run at once (a DatasetError in the client)."""
+        log.error("run %d: %s", run, exc)
+        self._emit(ev.ReadFailed(time.monotonic(), run, str(exc)))
+        self.runs.pop(run, None)
 
     def _read_next(self) -> None:
         """Read the runs' positions in turn until a command waits (the hot loop: kept lean)."""
@@ -425,7 +449,7 @@ class Reader(threading.Thread):
                 self.busy = None
                 seconds["get_seq"] += monotonic() - since
                 calls["get_seq"] += 1
-                item = seq_to_item(seq, pos)
+                item = input_item(seq, pos)
                 positions.popleft()
                 out.append((run, item))
                 self.unannounced += 1
@@ -433,6 +457,9 @@ class Reader(threading.Thread):
                     self._wake()
                 if not commands.empty() or len(runs) > 1:
                     break
+        except InputRefused as exc:
+            self._refused(run, exc)
+            return
         except Exception as exc:
             self.busy = None
             log.exception("reading the dataset failed in run %d", run)
@@ -456,6 +483,10 @@ class Reader(threading.Thread):
                 self._emit(ev.InputsEnded(time.monotonic(), run, len(cut.batches)))
                 return
             items = self._read_seqs(cut, cut.batches[index])
+        except InputRefused as exc:
+            self.busy = None
+            self._refused(run, exc)
+            return
         except Exception as exc:
             self.busy = None
             log.exception("reading the dataset failed in run %d", run)
@@ -482,7 +513,7 @@ class Reader(threading.Thread):
             item = read.pop(pos, None)
             if item is None:
                 self.busy = ("get_seq", pos, since)
-                item = seq_to_item(get_seq(pos), pos)
+                item = input_item(get_seq(pos), pos)
                 self.calls["get_seq"] += 1
             items.append(item)
         self.busy = None
@@ -505,7 +536,7 @@ class Reader(threading.Thread):
             return True
         seq = self._call("get_seq", pos, self.dataset.get_seq, pos)
         length = cut.length(seq)
-        cut.read[pos] = seq_to_item(seq, pos)
+        cut.read[pos] = input_item(seq, pos)
         cut.next_seq += 1
         cut.batches += cut.cutter.add(pos, length)
         return self.commands.empty()
@@ -513,6 +544,9 @@ class Reader(threading.Thread):
     def _replay(self, cmd: Replay) -> None:
         try:
             items = [self._read_one(pos) for pos in cmd.positions]
+        except InputRefused as exc:
+            self._refused(cmd.run, exc)
+            return
         except Exception as exc:
             log.error("re-reading inputs for stream partition %d failed: %s", cmd.partition, exc)
             self._emit(

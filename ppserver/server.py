@@ -526,6 +526,8 @@ class Server:
             return ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:500])
         if kind is protocol.RunDropped:
             return ev.RunDropped(now, wid, msg.run)
+        if kind is protocol.Dropped:
+            return ev.MessageDropped(now, wid, msg.what, msg.run, msg.partition, msg.pos, msg.reason[:500])
         if kind is protocol.StreamOutputs:
             return ev.StreamOutputsReceived(
                 now, wid, msg.run, msg.partition, msg.incarnation, decoded.items, decoded.bad

@@ -262,8 +262,16 @@ class Session:
         assert self.sock is not None
         self.sock.send_multipart(protocol.encode(msg, items), copy=False)
 
+    def report(self, dropped: protocol.Dropped) -> None:
+        """Tell the server a message of its was dropped, so that it redoes (or fails) what it carried
+        instead of waiting for it."""
+        where = f" of run {dropped.run}" if dropped.run is not None else ""
+        log.warning("dropped a %s message%s from the server: %s", dropped.what or "malformed", where, dropped.reason)
+        self.send(dropped)
+
     def receive(self, timeout_ms: int) -> List[protocol.Decoded]:
-        """Every message waiting (waits up to timeout_ms for the first); malformed ones are logged."""
+        """Every message waiting (waits up to timeout_ms for the first); one that does not decode is
+        reported to the server."""
         sock = self.sock
         assert sock is not None
         out: List[protocol.Decoded] = []
@@ -274,7 +282,7 @@ class Session:
             try:
                 decoded = protocol.decode(frames, Peer.WORKER, (Channel.WORKER,))
             except protocol.ProtocolError as exc:
-                log.warning("dropped a malformed message from the server: %s", exc)
+                self.report(protocol.dropped(frames, str(exc)))
                 continue
             if isinstance(decoded.msg, protocol.Unknown):
                 self.forgotten = True

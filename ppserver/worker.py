@@ -36,6 +36,8 @@ from .supervisor import EXIT_REFUSED, set_process_title
 log = logging.getLogger("ppserver.worker")
 
 LOOK_S = 0.001  # how often a busy worker looks for messages (cancellations, more tasks)
+# messages of a run whose loss would leave work undone (a stream_close asks for none)
+CARRY_WORK = (protocol.Tasks, protocol.StreamOpen, protocol.StreamInputs, protocol.StreamEnd, protocol.StreamCredit)
 
 
 class Worker:
@@ -163,9 +165,8 @@ class Worker:
     def _handle(self, decoded: protocol.Decoded) -> None:
         msg, items = decoded.msg, decoded.items
         if decoded.bad:
-            log.warning(
-                "dropped %d malformed inputs from the server (first: %s)", len(decoded.bad), decoded.bad[0].reason
-            )
+            reason = f"{len(decoded.bad)} malformed items (first: {decoded.bad[0].reason})"
+            self.session.report(protocol.dropped_items(msg, decoded.bad, reason))
         if decoded.unreadable:
             self._unreadable(msg, decoded.unreadable)
         if isinstance(msg, protocol.RunOpen):
@@ -174,14 +175,14 @@ class Worker:
             self.routes.identity = self.session.identity or b""
             self.routes.set(msg)
         elif isinstance(msg, protocol.ConsumerGone):
-            self.routes.drop(msg.consumer, gone=True)
+            self.routes.drop(msg.consumer, gone=True, closed=msg.closed)
         elif isinstance(msg, protocol.RunClose):
             self.runs.pop(msg.run, None)
             self.seqs.drop_run(msg.run)
             self.streams.close(msg.run)
             self.session.send(protocol.RunDropped(run=msg.run))  # every input of the run is read by now
         elif getattr(msg, "run", None) not in self.runs:
-            return  # of a run that is not open here (closed, or never opened)
+            self._not_open(msg, items)
         elif isinstance(msg, protocol.Tasks):
             self.seqs.add(msg.run, *_whole_batches(items, msg.to, decoded.bad + decoded.unreadable), probe=msg.probe)
         elif isinstance(msg, protocol.StreamOpen):
@@ -190,6 +191,14 @@ class Worker:
             self.streams.close(msg.run, msg.partition)
         else:
             self.streams.on_message(msg, items)
+
+    def _not_open(self, msg: protocol.Message, items: List[protocol.Item]) -> None:
+        """A message of a run not open here is dropped. One that carries work is reported: the server
+        sends none after it closes a run, so its run_open was lost (and the work would be)."""
+        if not isinstance(msg, CARRY_WORK) or (isinstance(msg, protocol.Tasks) and not items):
+            return  # nothing to redo (a task message whose items were all bad is reported already)
+        reason = f"run {msg.run} is not open here"
+        self.session.report(protocol.dropped_items(msg, [protocol.BadItem(it.task, reason) for it in items], reason))
 
     def _unreadable(self, msg: protocol.Message, lost: List[protocol.BadItem]) -> None:
         """Inputs whose arrays could not be read (a block or the server's memory gone): a task goes

@@ -450,3 +450,57 @@ def test_malformed_direct_results_are_counted_logged_and_made_again(tmp_path, ca
     assert_same_epoch(got, reference(cfg, 1))
     assert c.malformed_results == 2
     assert "dropped a malformed direct result: from worker not-a-worker" in caplog.text
+
+
+def shared_count(address: str, epoch: int) -> tuple:
+    """(seqs, seqs through shared memory) of a whole epoch read by a client in another process,
+    which drops each seq as it goes; its own timeout bounds the wait."""
+    code = textwrap.dedent(
+        f"""
+        import mmap
+        import numpy as np
+        from ppclient import Client
+        def shared(a):
+            while isinstance(a, np.ndarray) and a.base is not None:
+                a = a.base
+            return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+        with Client({address!r}, timeout=30) as c:
+            n = k = 0
+            for seq in c.epoch({epoch}):
+                n, k = n + 1, k + shared(seq["data"])
+                del seq
+        print(n, k, flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n, k = out.stdout.split()
+    return int(n), int(k)
+
+
+def test_clients_closed_mid_epoch_give_their_blocks_back(tmp_path):
+    """Clients in this process that read a few seqs and close while their results are still
+    arriving (unread in their buffer, queued in their socket, on the way) leave no block taken in
+    the workers' 2 MiB segments, although this process lives on: a client in another process
+    still gets (nearly) all its results through shared memory. A seq this process holds past its
+    client's close stays intact while those segments are used again."""
+    import time
+
+    cfg = str(tmp_path / "config.py")
+    with open(cfg, "w") as f:
+        f.write(BIG.replace("shm_mb = 1", "shm_mb = 2"))
+    kept = []
+    with run_server(cfg, workers=2) as srv:
+        for epoch in range(6):
+            with srv.client() as c:
+                for i, seq in enumerate(c.epoch(epoch)):
+                    if is_shared(seq["data"]):
+                        kept.append((epoch, i, seq))  # held past the close: its block stays taken
+                        break
+                time.sleep(0.5)  # the trainer is busy: the rest of its window arrives meanwhile
+        n, via_shm = shared_count(srv.address, 7)
+    assert n == 120
+    assert via_shm >= n * 3 // 4, via_shm
+    assert kept
+    for epoch, i, seq in kept:
+        assert_same_epoch([seq], reference(cfg, epoch)[i : i + 1])

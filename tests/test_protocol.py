@@ -181,3 +181,43 @@ def test_docs_describe_every_message_and_field():
         for name in entry["fields"]:
             assert f"`{name}`" in row.group(0), f"{entry['kind']}.{name} is not in its row"
     assert f"PROTOCOL = {protocol.PROTOCOL}" in doc
+
+
+def test_a_dropped_message_is_reported_with_what_can_be_read_of_it():
+    """A worker names what it dropped: the kind, run, partition and positions, read past the
+    header cap; an item without a readable position names none (every task of the run)."""
+    items = [
+        protocol.seq_to_item({"data": np.zeros(3, "f4"), "seq_tag": t}, i) for i, t in ((4, "a"), (5, "x" * (2 << 20)))
+    ]
+    frames = protocol.encode(protocol.Tasks(run=9), items)
+    with pytest.raises(protocol.ProtocolError, match="exceeds 1048576") as info:
+        protocol.decode(frames, Peer.WORKER, (Channel.WORKER,))
+    report = protocol.dropped(frames, str(info.value))
+    assert report == protocol.Dropped(what="tasks", run=9, pos=[4, 5], reason=str(info.value))
+    stream = protocol.encode(protocol.StreamInputs(run=9, partition=2), items[1:])
+    assert protocol.dropped(stream, "r") == protocol.Dropped(
+        what="stream_inputs", run=9, partition=2, pos=[5], reason="r"
+    )
+    header = wire.unpack(protocol.encode(protocol.Tasks(run=9), items[:1])[0])
+    header["items"].append({"i": "7"})
+    assert protocol.dropped([wire.pack(header)], "r").pos == []
+    assert protocol.dropped([b"\xc1"], "junk " * 200) == protocol.Dropped(reason=("junk " * 200)[:500])
+    bad = [protocol.BadItem(3, "meta is not a map"), protocol.BadItem(None, "no position")]
+    assert protocol.dropped_items(protocol.Tasks(run=2), bad[:1], "r") == protocol.Dropped("tasks", 2, None, [3], "r")
+    assert protocol.dropped_items(protocol.Tasks(run=2), bad, "r").pos == []
+    frames = protocol.encode(report)
+    assert protocol.decode(frames, Peer.SERVER, (Channel.WORKER,)).msg == report
+
+
+@pytest.mark.parametrize("char", ["x", "\u00e9", "\U0001f600"])
+def test_an_oversized_item_header_is_told_exactly(char):
+    """The reader's cheap bound never lets an oversized header through nor refuses one that fits."""
+    limit = protocol.MAX_ITEM_HEADER_BYTES
+    arrays = {f"key{k}": np.zeros((1,) * 8, "f4") for k in range(3)}
+    width = len(char.encode())
+    for n in (0, 100, limit // width - 300, limit // width - 120, limit // width - 80, limit // width, 2 << 20):
+        item = protocol.seq_to_item({**arrays, "seq_tag": char * max(n, 0), "seq_idx": 7}, 12345)
+        size = protocol.item_header_bytes(item)
+        assert protocol.oversized_header(item) == (size if size > limit else None), (n, size)
+    assert protocol.short_tag("s1") == "s1" and protocol.short_tag(None) is None
+    assert protocol.short_tag("y" * 10_000) == "y" * protocol.SHORT_TAG + "... (10000 characters)"

@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import pytest
 import zmq
 from conftest import (
@@ -33,6 +34,7 @@ from conftest import (
     read,
     reference,
     run_server,
+    sitecustomize_env,
     wait_for,
     wait_gone,
     write_config,
@@ -206,6 +208,96 @@ def test_results_with_large_headers_travel_in_several_messages(tmp_path):
         got += collect(it)  # the next top-up releases 8 results of the 16 held at once
         assert c.status()["malformed_messages"] == 0
     assert_same_epoch(got, reference(cfg, 1))
+
+
+# ---- 3c. an input whose header is larger than a message header may be ----------------------------
+HUGE_INPUT = """
+import numpy as np
+_r = np.random.RandomState(5)
+TAGS = [f"seq-{i}" for i in range(8)]
+TAGS[3] = "x" * 2_000_000
+SEQS = [{"data": _r.randn(4 + i, 3).astype("float32")} for i in range(8)]
+dataset = {"class": "NumpyDataset", "seqs": SEQS, "tags": TAGS}
+"""
+IDENTITY = {
+    "map_seq": """
+    def map_seq(seq, **kwargs):
+        return seq
+    """,
+    "map_seq_stream": """
+    def map_seq_stream(seqs, **kwargs):
+        yield from seqs
+    stream_partitions = 2
+    """,
+}
+# Loaded by the server (PYTHONPATH): its reader no longer refuses an input whose header is too large,
+# so the worker gets it, cannot decode the message, and must say so.
+NO_INPUT_CHECK = """
+import ppserver.reader
+ppserver.reader.oversized_header = lambda item: None
+"""
+
+
+def huge_input_config(tmp_path, mode: str) -> str:
+    return write_config(tmp_path, HUGE_INPUT + textwrap.dedent(IDENTITY[mode]) + "max_seq_retries = 3\n")
+
+
+def assert_server_goes_on(c, cfg: str, mode: str, error: str) -> None:
+    """An epoch of the other seqs is exact (map_seq_stream takes no seq_list: its next epoch fails
+    the same way, at once)."""
+    if mode == "map_seq_stream":
+        with pytest.raises(ppclient.DatasetError, match=error):
+            collect(c.epoch(2))
+        return
+    others = [f"seq-{i}" for i in (0, 1, 2, 4, 5)]
+    assert_same_epoch(collect(c.epoch(2, seq_list=others)), reference(cfg, 2, seq_list=others))
+
+
+HUGE = r"'x+\.\.\. \(2000000 characters\)'"  # the tag, shortened
+
+
+@pytest.mark.parametrize("mode", sorted(IDENTITY))
+def test_input_with_a_huge_header_fails_at_once_as_a_dataset_error_naming_the_seq(tmp_path, mode):
+    """A 2 MB seq_tag: the server does not send the seq, and the epoch fails at once (not after the
+    client's timeout), the tag shortened in the message."""
+    cfg = huge_input_config(tmp_path, mode)
+    error = (
+        rf"seq {HUGE} \(position 3\) cannot be sent to a worker: its header \(seq_tag, meta entries and "
+        r"array specs\) is \d+ bytes, more than 262144"
+    )
+    with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
+        began = time.monotonic()
+        with pytest.raises(ppclient.DatasetError, match=error):
+            collect(c.epoch(1))
+        assert time.monotonic() - began < 10
+        st = c.status()
+        assert st["dropped_by_workers"] == 0 and st["malformed_messages"] == 0 and st["departures"] == {}
+        assert_server_goes_on(c, cfg, mode, error)
+
+
+@pytest.mark.parametrize("mode", sorted(IDENTITY))
+def test_a_message_a_worker_cannot_take_is_reported_and_its_seq_fails(tmp_path, mode):
+    """The same seq from a server that does not refuse it: each worker that gets it drops the
+    message (its header is over 1 MiB) and says so; the server gives the seq (or the stream
+    partition) to the next one, and after max_seq_retries fails the epoch naming it, in seconds."""
+    cfg = huge_input_config(tmp_path, mode)
+    env = sitecustomize_env(tmp_path, NO_INPUT_CHECK)
+    slog = str(tmp_path / "server.log")
+    why = r"\(header of \d+ bytes exceeds 1048576\)"
+    error = {
+        "map_seq": rf"seq {HUGE} \(position 3\): 3 workers could not take its input {why}",
+        "map_seq_stream": rf"stream partition 1 \(last input '.+'\) could not be taken by 3 workers {why}",
+    }[mode]
+    with run_server(cfg, workers=2, env=env, log_path=slog) as srv, srv.client(timeout=20) as c:
+        began = time.monotonic()
+        with pytest.raises(ppclient.DatasetError, match=error):
+            collect(c.epoch(1))
+        assert time.monotonic() - began < 10
+        st = c.status()
+        assert st["dropped_by_workers"] == 3 and st["departures"] == {}
+        assert_server_goes_on(c, cfg, mode, error)
+    kind = {"map_seq": "tasks", "map_seq_stream": "stream_inputs"}[mode]
+    assert read(slog).count(f"dropped a {kind!r} message of run") >= 3
 
 
 # ---- 4. a refused epoch request leaves the running epoch alone ---------------------------------------
@@ -390,6 +482,96 @@ def test_seq_with_only_undecodable_results_fails_naming_it(tmp_path):
             with pytest.raises(ppclient.MapperError, match=r"3 malformed results \(header of \d+ bytes") as info:
                 collect(c.epoch(1))
             assert info.value.seq_tag == "seq-0"
+
+
+# ---- 6b. messages a worker cannot take -----------------------------------------------------------
+class FakeServer:
+    """A worker ROUTER that welcomes one real worker process, answers its heartbeats, and sends it
+    whatever a test likes; every wait has a deadline."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.worker = b""
+
+    def next(self, kind: type, timeout: float = 20.0) -> protocol.Message:
+        """The worker's next message of `kind` (heartbeats are answered, other messages skipped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            msg = protocol.decode(frames, Peer.SERVER, (Channel.WORKER,)).msg
+            if isinstance(msg, protocol.Heartbeat):
+                self.sock.send_multipart([ident, *protocol.encode(protocol.Heartbeat())])
+            elif isinstance(msg, kind):
+                self.worker = self.worker or ident
+                return msg
+        raise AssertionError(f"no {kind.__name__} from the worker within {timeout} s")
+
+    def send(self, frames) -> None:
+        self.sock.send_multipart([self.worker, *frames])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_worker_reports_every_message_it_drops(tmp_path):
+    """A real worker that gets a task message of a run it has not opened, one with a bad item, one
+    whose header is over 1 MiB, or stream inputs of a run not open tells the server what each
+    carried, so nothing waits for it."""
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=4)
+    server = FakeServer()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ppserver.worker",
+            cfg,
+            "--connect",
+            server.endpoint,
+            "--worker-endpoint",
+            server.endpoint,
+        ],
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        server.next(protocol.Hello)
+        server.send(protocol.encode(protocol.Welcome()))
+        seq = {"data": np.zeros((2, 8), "float32"), "seq_tag": "s"}
+        good = protocol.seq_to_item(seq, 3)
+        server.send(protocol.encode(protocol.Tasks(run=5), [good]))
+        assert server.next(protocol.Dropped) == protocol.Dropped(
+            what="tasks", run=5, pos=[3], reason="run 5 is not open here"
+        )
+        server.send(protocol.encode(protocol.RunOpen(run=5, epoch=1)))
+        header = good.header(pos=4)
+        header["meta"] = ["seq_tag", "s"]  # not a map
+        server.send(protocol.encode_batch(protocol.Tasks(run=5), [header], list(good.frames)))
+        dropped = server.next(protocol.Dropped)
+        assert (dropped.what, dropped.run, dropped.pos) == ("tasks", 5, [4]) and "meta is not a map" in dropped.reason
+        huge = protocol.seq_to_item({**seq, "seq_tag": "x" * 2_000_000}, 6)
+        server.send(protocol.encode(protocol.Tasks(run=5), [huge]))
+        dropped = server.next(protocol.Dropped)
+        assert (dropped.what, dropped.run, dropped.pos) == ("tasks", 5, [6])
+        assert re.fullmatch(r"header of \d+ bytes exceeds 1048576", dropped.reason)
+        server.send(protocol.encode(protocol.StreamInputs(run=6, partition=1), [good]))
+        assert server.next(protocol.Dropped) == protocol.Dropped(
+            what="stream_inputs", run=6, partition=1, pos=[3], reason="run 6 is not open here"
+        )
+        proc.terminate()
+        server.next(protocol.Bye)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        server.close()
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------

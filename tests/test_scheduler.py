@@ -270,6 +270,23 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     assert sent(out, protocol.RunClose, b"w1")
 
 
+def test_workers_hear_whether_a_direct_consumer_closed_or_went_silent():
+    """A client that closed takes no more blocks (its workers free those it never took); one that
+    went silent may still be reading: only its exit frees them."""
+    sim = direct_sim(4)
+    out = sim(ev.ConsumerClosed, CONSUMER)
+    assert [i.msg for i in sent(out, protocol.ConsumerGone, b"w1")] == [
+        protocol.ConsumerGone(consumer=CONSUMER, closed=True)
+    ]
+    sim.start(4, epoch=2, consumer=b"client-2", direct="tcp://10.0.0.2:7001")
+    sim.now += 31.0  # its timeout (30 s) without a keepalive
+    sim(ev.HeartbeatReceived, b"w1")
+    out = sim(ev.Tick)
+    assert [i.msg for i in sent(out, protocol.ConsumerGone, b"w1")] == [
+        protocol.ConsumerGone(consumer=b"client-2", closed=False)
+    ]
+
+
 def test_late_and_duplicate_results_are_dropped():
     sim = Sim(buf_size=2, heartbeat_timeout=2.0)
     sim.join(b"slow")
@@ -390,6 +407,70 @@ def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
     out = sim(ev.WorkerMessageMalformed, b"only", "undecodable header")
     (failed,) = client_msgs(out, protocol.RunFailed)
     assert failed.msg.seq_tag == "s0" and failed.msg.message == "seq 's0': 2 malformed results (undecodable header)"
+
+
+def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_naming_it():
+    sim = Sim(buf_size=2, max_seq_retries=3)
+    sim.join(b"a")
+    sim.start(4)
+    sim.feed([0, 1, 2, 3])
+    huge = "x" * 100_000
+    sim.s.runs[sim.run].dispatch.pending[1] = item(1, tag=huge)  # as the reader handed it over
+    sim.join(b"b")
+    assert sorted(tasks(sim.out, b"a")) == [0, 1] and sorted(tasks(sim.out, b"b")) == [2, 3]
+    why = "header of 2000076 bytes exceeds 1048576"
+    out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
+    assert tasks(out) == [] and sim.s.dropped_by_workers == 1  # "b" is busy: 1 waits for it, not for "a"
+    out = sim.results(b"b", [2, 3])
+    assert tasks(out, b"b") == [1]
+    out = sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [1], why)
+    assert tasks(out, b"a") == [1]  # "a" has room again, and is not the one that dropped it last
+    out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
+    (failed,) = client_msgs(out, protocol.RunFailed)
+    assert failed.msg.failure == "dataset"
+    tag = protocol.short_tag(huge)
+    assert tag is not None and len(tag) < 300 and failed.msg.seq_tag == tag
+    assert failed.msg.message == f"seq {tag!r} (position 1): 3 workers could not take its input ({why})"
+
+
+def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without_work_nothing():
+    sim = Sim(buf_size=2)
+    sim.join(b"a")
+    sim.start(4)
+    sim.feed(range(4))
+    sim.join(b"b")
+    before = list(sim.out)
+    for what in ("route", "consumer_gone", "run_close"):  # they carried no work: nothing to redo
+        assert sim(ev.MessageDropped, b"a", what, None, None, [], "junk") == []
+    assert sim(ev.MessageDropped, b"a", "tasks", sim.run + 7, None, [0], "junk") == []  # not a live run
+    assert sim.out == before and sim.s.dropped_by_workers == 4
+    sim(ev.MessageDropped, b"a", "", None, None, [], "undecodable header")  # which? everything of "a"
+    assert sim.s.workers[b"a"].tasks == set()
+    out = sim.results(b"b", [2, 3])
+    assert sorted(tasks(out, b"b")) == [0, 1]  # redone on "b"
+    sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [], "an item without a position")  # every task of the run
+    assert sim.s.workers[b"b"].tasks == set()
+    assert sorted(tasks(sim.out, b"a")[-2:]) == [0, 1]
+
+
+def test_a_stream_message_a_worker_dropped_restarts_its_partition_elsewhere():
+    sim = stream_sim(buf_size=2, partitions=2, max_seq_retries=2)
+    sim.join(b"a")
+    sim.join(b"b")
+    sim.start(4)
+    sim.feed(range(4))
+    owner = {i.msg.partition: i.wid for i in sent(sim.out, protocol.StreamOpen)}
+    other = b"b" if owner[1] == b"a" else b"a"
+    out = sim(ev.MessageDropped, owner[1], "stream_inputs", 1, 1, [], "header of 2000076 bytes exceeds 1048576")
+    assert ToWorker(owner[1], protocol.StreamClose(run=1, partition=1)) in out
+    assert [(i.wid, i.msg.partition) for i in sent(out, protocol.StreamOpen)] == [(other, 1)]
+    assert sim(ev.MessageDropped, owner[1], "stream_inputs", 1, 1, [], "late") == []  # not its partition now
+    out = sim(ev.MessageDropped, other, "stream_inputs", 1, 1, [], "header of 2000076 bytes exceeds 1048576")
+    (failed,) = client_msgs(out, protocol.RunFailed)
+    assert failed.msg.failure == "dataset"
+    assert failed.msg.message == (
+        "stream partition 1 (last input 's3') could not be taken by 2 workers (header of 2000076 bytes exceeds 1048576)"
+    )
 
 
 # ---- runs: preparing, superseding, refusing -----------------------------------------------------

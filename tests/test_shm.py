@@ -369,6 +369,34 @@ def test_release_owner():
 
 
 @pytest.mark.unit
+def test_a_consumer_that_closed_gets_back_only_the_blocks_it_never_took():
+    """Blocks a consumer made arrays of are marked taken: freeing the untaken ones of a consumer
+    that closed (still in its socket, or on the way) leaves those arrays intact; a taken block
+    cannot be made arrays of twice."""
+    with shm.Ring(1 << 20) as ring:
+        mapping = shm.Mapping.open(ring.descriptor)
+        taken, specs = put(ring, make(1), b"closed")
+        unread = [put(ring, make(2), b"closed")[0] for _ in range(2)]
+        put(ring, make(3), b"other")
+        got = mapping.arrays(taken.ref(), specs)
+        with pytest.raises(shm.ShmUnavailable, match="taken"):
+            mapping.arrays(taken.ref(), specs)
+        size = ring.used() // 4
+        assert ring.release_owner(b"closed", taken=False) == 2
+        assert ring.used() == 2 * size  # the taken block and the other consumer's
+        for block in unread:
+            with pytest.raises(shm.ShmUnavailable, match="stale"):
+                mapping.arrays(block.ref(), specs)
+        put(ring, make(4), b"closed")  # the freed room is used again...
+        assert_seq_equal(got, make(1))  # ...and the taken block's arrays are untouched
+        del got
+        assert ring.used() == 2 * size  # dropped: released by the consumer, as always
+        assert ring.release_owner(b"other", taken=False) == 1
+        assert ring.release_owner(b"closed") == 1  # its process exited: every block goes
+        assert ring.used() == 0
+
+
+@pytest.mark.unit
 def test_closed_ring():
     ring = shm.Ring(4096)
     block = ring.alloc(10)

@@ -570,7 +570,8 @@ class Client:
         if self._alive is not None:
             self._alive.stop()
             self._alive = None
-        if self._data is not None:
+        self._drop_unread()
+        if self._data is not None:  # (after the last block was taken: the workers free the others)
             try:
                 self._data.send_multipart(
                     [protocol.DELIMITER, *protocol.encode(protocol.ClientClosed(consumer=self._consumer))],
@@ -578,11 +579,10 @@ class Client:
                 )
             except zmq.ZMQError:
                 pass
-        for sock in (self._req, self._data, self._direct):
+        for sock in (self._req, self._data):
             if sock is not None:
                 sock.close(linger=100 if sock is self._data else 0)
-        self._req = self._data = self._direct = None
-        self._inbox.clear()  # seqs of runs no iterator holds: their blocks are freed
+        self._req = self._data = None
         self._current = None
         self._unmap_all()
         if self._auth is not None:
@@ -595,6 +595,17 @@ class Client:
             self._direct_dir = None
         if not self._ctx.closed:
             self._ctx.term()
+
+    def _drop_unread(self) -> None:
+        """Take no more results, and let go of those not yielded: their shared-memory blocks are
+        freed (by the workers, for those still in the socket or on the way: see ClientClosed).
+        The arrays already yielded stay valid while they are held."""
+        if self._direct is not None:
+            self._direct.close(linger=0)
+            self._direct = None
+        self._inbox.clear()  # seqs of runs no iterator holds
+        if self._current is not None:
+            self._current._closed()
 
     def __enter__(self) -> Client:
         return self
@@ -782,10 +793,18 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def _supersede(self, message: str) -> None:
         if self._error is None and not self._finished():
             self._error = Superseded(message)
+        self._buffer.clear()  # never yielded now: their shared-memory blocks go
+
+    def _closed(self) -> None:
+        """The client closed: nothing more is yielded, and the seqs that arrived are let go."""
+        if self._error is None and not self._finished():
+            self._error = Error(f"epoch {self.epoch}: the client is closed")
+        self._buffer.clear()
 
     def _raise(self, error: Error) -> NoReturn:
         self._error = error
         self._client._inbox.pop(self.run, None)
+        self._buffer.clear()
         raise error
 
     def _wait_started(self) -> None:

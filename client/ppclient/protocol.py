@@ -544,13 +544,15 @@ class ConsumerRoute(Message):
 
 @dataclass(frozen=True)
 class ConsumerGone(Message):
-    """The consumer left: close the connection to it and free what it holds."""
+    """The consumer left: close the connection to it and free what it holds. `closed`: it said so
+    (`client_closed`), so it takes no block any more: the blocks it has not taken are free at once."""
 
     kind = "consumer_gone"
     channel = Channel.WORKER
     sender = (Peer.SERVER,)
     receiver = (Peer.WORKER,)
     consumer: bytes = b""
+    closed: bool = False
 
 
 # ---- direct results (worker DEALER -> client direct ROUTER) -----------------------------------
@@ -614,6 +616,25 @@ class InputsLost(Message):
     sender = (Peer.WORKER,)
     receiver = (Peer.SERVER,)
     run: int = _nonneg()
+    pos: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Dropped(Message):
+    """A message from the server the worker dropped: it did not decode, items of it did not check,
+    or it belongs to a run not open here. What the worker could read of it: `what` (its kind, ""
+    if unreadable), `run`, `partition` (of a stream message) and `pos` (the positions of the
+    tasks it carried; empty: every one of the run this worker holds). The server redoes or fails
+    what it carried, instead of waiting for it."""
+
+    kind = "dropped"
+    channel = Channel.WORKER
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    what: str = ""
+    run: Optional[int] = field(default=None, metadata={"min": 0})
+    partition: Optional[int] = field(default=None, metadata={"min": 0})
     pos: List[int] = field(default_factory=list)
     reason: str = ""
 
@@ -788,6 +809,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         Results,
         Completed,
         InputsLost,
+        Dropped,
         ConsumerRoute,
         ConsumerGone,
         DirectHello,
@@ -917,6 +939,77 @@ class Batch:
 def item_header_bytes(item: Item) -> int:
     """The size of an item's header as it travels (without a shared-memory block descriptor)."""
     return len(wire.pack(item.header()))
+
+
+def oversized_header(item: Item) -> Optional[int]:
+    """The size of an item's header if it is over MAX_ITEM_HEADER_BYTES, else None. A bound on the
+    size (4 bytes a character, 9 a number, room for msgpack's own bytes) tells the usual small
+    header at a fraction of the cost of packing it, on the reader's hot path; only a header the
+    bound puts near the limit is packed."""
+    bound = 64
+    for value in item.meta.values():
+        bound += 24 + (4 * len(value) if type(value) is str else 0)
+    for key, dtype, shape in item.arrays:
+        bound += 24 + 4 * len(key) + len(dtype) + 9 * len(shape)
+    if bound <= MAX_ITEM_HEADER_BYTES:
+        return None
+    size = item_header_bytes(item)
+    return size if size > MAX_ITEM_HEADER_BYTES else None
+
+
+SHORT_TAG = 200  # characters of a seq tag that a message about it names
+
+
+def short_tag(tag: Optional[str]) -> Optional[str]:
+    """A seq tag as messages about it name it: a huge one shortened, so that it fits a header."""
+    if tag is None or len(tag) <= SHORT_TAG:
+        return tag
+    return f"{tag[:SHORT_TAG]}... ({len(tag)} characters)"
+
+
+PEEK_BYTES = 16 * wire.MAX_HEADER_BYTES  # how large a header a dropped message's report reads
+
+
+def dropped(frames: Sequence[Any], reason: str) -> Dropped:
+    """The report of a message that did not decode: what it names, read leniently (its header may be
+    over the cap, say; it is in memory already). Any position that cannot be read leaves `pos`
+    empty: every task of the run."""
+    report = Dropped(reason=reason[:500])
+    try:
+        header, _ = wire.split(frames, max_bytes=PEEK_BYTES)
+    except wire.WireError:
+        return report
+    kind, run, part, specs = header.get(KIND), header.get("run"), header.get("partition"), header.get("items")
+    positions = [_task_position(spec) if type(spec) is dict else None for spec in specs] if type(specs) is list else []
+    return dataclasses.replace(
+        report,
+        what=kind if type(kind) is str and len(kind) <= 40 else "",
+        run=_index(run),
+        partition=_index(part),
+        pos=_all_known(positions),
+    )
+
+
+def _index(value: Any) -> Optional[int]:
+    return value if _is_int(value) and value >= 0 else None
+
+
+def dropped_items(msg: Message, bad: Sequence[BadItem], reason: str) -> Dropped:
+    """The report of items of a decoded message that did not check."""
+    return Dropped(
+        what=msg.kind,
+        run=getattr(msg, "run", None),
+        partition=getattr(msg, "partition", None),
+        pos=_all_known([b.pos for b in bad]),
+        reason=reason[:500],
+    )
+
+
+def _all_known(positions: Sequence[Optional[int]]) -> List[int]:
+    """Positions as a report names them: all (each task once: a batch's seqs name it), or none when one
+    is unknown (every task of the run)."""
+    known = [p for p in positions if p is not None]
+    return list(dict.fromkeys(known)) if len(known) == len(positions) else []
 
 
 def seq_to_item(seq: Dict[str, Any], pos: int) -> Item:

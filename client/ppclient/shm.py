@@ -17,6 +17,11 @@ may reuse its memory; `release()` does that earlier, by hand, after which the bl
 arrays must not be used. A consumer that holds arrays forever never blocks a producer: the
 ring fills up, `alloc` returns None and the bytes travel over the socket.
 
+A consumer marks a block taken when it makes arrays of it. So once a consumer has said it
+takes no more blocks (it closed), its producer knows which of its blocks it never took
+(still in a socket, or on the way) and frees those at once (`release_owner(taken=False)`);
+the taken ones stay the consumer's until it drops their arrays, or exits.
+
 Memory: a segment is committed when it is created (posix_fallocate), so a machine short of
 memory fails there, not later inside a write. On a memfd that commit does not fail with
 ENOSPC when memory runs out (there is no size limit to hit): the kernel's OOM killer runs
@@ -28,11 +33,13 @@ writes (SIGBUS): it is sealed against that.
 
 Memory ordering, kept simple: the producer fills a block before it hands the Ref to
 ZeroMQ, whose send and receive (system calls, locks) order the data before the consumer's
-first read. The consumer releases a block with one aligned 8-byte store to its state word
-(one instruction on x86-64 and arm64, never torn), which the producer loads before it
-reuses the block. This assumes the consumer's last reads of a block are visible as done
-before that store: guaranteed on x86-64 (stores are not reordered before earlier loads),
-and in practice elsewhere, since the store runs only after the arrays became garbage.
+first read. The consumer marks a block taken, and releases it, with one aligned 8-byte store
+each to its state word (one instruction on x86-64 and arm64, never torn), which the producer
+loads before it reuses the block; it marks before it says it closed (a message: system calls
+again), so the producer never frees a block the consumer took. This assumes the consumer's
+last reads of a block are visible as done before its release: guaranteed on x86-64 (stores
+are not reordered before earlier loads), and in practice elsewhere, since the store runs only
+after the arrays became garbage.
 """
 
 from __future__ import annotations
@@ -67,8 +74,9 @@ COMMIT_STEP = 16 << 20  # bytes committed between two looks at the memory availa
 
 # Block states, the low byte of a block's state word; the rest of the word is the block's
 # seq, so a release through a stale Ref (the block reused since) changes nothing.
-IN_USE = 1
-RELEASED = 2
+IN_USE = 1  # handed out by the producer
+RELEASED = 2  # free: the producer may reuse its room
+TAKEN = 3  # in use, and the consumer has made arrays of it
 
 _PLAIN_KINDS = set("biufcUSmM")  # what raw bytes rebuild without running code
 
@@ -397,8 +405,10 @@ class Ring:
         if words is not None and int(words[at // 8]) == (seq << 8) | IN_USE:
             words[at // 8] = (seq << 8) | RELEASED
 
-    def release_owner(self, owner: bytes) -> int:
+    def release_owner(self, owner: bytes, taken: bool = True) -> int:
         """Release every block handed to `owner` (a consumer known to be gone); returns how many.
+        `taken=False`: only those it never made arrays of (a consumer that said it takes no more
+        blocks: those it took may still be in use).
 
         Only for consumers that are gone: one still alive would find its arrays overwritten
         (its own late releases are harmless: they name the blocks' old seqs).
@@ -408,7 +418,8 @@ class Ring:
             return 0
         n = 0
         for at, (_span, seq, who) in zip(self._offsets, self._blocks):
-            if who == owner and int(words[at // 8]) == (seq << 8) | IN_USE:
+            state = int(words[at // 8])
+            if who == owner and (state == (seq << 8) | IN_USE or (taken and state == (seq << 8) | TAKEN)):
                 words[at // 8] = (seq << 8) | RELEASED
                 n += 1
         self._reclaim()
@@ -520,7 +531,7 @@ def _release_block(words: np.ndarray, index: int, seq: int, key: int, pid: int) 
     _leases.pop(key, None)
     if os.getpid() != pid:  # a forked copy of the arrays died; the parent's are still in use
         return
-    if int(words[index]) == (seq << 8) | IN_USE:
+    if int(words[index]) in ((seq << 8) | TAKEN, (seq << 8) | IN_USE):
         words[index] = (seq << 8) | RELEASED  # the one store the producer waits for
 
 
@@ -593,7 +604,8 @@ class Mapping:
             raise ShmUnavailable(f"block {offset}+{nbytes} is outside the segment of {size} bytes")
         index = (offset - BLOCK_HEADER) // 8
         if int(words[index]) != (seq << 8) | IN_USE or int(words[index + 2]) != nbytes:
-            raise ShmUnavailable(f"stale block reference {tuple(ref)}: released or reused since")
+            raise ShmUnavailable(f"stale block reference {tuple(ref)}: taken, released or reused since")
+        words[index] = (seq << 8) | TAKEN  # before the arrays exist: the producer leaves it alone from now on
         # All arrays are views of `owner`, whose base is the mmap itself, so numpy's view
         # chains end at it: it dies (and the finalizer releases) only after the last view.
         owner = np.frombuffer(mm, np.uint8, count=nbytes, offset=offset)

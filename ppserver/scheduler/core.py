@@ -40,6 +40,7 @@ from ppclient.protocol import (
     Seqs,
     Started,
     Superseded,
+    Tasks,
     Unknown,
 )
 
@@ -74,6 +75,7 @@ class Scheduler:
         self.malformed_results = 0
         self.lost_direct = 0  # direct results a consumer reported missing (made again)
         self.lost_inputs = 0  # inputs a worker could not read (made again)
+        self.dropped_by_workers = 0  # messages workers dropped unread (what they carried redone)
         self.departures: Counter = Counter()
         self.handed_back = 0
         self.last_beat = float("-inf")
@@ -104,6 +106,7 @@ class Scheduler:
             ev.ReplayRead: self._on_replay,
             ev.CompletedReceived: self._on_completed,
             ev.InputsLost: self._on_inputs_lost,
+            ev.MessageDropped: self._on_dropped,
             ev.MissingReported: self._on_missing,
             ev.ReadFailed: lambda e, out: self._fail_id(
                 e.run, Failure(FailureKind.DATASET, e.message, traceback=e.traceback), out
@@ -111,7 +114,7 @@ class Scheduler:
             ev.RunFailedElsewhere: lambda e, out: self._fail_id(e.run, Failure(FailureKind.SERVER, e.message), out),
             ev.CreditGranted: self._on_credit,
             ev.ConsumerAlive: self._on_alive,
-            ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out),
+            ev.ConsumerClosed: lambda e, out: self._consumer_gone(e.consumer, "closed", out, closed=True),
         }
 
     # ---- the one entry point -----------------------------------------------------------------
@@ -270,6 +273,37 @@ class Scheduler:
                 failure = d.results_received(w, [], [BadItem(None, e.reason)])
             elif isinstance(d, StreamDispatch):
                 failure = d.malformed_message(w, e.reason, self.workers, out)
+            else:
+                continue
+            self._maybe_fail(run_id, failure, out)
+
+    def _on_dropped(self, e: ev.MessageDropped, out: List[Instruction]) -> None:
+        """A message the worker could not take: the tasks or stream partition it carried are redone
+        elsewhere, charged to their seqs; one it could not read at all charges everything the
+        worker holds. Other messages (a route, say) carried no work: the worker goes on without."""
+        w = self.workers[e.wid]
+        self.dropped_by_workers += 1
+        log.warning(
+            "worker %s dropped a %s message%s from the server: %s",
+            w.name,
+            repr(e.what) if e.what else "unreadable",
+            f" of run {e.run}" if e.run is not None else "",
+            e.reason,
+        )
+        if e.what not in ("", Tasks.kind) and not e.what.startswith("stream_"):
+            return  # it carried no work
+        if e.what and e.run is not None:
+            targets, positions, partition = [e.run], e.positions, e.partition
+        else:  # which run it was is not known: everything the worker holds
+            targets = [run_id for run_id in self.runs if any(r == run_id for r, _ in w.tasks | w.partitions)]
+            positions, partition = [], None
+        for run_id in targets:
+            run = self.runs.get(run_id)  # (None: a run that ended: nothing to redo)
+            d = run.dispatch if run is not None else None
+            if isinstance(d, SeqDispatch) and e.what in ("", Tasks.kind):
+                failure = d.dropped(w, positions, e.reason)
+            elif isinstance(d, StreamDispatch) and e.what != Tasks.kind:
+                failure = d.dropped(w, partition, e.reason, self.workers, out)
             else:
                 continue
             self._maybe_fail(run_id, failure, out)
@@ -528,15 +562,16 @@ class Scheduler:
             lane.gone = True
             self._check_finished(other, out)
 
-    def _consumer_gone(self, consumer: bytes, why: str, out: List[Instruction]) -> None:
-        """A client closed or went silent: its lanes are dropped (the rank may resume later)."""
+    def _consumer_gone(self, consumer: bytes, why: str, out: List[Instruction], closed: bool = False) -> None:
+        """A client closed or went silent: its lanes are dropped (the rank may resume later).
+        `closed`: it said so, and takes nothing more: the workers free the blocks it never took."""
         job = self.job
         client = job.clients.pop(consumer, None) if job is not None else None
         if job is None or client is None:
             return
         if client.route is not None:
             for wid in self.workers:
-                out.append(ToWorker(wid, ConsumerGone(consumer=consumer)))
+                out.append(ToWorker(wid, ConsumerGone(consumer=consumer, closed=closed)))
         for run, lane in job.lanes_of(consumer):
             if lane.gone:
                 continue
@@ -993,6 +1028,7 @@ class Scheduler:
             "malformed_results": self.malformed_results,
             "lost_direct_results": self.lost_direct,
             "lost_inputs": self.lost_inputs,
+            "dropped_by_workers": self.dropped_by_workers,
             "departures": {d.value: n for d, n in self.departures.items()},
             "handed_back": self.handed_back,
             "job": None,

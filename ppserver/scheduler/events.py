@@ -100,6 +100,18 @@ class InputsLost(WorkerEvent):
 
 
 @dataclass(slots=True)
+class MessageDropped(WorkerEvent):
+    """The worker dropped a message of the server's unread (see protocol.Dropped): what it carried
+    is redone elsewhere, charged, or the run fails naming the seq."""
+
+    what: str  # its kind ("": unreadable: everything the worker holds is charged)
+    run: Optional[int] = None
+    partition: Optional[int] = None
+    positions: List[int] = field(default_factory=list)  # empty: every task of the run it holds
+    reason: str = ""
+
+
+@dataclass(slots=True)
 class TaskFailed(WorkerEvent):
     run: int
     pos: int

@@ -27,7 +27,7 @@ import heapq
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Set, Tuple, Union
 
-from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks
+from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks, short_tag
 
 from .instructions import Instruction, ToWorker
 from .settings import Failure, Settings
@@ -74,6 +74,7 @@ class SeqDispatch:
         # may not have read them yet, so they stay until the task is settled
         self.orphans: Dict[int, Union[Item, Batch]] = {}
         self.unreadable: Dict[int, int] = {}  # times a position's input could not be read by its worker
+        self.refused: Dict[int, int] = {}  # times a worker dropped a position's task unread
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: List[Union[Item, Batch]]) -> None:
@@ -138,8 +139,9 @@ class SeqDispatch:
         return None
 
     def _tag(self, pos: int) -> str:
+        """The seq at `pos` as failures name it (a huge tag shortened: it must fit their message)."""
         item = self.pending.get(pos)
-        tag = item.seq_tag if item is not None else None
+        tag = short_tag(item.seq_tag) if item is not None else None
         return tag if tag is not None else f"#{pos}"
 
     def _what(self, pos: int) -> str:
@@ -243,6 +245,29 @@ class SeqDispatch:
                 redone += 1
         return redone, None
 
+    def dropped(self, w: WorkerState, positions: List[int], reason: str) -> Optional[Failure]:
+        """Tasks `w` dropped unread (their message did not decode, say; none named: every one of this
+        run it holds): each goes to another worker if there is one. A seq whose task `max_seq_retries`
+        workers dropped fails the run naming it: its input is what they cannot take."""
+        for pos in positions or [p for run, p in sorted(w.tasks) if run == self.run]:
+            if self.inflight.get(pos) != w.wid:
+                continue  # late, or not this worker's
+            if pos not in self.pending:
+                self._settle(w, pos)  # dropped meanwhile
+                continue
+            self._settle(w, pos, keep_input=True)
+            self.refused[pos] = self.refused.get(pos, 0) + 1
+            if self.refused[pos] >= self.settings.max_seq_retries:
+                tag = self._tag(pos)
+                return Failure(
+                    FailureKind.DATASET,
+                    f"seq {tag!r} (position {pos}): {self.refused[pos]} workers could not take its input ({reason})",
+                    seq_tag=tag,
+                )
+            self.avoid[pos] = w.wid
+            heapq.heappush(self.todo, pos)
+        return None
+
     def task_failed(self, w: WorkerState, pos: int) -> bool:
         """Whether a mapper failure the worker reports fails the run: not for a task it does not hold
         (late: redone elsewhere) nor for a position no one wants any more (its input may be gone)."""
@@ -284,6 +309,7 @@ class SeqDispatch:
             self.deaths.pop(pos, None)
             self.malformed.pop(pos, None)
             self.unreadable.pop(pos, None)
+            self.refused.pop(pos, None)
             self.avoid.pop(pos, None)
             self.pending.pop(pos, None)
 
@@ -388,6 +414,7 @@ class SeqDispatch:
         self.deaths.pop(pos, None)
         self.malformed.pop(pos, None)
         self.unreadable.pop(pos, None)
+        self.refused.pop(pos, None)
         self.avoid.pop(pos, None)
 
     def total(self) -> Optional[int]:

@@ -26,6 +26,7 @@ from ppclient.protocol import (
     StreamEnd,
     StreamInputs,
     StreamOpen,
+    short_tag,
 )
 
 from .instructions import Instruction, Replay, ToWorker
@@ -134,27 +135,28 @@ class StreamDispatch:
         for run, p in sorted(w.partitions):
             if run != self.run or self.parts[p].wid != w.wid:
                 continue
-            failure = self._restart(self.parts[p], "killed", counts=crashed)
+            failure = self._restart(self.parts[p], "killed {n} workers", counts=crashed)
             if failure is not None:
                 return failure
         w.partitions = {(run, p) for run, p in w.partitions if run != self.run}
         self._assign(workers, out)
         return None
 
-    def _restart(self, part: Partition, what: str, *, counts: bool) -> Optional[Failure]:
-        """Take the partition from its owner; `counts`: charge it (a crash or a malformed output)."""
+    def _restart(
+        self, part: Partition, what: str, *, counts: bool, kind: FailureKind = FailureKind.MAPPER
+    ) -> Optional[Failure]:
+        """Take the partition from its owner; `counts`: charge it (a crash, a malformed output, an
+        input the worker could not take), failing the run as `kind` once it has cost too many;
+        `what` says what it cost, "{n}" standing for how many times."""
         if counts:
             if part.received > part.received_at_death:
                 part.deaths = 0  # progress since the last failure: that one was not its fault
             part.deaths += 1
             part.received_at_death = part.received
             if part.deaths >= self.settings.max_seq_retries:
-                tag = part.last_tag or f"partition {part.index}"
-                return Failure(
-                    FailureKind.MAPPER,
-                    f"stream partition {part.index} (last input {tag!r}) {what} {part.deaths} workers",
-                    seq_tag=tag,
-                )
+                tag = short_tag(part.last_tag) or f"partition {part.index}"
+                cost = what.replace("{n}", str(part.deaths))
+                return Failure(kind, f"stream partition {part.index} (last input {tag!r}) {cost}", seq_tag=tag)
         part.wid = None
         part.replay_until = part.fed - len(part.queue)
         part.replay.clear()
@@ -227,12 +229,46 @@ class StreamDispatch:
             w.done += 1
         if not broken:
             return None
-        failure = self._restart(part, "sent malformed outputs from", counts=True)
+        return self._take_back(w, part, "sent malformed outputs from {n} workers", workers, out)
+
+    def _take_back(
+        self,
+        w: WorkerState,
+        part: Partition,
+        what: str,
+        workers: Dict[bytes, WorkerState],
+        out: List[Instruction],
+        kind: FailureKind = FailureKind.MAPPER,
+    ) -> Optional[Failure]:
+        """`w` let the partition down: it restarts on another worker, charged."""
+        failure = self._restart(part, what, counts=True, kind=kind)
         if failure is not None:
             return failure
-        w.partitions.discard((self.run, partition))
-        out.append(ToWorker(w.wid, StreamClose(run=self.run, partition=partition)))
+        w.partitions.discard((self.run, part.index))
+        out.append(ToWorker(w.wid, StreamClose(run=self.run, partition=part.index)))
         self._assign(workers, out, avoid=w.wid)
+        return None
+
+    def dropped(
+        self,
+        w: WorkerState,
+        partition: Optional[int],
+        reason: str,
+        workers: Dict[bytes, WorkerState],
+        out: List[Instruction],
+    ) -> Optional[Failure]:
+        """`w` dropped a message of the partition unread (None: of a partition of this run it runs):
+        its stream misses what it carried, so it restarts elsewhere, charged; `max_seq_retries`
+        such restarts without progress fail the run naming its last input."""
+        mine = [p for run, p in sorted(w.partitions) if run == self.run]
+        for p in mine if partition is None else [partition]:
+            part = self.parts[p] if 0 <= p < len(self.parts) else None
+            if part is None or part.wid != w.wid:
+                continue  # not (or no longer) its partition
+            what = f"could not be taken by {{n}} workers ({reason})"
+            failure = self._take_back(w, part, what, workers, out, FailureKind.DATASET)
+            if failure is not None:
+                return failure
         return None
 
     def malformed_message(
