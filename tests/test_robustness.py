@@ -550,7 +550,7 @@ def test_a_worker_reports_every_message_it_drops(tmp_path):
             what="tasks", run=5, pos=[3], reason="run 5 is not open here"
         )
         server.send(protocol.encode(protocol.RunOpen(run=5, epoch=1)))
-        header = good.header(pos=4)
+        header = {**good.header(), "i": 4}
         header["meta"] = ["seq_tag", "s"]  # not a map
         server.send(protocol.encode_batch(protocol.Tasks(run=5), [header], list(good.frames)))
         dropped = server.next(protocol.Dropped)

@@ -181,7 +181,7 @@ def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
     it = iter(loader)
     first = [next(it) for _ in range(4)]
     state = copy.deepcopy(loader.state_dict())
-    del it, loader
+    assert_same_batches(first + list(it), want)  # the uninterrupted epoch
     resumed = stateful.StatefulDataLoader(
         pptorch.ServerDataset(srv.address, **opts), batch_size=None, num_workers=workers
     )
