@@ -185,7 +185,8 @@ class StageClock:
         run = self.sched.runs.get(e.run)
         if run is not None and self.taken:
             for pos, nbytes in zip(e.positions, e.nbytes):  # taken before the server heard of it
-                consumer = run.lanes[pos % run.width].consumer
+                lane = run.lane_of(pos)
+                consumer = lane.consumer if lane is not None else None
                 if consumer is None:
                     continue
                 taken = self.taken.get((e.run, consumer))
@@ -255,7 +256,7 @@ class StageClock:
     def _lane(self, run_id: int, consumer: bytes) -> Any:
         run = self.sched.runs.get(run_id)
         if run is not None:
-            for lane in run.lanes:
+            for lane in run.lanes.values():
                 if lane.consumer == consumer:
                     return lane
         return None

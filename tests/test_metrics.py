@@ -5,17 +5,21 @@ epoch back) for a slow trainer, slow workers and a slow dataset, and the progres
 from __future__ import annotations
 
 import json
+import os
+import resource
+import selectors
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import zmq
 from conftest import REPO, collect, free_port, numpy_config, read, run_server, wait_for, write_config
 
+from ppserver.metrics import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from ppserver.stages import STAGES
 
 SLOW_MAPPER = """
@@ -237,3 +241,122 @@ def test_progress_line_in_the_server_log(tmp_path):
     with run_server(quiet, workers=1, log_path=qlog) as srv, srv.client() as c:
         assert len(collect(c.epoch(1))) == 60
     assert "seqs/s, ETA" not in read(qlog)
+
+
+def open_idle(port: int, n: int, batch: int = 8, timeout: float = 60.0) -> List[socket.socket]:
+    """Up to `n` TCP connections to the port that send nothing, opened `batch` at a time, as many
+    as connect within `timeout` (a server that stops accepting them leaves the rest unconnected)."""
+    socks: List[socket.socket] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        while len(socks) < n and time.monotonic() < deadline:
+            for _ in range(min(batch, n - len(socks)) - len(sel.get_map())):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+                sel.register(s, selectors.EVENT_WRITE)
+            for key, _ in sel.select(0.5):
+                sel.unregister(key.fileobj)
+                s = key.fileobj
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    socks.append(s)
+                else:
+                    s.close()
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
+    return socks
+
+
+def wait_closed(socks: List[socket.socket], timeout: float) -> int:
+    """Wait until the peer has closed every socket (or `timeout`); how many it closed."""
+    closed = 0
+    with selectors.DefaultSelector() as sel:
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(0.5):
+                try:
+                    data = key.fileobj.recv(64)
+                except ConnectionError:
+                    data = b""
+                assert data == b"", data  # an idle connection is closed unanswered
+                sel.unregister(key.fileobj)
+                closed += 1
+    return closed
+
+
+def descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def threads(pid: int) -> int:
+    (line,) = [ln for ln in read(f"/proc/{pid}/status").splitlines() if ln.startswith("Threads:")]
+    return int(line.split()[1])
+
+
+def test_idle_metrics_connections_cost_a_bounded_number_of_descriptors_and_are_closed(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=20)
+    port = free_port()
+    with run_server(cfg, workers=1, extra=["--metrics", f"127.0.0.1:{port}"]) as srv:
+        pid = srv.proc.pid
+        scrape_until(port, lambda m: value(m, "ppserver_workers", host=socket.gethostname()) == 1, "the worker")
+        fds, nthreads = descriptors(pid), threads(pid)
+        # the server may have 128 descriptors open (the default limit, 1024, made cheap to reach):
+        # more idle connections than that would take every one it has for its clients
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (128, hard))
+        n = 300
+        idle = open_idle(port, n, timeout=30)
+        try:
+            with srv.client(timeout=20) as c:  # new connections of a client, and its epoch
+                assert c.info()["num_seqs"] == 20
+                assert len(collect(c.epoch(1))) == 20
+            m = scrape_until(port, lambda m: delivered(m) == 20, "the epoch's count")
+            assert len(idle) == n  # every connection was accepted (the oldest ones closed since)
+            assert value(m, "process_open_fds") <= fds + MAX_CONNECTIONS + 8 and threads(pid) == nthreads
+            # every idle connection is closed by the server: the oldest at once, the last within the timeout
+            assert wait_closed(idle, REQUEST_TIMEOUT_S + 10) == n
+            assert descriptors(pid) <= fds + 4  # (the client's connection may linger a moment)
+        finally:
+            for s in idle:
+                s.close()
+
+
+def http(port: int, request: bytes) -> Tuple[str, Dict[str, str], bytes]:
+    """One raw HTTP exchange: the status line, the headers (lower-case names), the body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    assert int(headers["content-length"]) == len(body)
+    return status, headers, body
+
+
+def test_metrics_endpoint_answers_as_prometheus_asks(tmp_path):
+    import gzip
+
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
+    port = free_port()
+    with run_server(cfg, workers=1, extra=["--metrics", f"127.0.0.1:{port}"]):
+        scrape_until(port, lambda m: value(m, "ppserver_workers", host=socket.gethostname()) == 1, "the worker")
+        get = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+        status, headers, body = http(port, get + b"\r\n")
+        assert status == "HTTP/1.1 200 OK" and headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert f'ppserver_workers{{host="{socket.gethostname()}"}} 1.0' in body.decode().splitlines()
+        asked = b"Accept: application/openmetrics-text; version=1.0.0\r\nAccept-Encoding: gzip\r\n\r\n"
+        status, headers, body = http(port, get + asked)
+        assert headers["content-type"].startswith("application/openmetrics-text")
+        assert headers["content-encoding"] == "gzip" and gzip.decompress(body).endswith(b"# EOF\n")
+        status, headers, body = http(port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        assert status == "HTTP/1.1 200 OK" and body == b""
+        post = b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+        assert http(port, post)[0] == "HTTP/1.1 405 Method Not Allowed"
+        assert http(port, b"nonsense\r\n\r\n")[0] == "HTTP/1.1 400 Bad Request"
+        huge = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"x" * 10000 + b"\r\n\r\n"
+        assert http(port, huge)[0] == "HTTP/1.1 431 Request Header Fields Too Large"
+        assert value(scrape(port), "ppserver_workers", host=socket.gethostname()) == 1  # still serving

@@ -34,6 +34,7 @@ from conftest import (
 )
 
 import ppclient
+from ppserver.scheduler import MAX_READERS
 
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):
@@ -480,3 +481,61 @@ def test_status_shows_the_job_and_its_ranks(tmp_path):
     for rank, least in ((0, 3), (1, 2)):
         m = re.search(rf"^  rank {rank} +epoch 1 \(run \d+\) +position (\d+)/15 +([\d.]+) seqs/s", res.stdout, re.M)
         assert m and int(m.group(1)) >= least and float(m.group(2)) > 0, res.stdout
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory, from /proc."""
+    for line in read(f"/proc/{pid}/status").splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_a_job_of_too_many_readers_is_refused_at_once_and_one_at_the_bound_costs_its_readers_only(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=30, extra="buf_size = 2\n")
+    want = {epoch: reference(cfg, epoch) for epoch in (1, 2)}
+    bound = f"above the {MAX_READERS}"
+    with run_server(cfg, workers=1) as srv:
+        # no job runs: the request would make the job (it made a lane for every reader of it)
+        with ppclient.Client(srv.address, world_size=10**6, job="huge", timeout=20) as huge:
+            with pytest.raises(ppclient.Error, match=f"world_size 1000000 is {bound} readers a job may have"):
+                huge.epoch(1)
+        # a job runs: requests of a too wide one are refused, by another client, while it reads on
+        refusals: List[str] = []
+
+        def ask_too_wide() -> None:
+            for world, parts in ((10**6, 1), (MAX_READERS // 4, 8)):
+                with ppclient.Client(srv.address, world_size=world, subshard=(0, parts), job="train", timeout=20) as c:
+                    try:
+                        c.epoch(1)
+                    except ppclient.Error as exc:
+                        refusals.append(str(exc))
+
+        with ppclient.Client(srv.address, job="train", timeout=30) as train:
+            it = train.epoch(1)
+            got = [next(it) for _ in range(3)]
+            asker = threading.Thread(target=ask_too_wide)
+            asker.start()
+            got += collect(it)
+            asker.join(timeout=60)
+            assert not asker.is_alive()
+        assert_same_epoch(got, want[1])
+        assert len(refusals) == 2 and all(bound in r for r in refusals), refusals
+        assert f"= {MAX_READERS * 2} readers" in refusals[1]
+        # a job at the bound: served to the readers that come, which cost the server what they cost
+        before = rss_mb(srv.proc.pid)
+        kw = dict(world_size=MAX_READERS, job="wide", drop_last=False, timeout=30)
+        with ppclient.Client(srv.address, rank=0, **kw) as a, ppclient.Client(srv.address, rank=1, **kw) as b:
+            ita, itb = a.epoch(2), b.epoch(2)
+            assert (len(ita), len(itb)) == (1, 1)  # 30 seqs: one for each of the job's first 30 ranks
+            assert_same_epoch(collect(ita) + collect(itb), want[2][:2])
+            with srv.client() as other:
+                assert other.info()["num_seqs"] == 30
+                st = other.status()
+            assert st["job"]["world_size"] == MAX_READERS and sorted(r["rank"] for r in st["ranks"]) == [0, 1]
+            assert "rank(s) 2, 3, 4, 5, 6, 7, 8, 9 of job 'wide' to connect" in st["waiting_for"]
+            grew = rss_mb(srv.proc.pid) - before
+        assert grew < 32, f"the server grew by {grew:.0f} MB for a job of {MAX_READERS} readers"
+        with ppclient.Client(srv.address, job="train", timeout=30) as train:
+            wait_for(lambda: train.status()["job"]["clients"] == 0, 10, "the wide job's clients to be gone")
+            assert_same_epoch(collect(train.epoch(2)), want[2])

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ppclient import protocol
 from ppclient.protocol import BadItem, Item
 from ppserver.scheduler import (
+    MAX_READERS,
     Departure,
     Instruction,
     Prepare,
@@ -627,6 +628,93 @@ def test_another_job_is_refused_while_a_client_of_this_one_lives():
     sim(ev.Tick)
     run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
     assert run is not None and sim.s.job.name == "eval"
+
+
+def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running_epoch_goes_on():
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    for world, parts in [(MAX_READERS + 1, 1), (MAX_READERS // 4, 8), (10**12, 1)]:
+        run, out = sim.request(1, consumer=b"big", job="big", world_size=world, subshards=parts)
+        assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="job"))]
+        assert f"above the {MAX_READERS}" in refusal(out) and f"{world * parts} " in refusal(out) + " "
+        assert sim.s.job is None  # nothing was made for it
+    sim.start(8)
+    sim.feed(range(4))
+    assert delivered(sim.results(b"w1", [0, 1])) == [0, 1]
+    # a request of the running job's name: refused for its size, before it could conflict with the job
+    run, out = sim.request(1, consumer=b"big", world_size=MAX_READERS * 2)
+    assert run is None and len(out) == 1 and f"world_size {MAX_READERS * 2} is above the" in refusal(out)
+    assert delivered(sim.results(b"w1", [2, 3])) == [2, 3]
+    assert sim.s.job is not None and sim.s.job.world == 1 and list(sim.s.job.clients) == [CONSUMER]
+
+
+def test_a_job_of_max_readers_has_state_only_for_the_readers_that_came():
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    sim.join(b"w2")
+    world, parts = MAX_READERS // 4, 4
+
+    def come(rank: int, part: int) -> int:
+        consumer = b"r%d-s%d" % (rank, part)
+        run, _ = sim.request(
+            1, consumer=consumer, job="big", rank=rank, world_size=world, subshard=part, subshards=parts
+        )
+        assert run is not None
+        sim(ev.CreditGranted, consumer, run, 100)
+        return run
+
+    sim.run = run = come(0, 0)
+    sim(ev.RunChecked, run)
+    sim(ev.RunStarted, run, 1, 3 * MAX_READERS)
+    assert come(1, 0) == run
+    finish(sim, run)
+    # positions 0 and 1 went to their readers; position 2's reader has not come, so the release waits
+    # there, and the reader read a window ahead, not the epoch
+    assert delivered(sim.out, b"r0-s0") == [0] and delivered(sim.out, b"r1-s0") == [1]
+    assert max(reads(sim.out)) < 64
+    lanes = sim.s.runs[run].lanes
+    assert sorted(lanes) == [0, 1]
+    sim.now = 1.0
+    alive = keepalive_to(sim(ev.Tick), b"r0-s0")
+    assert "rank(s) 2, 3, 4, 5, 6, 7, 8, 9 of job 'big' to connect" in alive.waiting_for
+    # the last reader of the last rank comes; its lane is the only one more with state
+    last = come(world - 1, parts - 1)
+    assert last == run and sorted(lanes) == [0, 1, MAX_READERS - 1]
+    # the readers leave: the job's state goes with them, and a job of one reader runs at once
+    for consumer in (b"r0-s0", b"r1-s0", b"r%d-s%d" % (world - 1, parts - 1)):
+        sim(ev.ConsumerClosed, consumer)
+    assert sorted(lanes) == [0, 1, MAX_READERS - 1] and all(lanes[i].gone for i in lanes)
+    out = sim.start(4, consumer=b"small", job="small")
+    assert client_msgs(out, protocol.Superseded) == [] and sim.s.job is not None and sim.s.job.name == "small"
+    finish(sim, sim.run)
+    assert delivered(sim.out, b"small") == [0, 1, 2, 3]
+
+
+def test_a_solo_run_of_one_of_max_readers_lanes_reads_only_its_positions():
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    sim.join(b"w2")
+    kw = dict(job="big", world_size=MAX_READERS)
+    run, _ = sim.request(1, consumer=b"r0", rank=0, **kw)
+    sim(ev.CreditGranted, b"r0", run, 100)
+    run1, _ = sim.request(1, consumer=b"r1", rank=1, **kw)
+    sim(ev.CreditGranted, b"r1", run1, 100)
+    sim.run = run
+    sim(ev.RunChecked, run)
+    sim(ev.RunStarted, run, 1, 4 * MAX_READERS)
+    finish(sim, run)
+    assert delivered(sim.out, b"r0") == [0] and delivered(sim.out, b"r1") == [1]
+    # rank 0 restarts from the start of its shard, behind what was released to it: a solo run
+    solo, _ = sim.request(1, consumer=b"r0b", rank=0, **kw)
+    assert solo != run
+    sim(ev.CreditGranted, b"r0b", solo, 100)
+    sim(ev.RunChecked, solo)
+    sim(ev.RunStarted, solo, 1, 4 * MAX_READERS)
+    finish(sim, solo)
+    shard = list(range(0, 4 * MAX_READERS, MAX_READERS))
+    assert delivered(sim.out, b"r0b") == shard
+    assert [(i.consumer, i.msg.count) for i in client_msgs(sim.out, protocol.End)] == [(b"r0b", 4)]
+    assert sorted(p for i in sim.out if isinstance(i, Read) and i.run == solo for p in i.positions) == shard
 
 
 def test_keepalives_keep_a_busy_client_alive():

@@ -6,7 +6,7 @@ workers, the job and delivery, `jobs` the job's runs and their per-rank lanes, `
 """
 
 from . import events
-from .core import Scheduler
+from .core import MAX_READERS, Scheduler
 from .instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
 from .jobs import Job, Lane, Run
 from .settings import Failure, Settings
@@ -14,6 +14,7 @@ from .workers import Departure, WorkerState
 
 __all__ = [
     "events",
+    "MAX_READERS",
     "Scheduler",
     "Instruction",
     "Prepare",

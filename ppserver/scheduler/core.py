@@ -59,6 +59,10 @@ MAX_GRANT_AHEAD = 1 << 20  # a client cannot make the server hold more than this
 UNHEARD_MAX = 64  # ended lanes kept for a client that has not connected yet
 UNHEARD_S = 60.0
 MAX_EPOCHS = 2  # a job's runs span at most this many epochs (one being finished, the next one)
+# A job may have at most this many readers (world_size * readers per rank): each holds a connection
+# of its own to the server, so a job above it could never have them all connected. (Below it, a
+# reader costs nothing until it comes: see jobs.py.)
+MAX_READERS = 1 << 16
 
 
 class Scheduler:
@@ -220,7 +224,7 @@ class Scheduler:
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
         for run in self.runs.values():
-            for lane in run.lanes:
+            for lane in run.lanes.values():
                 if lane.consumer is not None and lane.connected and not lane.settled:
                     out.append(ToClient(lane.consumer, self._keepalive(run.run, *self._holdup(run, lane))))
 
@@ -390,6 +394,8 @@ class Scheduler:
             return f"rank {e.rank} is not below world_size {e.world_size}"
         if not 0 <= e.subshard < e.subshards:
             return f"reader {e.subshard} of a rank is not below its number of readers {e.subshards}"
+        if e.world_size * e.subshards > MAX_READERS:
+            return _too_many(e.world_size, e.subshards)
         job = self.job
         others = [client for consumer, client in job.clients.items() if consumer != e.consumer] if job else []
         if job is None or not others:
@@ -431,7 +437,8 @@ class Scheduler:
         epochs = {
             run.epoch
             for run in job.runs.values()
-            if any(lane.rank != e.lane and not lane.gone and not lane.done for lane in run.lanes)
+            if run.expecting(besides=e.lane)
+            or any(lane.rank != e.lane and not lane.gone and not lane.done for lane in run.lanes.values())
         }
         if epochs and e.epoch < max(epochs):
             return (
@@ -480,7 +487,7 @@ class Scheduler:
     @staticmethod
     def _can_attach(run: Run, e: ev.EpochRequested) -> bool:
         """Whether the run will still read, map and release the rank's seqs from `start` on."""
-        lane = run.lanes[e.lane]
+        lane = run.view(e.lane)
         if run.dispatch is None:
             return not lane.gone  # nothing read yet: the lane may start anywhere
         if lane.gone:
@@ -490,7 +497,7 @@ class Scheduler:
         return e.start >= lane.released
 
     def _attach(self, run: Run, e: ev.EpochRequested, out: List[Instruction]) -> None:
-        lane = run.lanes[e.lane]
+        lane = run.lane(e.lane)
         if lane.consumer is not None and lane.consumer != e.consumer and not lane.gone:
             self._to_lane(run, lane, Superseded(run=run.run, epoch=run.epoch), out)
         lane.attach(e.consumer, e.start, e.now, run.width)
@@ -525,13 +532,14 @@ class Scheduler:
             seq_list=e.seq_list,
             seq_order=e.seq_order,
             solo=solo,
+            base=e.start,
         )
         # Ranks that have not come yet are expected where this one starts (DDP ranks resume
-        # together), unless they are done with this epoch.
-        run.lanes = [
-            Lane(rank=r, start=e.start, gone=r != e.lane and (solo is not None or not job.expects(r, e.epoch)))
-            for r in range(job.lanes)
-        ]
+        # together), unless they are done with this epoch (in a solo run, none is): a lane gets
+        # state of its own only when its reader comes, or here if it is not expected.
+        if solo is None:
+            for r in job.unexpected(e.epoch) - {e.lane}:
+                run.lanes[r] = Lane(rank=r, start=e.start, gone=True)
         job.runs[run.run] = run
         self.runs[run.run] = run
         self.last_run = run
@@ -552,11 +560,9 @@ class Scheduler:
     def _leave_others(self, run: Run, rank: int, out: List[Instruction]) -> None:
         """Rank `rank` now reads `run`: its lanes in the job's other runs are dropped."""
         for other in list(run.job.runs.values()):
-            if other is run:
+            if other is run or other.view(rank).gone:
                 continue
-            lane = other.lanes[rank]
-            if lane.gone:
-                continue
+            lane = other.lane(rank)
             if lane.consumer is not None and not lane.done:
                 self._to_lane(other, lane, Superseded(run=other.run, epoch=run.epoch), out)
             lane.gone = True
@@ -587,7 +593,7 @@ class Scheduler:
         if run is None:
             return
         run.checked = True
-        for lane in run.lanes:
+        for lane in list(run.lanes.values()):
             if lane.consumer is not None and not lane.gone:
                 self._leave_others(run, lane.rank, out)
 
@@ -612,20 +618,21 @@ class Scheduler:
                 run.cutter = Cutter(run.job.batching)
                 run.total = None  # batches: known once the merged outputs are all cut
         else:
-            first = min(((lane.start * run.width + lane.rank) for lane in run.lanes if not lane.gone), default=0)
+            first = run.next_wanted(0)
             run.dispatch = SeqDispatch(
                 run.run,
                 e.num_seqs,
                 s,
                 wanted=run.wanted,
+                next_wanted=run.next_wanted,
                 end=run.end(),
-                first=first,
+                first=first or 0,
                 route=self._router(run) if s.direct else None,
                 width=run.width,
             )
         count = "an unknown number of" if e.num_seqs is None else str(e.num_seqs)
         log.info("epoch %d started (run %d, %s %s)", run.epoch, run.run, count, _inputs(run, s.stream))
-        for lane in run.lanes:
+        for lane in run.lanes.values():
             if lane.consumer is not None and not lane.gone:
                 self._to_lane(run, lane, self._started(run, lane), out)
         for w in self.workers.values():
@@ -673,7 +680,7 @@ class Scheduler:
     def _lane_of(self, consumer: bytes, run_id: int) -> Optional[Tuple[Run, Lane]]:
         run = self.runs.get(run_id)
         if run is not None:
-            for lane in run.lanes:
+            for lane in run.lanes.values():
                 if lane.consumer == consumer:
                     return run, lane
         return self.unheard.pop((run_id, consumer), None)  # keyed by consumer: a stranger pops nothing
@@ -716,8 +723,10 @@ class Scheduler:
         lanes, width = run.lanes, run.width
 
         def route(pos: int) -> bytes:
-            lane = lanes[pos % width]
-            return lane.consumer if lane.direct and lane.consumer is not None and not lane.gone else b""
+            lane = lanes.get(pos % width)
+            if lane is None or not lane.direct or lane.consumer is None or lane.gone:
+                return b""
+            return lane.consumer
 
         return route
 
@@ -739,7 +748,7 @@ class Scheduler:
     def _fail(self, run: Run, failure: Failure, out: List[Instruction]) -> None:
         log.error("epoch %d (run %d) failed: %s", run.epoch, run.run, failure.message)
         run.error = failure.message
-        for lane in run.lanes:
+        for lane in run.lanes.values():
             if lane.consumer is not None and not lane.gone and not lane.done:
                 self._flush(run, lane, out)
                 self._to_lane(
@@ -758,20 +767,20 @@ class Scheduler:
 
     def _supersede(self, run: Run, epoch: int, out: List[Instruction]) -> None:
         log.info("epoch %d (run %d) superseded", run.epoch, run.run)
-        for lane in run.lanes:
+        for lane in run.lanes.values():
             if lane.consumer is not None and not lane.gone and not lane.done:
                 self._to_lane(run, lane, Superseded(run=run.run, epoch=epoch), out)
         self._close(run, "superseded", out)
 
     def _check_finished(self, run: Run, out: List[Instruction]) -> None:
         """A run ends when every lane has settled: ended (its direct seqs all taken) or left."""
-        if run.live and all(lane.settled for lane in run.lanes):
-            self._close(run, "done" if any(lane.done for lane in run.lanes) else "superseded", out)
+        if run.live and not run.expecting() and all(lane.settled for lane in run.lanes.values()):
+            self._close(run, "done" if any(lane.done for lane in run.lanes.values()) else "superseded", out)
 
     def _close(self, run: Run, state: str, out: List[Instruction]) -> None:
         if state == "done":
             elapsed = max(self.now - (run.started or run.requested), 1e-9)
-            delivered = sum(lane.delivered for lane in run.lanes)
+            delivered = sum(lane.delivered for lane in run.lanes.values())
             unit = "batches" if run.job.batching is not None else "seqs"
             log.info(
                 "epoch %d (run %d) done: %d %s in %.2f s (%.1f %s/s)",
@@ -787,7 +796,7 @@ class Scheduler:
         run.ended = self.now
         self.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
-        for lane in run.lanes:
+        for lane in run.lanes.values():
             if lane.consumer is not None and lane.held:
                 self.unheard[(run.run, lane.consumer)] = (run, lane)
             lane.ready.clear()
@@ -814,7 +823,7 @@ class Scheduler:
             if isinstance(d, SeqDispatch) and d.late:
                 self._send_late(run, d, out)
             self._release(run, out)
-            for lane in run.lanes:
+            for lane in run.lanes.values():
                 self._flush(run, lane, out)
             self._finish_lanes(run, out)
             if not run.live:
@@ -831,7 +840,7 @@ class Scheduler:
         """Lost direct results made again go to their consumer at once (they were released)."""
         for item in d.late:
             lane = run.lane_of(item.pos)
-            if lane.consumer is not None and not lane.gone:
+            if lane is not None and lane.consumer is not None and not lane.gone:
                 out.append(ToClient(lane.consumer, Seqs(run=run.run), [item]))
         d.late.clear()
 
@@ -841,9 +850,15 @@ class Scheduler:
         width = run.width
         lanes = run.lanes
         group = run.group
+        absent_gone, base = run.absent_gone, run.base
 
         def room(pos: int) -> bool:
-            lane = lanes[pos % width]
+            lane = lanes.get(pos % width)
+            if lane is None:  # its reader has not come
+                if absent_gone or pos // width < base:
+                    return True
+                run.held_by = pos % width
+                return False
             if lane.gone or pos // width < lane.start:
                 return True
             run.held_by = lane.rank  # (until it has room: then the release goes on past it)
@@ -932,7 +947,9 @@ class Scheduler:
     def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:
         """Into its rank's lane (`end`: run.end(), passed in: this runs once per seq)."""
         width = run.job.lanes
-        lane = run.lanes[item.pos % width]
+        lane = run.lanes.get(item.pos % width)
+        if lane is None:
+            return  # its reader has not come: only outputs no one wants are released for it
         index = item.pos // width
         if index >= lane.released:
             lane.released = index + 1
@@ -967,7 +984,7 @@ class Scheduler:
                 out.append(ToClient(lane.consumer, Seqs(run=run.run), sent))  # type: ignore[arg-type]
 
     def _finish_lanes(self, run: Run, out: List[Instruction]) -> None:
-        for lane in run.lanes:
+        for lane in run.lanes.values():
             if lane.done or lane.gone or lane.consumer is None:
                 continue
             size = run.shard_size(lane.rank)
@@ -1005,12 +1022,12 @@ class Scheduler:
         job = run.job
         if not self.workers:
             return "a worker (none is connected)", False
-        if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes)):
+        if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes.values())):
             return "the trainer (no credit)", False
-        held = run.lanes[run.held_by] if run.held_by is not None else None
+        held = run.lanes.get(run.held_by) if run.held_by is not None else None
         if held is not None and held is not lane and held.consumer in job.clients:
             return f"{job.who(held.rank)} of job {job.name!r} to take its seqs (the next one waits for credit)", True
-        missing = [ln.rank for ln in run.lanes if ln.consumer is None and not ln.gone]
+        missing = run.awaited(8)
         if missing:
             return f"rank(s) {', '.join(map(str, missing[:8]))} of job {run.job.name!r} to connect", False
         q = run.dispatch.queues()
@@ -1042,7 +1059,7 @@ class Scheduler:
                 "epochs": sorted({r.epoch for r in job.runs.values()}),
             }
             for run in sorted(job.runs.values(), key=lambda r: r.run):
-                for lane in run.lanes:
+                for _, lane in sorted(run.lanes.items()):
                     if lane.consumer is None or lane.gone:
                         continue
                     size = run.shard_size(lane.rank)
@@ -1083,7 +1100,7 @@ class Scheduler:
             return st
         began = last.started if last.started is not None else last.requested
         end = now if last.ended is None else last.ended
-        delivered = sum(lane.delivered for lane in last.lanes)
+        delivered = sum(lane.delivered for lane in last.lanes.values())
         st.update(
             {
                 "epoch": last.epoch,
@@ -1092,12 +1109,12 @@ class Scheduler:
                 "num_seqs": last.total,
                 "seqs_delivered": delivered,
                 "seqs_per_sec": round(delivered / max(end - began, 1e-9), 2),
-                "mb_delivered": round(sum(lane.delivered_bytes for lane in last.lanes) / 1e6, 3),
+                "mb_delivered": round(sum(lane.delivered_bytes for lane in last.lanes.values()) / 1e6, 3),
                 "error": last.error,
                 "waiting_for": self._holdup(last)[0] if last.live else None,
                 "queues": {
                     **(last.dispatch.queues() if last.dispatch is not None and last.live else {}),
-                    "client_credit": sum(max(lane.credit, 0) for lane in last.lanes if lane.live),
+                    "client_credit": sum(max(lane.credit, 0) for lane in last.lanes.values() if lane.live),
                 },
             }
         )
@@ -1135,6 +1152,16 @@ def _length(item: Item, key: Optional[str]) -> int:
 
 def _batching(batching: Optional[Any]) -> str:
     return "one seq at a time" if batching is None else f"batches of {batching.describe()}"
+
+
+def _too_many(world: int, readers: int) -> str:
+    """The refusal of a job with more readers than MAX_READERS, in one line."""
+    if readers == 1:
+        return f"world_size {world} is above the {MAX_READERS} readers a job may have"
+    return (
+        f"world_size {world} x {readers} readers per rank (DataLoader num_workers {readers}) = {world * readers} "
+        f"readers, above the {MAX_READERS} a job may have"
+    )
 
 
 def _describe_exit(rc: int) -> str:

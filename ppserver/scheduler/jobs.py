@@ -14,6 +14,11 @@ num_seqs % world_size positions, so that every rank gets the same count.
 A job that batches has its epochs cut into batches (cut.py), and then a position is a batch:
 batch j goes to lane j % lanes, counts, starts and credit count batches, and drop_last makes
 every rank's number of batches equal.
+
+A lane has state of its own only once its reader comes (or it leaves the run): until then
+it is the run's `base` one (expected from index `base` on; gone, in a solo run). So a job
+of many readers costs, on a request and on every event, what its readers that came cost,
+not what its world_size says.
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ class Run:
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
     solo: Optional[int] = None  # the rank a solo run serves
-    lanes: List[Lane] = field(default_factory=list)
+    lanes: Dict[int, Lane] = field(default_factory=dict)  # the lanes with state of their own, by index
+    base: int = 0  # where a lane without state of its own is expected to start
     dispatch: Optional[Dispatch] = None  # None while the reader prepares the epoch
     num_seqs: Optional[int] = None  # inputs of the epoch
     checked: bool = False  # the reader accepted the request
@@ -117,13 +123,71 @@ class Run:
     def live(self) -> bool:
         return self.state in ("preparing", "running")
 
-    def lane_of(self, pos: int) -> Lane:
-        return self.lanes[pos % self.job.lanes]
+    @property
+    def absent_gone(self) -> bool:
+        """Whether a lane without state of its own is gone (a solo run serves one rank's) or expected."""
+        return self.solo is not None
+
+    def view(self, index: int) -> Lane:
+        """The lane's state; for a lane without state of its own, made up and not kept."""
+        lane = self.lanes.get(index)
+        return lane if lane is not None else Lane(rank=index, start=self.base, gone=self.absent_gone)
+
+    def lane(self, index: int) -> Lane:
+        """The lane's state, kept from now on (its reader comes, or it leaves the run)."""
+        lane = self.lanes.get(index)
+        if lane is None:
+            lane = self.lanes[index] = self.view(index)
+        return lane
+
+    def lane_of(self, pos: int) -> Optional[Lane]:
+        """The lane of a position, if it has state of its own (else no reader has come to it)."""
+        return self.lanes.get(pos % self.job.lanes)
 
     def wanted(self, pos: int) -> bool:
         """Whether the output at `pos` goes to anyone (else it is dropped, and in map_seq never read)."""
-        lane = self.lanes[pos % self.job.lanes]
+        lane = self.lanes.get(pos % self.job.lanes)
+        if lane is None:
+            return not self.absent_gone and pos // self.job.lanes >= self.base
         return not lane.gone and pos // self.job.lanes >= lane.start
+
+    def expecting(self, besides: Optional[int] = None) -> bool:
+        """Whether a lane without state of its own (other than `besides`) is still expected: its
+        reader has not come, so the run is not over."""
+        if self.absent_gone:
+            return False
+        absent = self.width - len(self.lanes)
+        return absent - (besides is not None and besides not in self.lanes) > 0
+
+    def next_wanted(self, pos: int) -> Optional[int]:
+        """The first position from `pos` on that goes to someone (None: none will). What it costs
+        grows with the lanes that have state: a run that serves few of many lanes passes over the
+        others' positions at once."""
+        width = self.width
+        row, col = divmod(pos, width)
+        found = [
+            max(row + (index < col), lane.start) * width + index for index, lane in self.lanes.items() if not lane.gone
+        ]
+        if self.expecting():  # the first lane without state of its own at or after pos, from row `base` on
+            at = max(row, self.base)
+            absent = next((i for i in range(col if at == row else 0, width) if i not in self.lanes), None)
+            if absent is None:
+                at, absent = at + 1, next(i for i in range(width) if i not in self.lanes)
+            found.append(at * width + absent)
+        return min(found, default=None)
+
+    def awaited(self, limit: int) -> List[int]:
+        """The first `limit` lanes whose reader is expected and has not come (in order; what it
+        costs grows with the lanes that have state, not with the run's width)."""
+        indices: Any = sorted(self.lanes) if self.absent_gone else range(self.width)
+        found: List[int] = []
+        for index in indices:
+            lane = self.lanes.get(index)
+            if lane is None or (lane.consumer is None and not lane.gone):
+                found.append(index)
+                if len(found) == limit:
+                    break
+        return found
 
     def shard_size(self, lane: int) -> Optional[int]:
         """Seqs of a lane in the epoch (from index 0), once the epoch's output count is known."""
@@ -166,16 +230,14 @@ class Job:
         for old in [e for e in self.finished if e < epoch - 2]:
             del self.finished[old]
 
-    def expects(self, rank: int, epoch: int) -> bool:
-        """Whether a new run of `epoch` should wait for `rank`: not if it finished that epoch, or
-        reads it (a solo run) or a later one elsewhere."""
-        if rank in self.finished.get(epoch, ()):
-            return False
-        return not any(
-            lane.rank == rank and not lane.gone and lane.consumer is not None and run.epoch >= epoch
-            for run in self.runs.values()
-            for lane in run.lanes
-        )
+    def unexpected(self, epoch: int) -> Set[int]:
+        """The lanes a new run of `epoch` should not wait for: they finished that epoch, or read
+        it (a solo run) or a later one elsewhere. (Every other lane is expected.)"""
+        lanes = set(self.finished.get(epoch, ()))
+        for run in self.runs.values():
+            if run.epoch >= epoch:
+                lanes.update(i for i, lane in run.lanes.items() if not lane.gone and lane.consumer is not None)
+        return lanes
 
     @property
     def lanes(self) -> int:
@@ -201,4 +263,4 @@ class Job:
         }
 
     def lanes_of(self, consumer: bytes) -> List[Tuple[Run, Lane]]:
-        return [(run, lane) for run in self.runs.values() for lane in run.lanes if lane.consumer == consumer]
+        return [(run, lane) for run in self.runs.values() for lane in run.lanes.values() if lane.consumer == consumer]

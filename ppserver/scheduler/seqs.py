@@ -2,6 +2,8 @@
 
 Only positions some rank wants are read (`wanted`: a resumed rank's skipped seqs and the
 seqs of ranks that left are neither read nor mapped), at most `window` ahead of delivery.
+Positions no one wants are passed over at once (`next_wanted`), not one by one: a run that
+serves one of many lanes would otherwise pass over all the others' positions for each of its own.
 
 An input stays here until its result arrives, so the tasks of a worker that dies are sent
 again elsewhere. Every task lost in a crash becomes suspect; a suspect later runs alone on an
@@ -42,6 +44,7 @@ class SeqDispatch:
         settings: Settings,
         *,
         wanted: Callable[[int], bool],
+        next_wanted: Callable[[int], Optional[int]],
         end: Optional[int],
         first: int = 0,
         route: Optional[Callable[[int], bytes]] = None,
@@ -51,6 +54,7 @@ class SeqDispatch:
         self.num_seqs = num_seqs
         self.settings = settings
         self.wanted = wanted
+        self.next_wanted = next_wanted  # the first position from p on that some rank wants (None: none)
         self.end = end  # positions from here on go to no one (drop_last); None: not known yet
         self.read_next = first  # the next position to consider reading
         self.requested: Set[int] = set()  # read or asked for, not yet released or dropped
@@ -95,11 +99,14 @@ class SeqDispatch:
             return []  # enough inputs wait to be sent: ask for a step at a time (fewer wake-ups)
         out: List[int] = []
         while (self.end is None or self.read_next < self.end) and len(self.requested) < window:
-            pos = self.read_next
-            self.read_next += 1
-            if self.wanted(pos):
-                self.requested.add(pos)
-                out.append(pos)
+            pos = self.read_next if self.wanted(self.read_next) else self.next_wanted(self.read_next)
+            if pos is None or (self.end is not None and pos >= self.end):
+                if self.end is not None:
+                    self.read_next = self.end  # no one wants the rest
+                break
+            self.read_next = pos + 1
+            self.requested.add(pos)
+            out.append(pos)
         self.awaiting += len(out)
         return out
 
@@ -388,7 +395,8 @@ class SeqDispatch:
             if pos >= self.read_next:
                 return None  # not asked for yet
             if pos not in self.requested:
-                self.next_out += 1  # no one wanted it when it came up: never read
+                # no one wanted it when it came up: never read (nor anything up to the next one read)
+                self.next_out = max(pos + 1, min(self.requested, default=self.read_next))
                 continue
             if not self.wanted(pos):
                 self._drop(pos)  # its rank left after it was read
