@@ -167,12 +167,15 @@ class ServerDataset(IterableDataset):
     Without `batch_frames`/`max_seqs` it yields one seq at a time (a dict of tensors plus
     `seq_tag`, `seq_idx`, `complete_frac`); use it with `DataLoader(batch_size=None)` or a
     collate of your own. With them it yields padded batches (see `collate_padded`).
+    `config=PATH` instead of an address: a local server for that ppserver config, started by the
+    first rank on this node and stopped with the last (see ppclient.local_server).
     """
 
     def __init__(
         self,
-        address: str,
+        address: Optional[str] = None,
         *,
+        config: Optional[str] = None,
         job: str = "default",
         epoch: int = 1,
         rank: Optional[int] = None,
@@ -196,10 +199,16 @@ class ServerDataset(IterableDataset):
             raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
-        self.address = address
         self.job = job
         self._fixed = (rank, world_size)
         rank, world_size = self._resolve()
+        if (address is None) == (config is None):
+            raise UsageError("give the address of a running server or config=PATH for a local one (one of the two)")
+        if address is None:  # a local server for this config, one for all ranks on this node
+            from .local_server import local_address
+
+            address = local_address(str(config), job=job, shared=world_size > 1)
+        self.address = address
         # What set_epoch sets, in shared memory: DataLoader workers (persistent ones too, which keep
         # their copy of the dataset from one epoch to the next) read it when an iteration begins.
         # [epoch, 1 once set_epoch was called, rank, world_size]
