@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "config", metavar="CONFIG", nargs="?", help="Python config file (dataset, map_seq or map_seq_stream, ...)"
     )
-    _returnn_options(s)
+    _returnn_options(s, "is served")
     s.add_argument(
         "--bind",
         default="tcp://127.0.0.1:5555",
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         "(protocol or config mismatch). Prints nothing on stdout: the log and any other output go to stderr.",
     )
     w.add_argument("config", metavar="CONFIG", nargs="?", help="the same config file the server runs")
-    _returnn_options(w)
+    _returnn_options(w, "is mapped here")
     w.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the server's control address")
     w.add_argument(
         "--procs",
@@ -139,13 +139,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _returnn_options(p: argparse.ArgumentParser) -> None:
+def _returnn_options(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--returnn-config",
         default=None,
         metavar="FILE",
-        help="instead of CONFIG: a RETURNN config, whose dataset --dataset (a PostprocessingDataset dict, or "
-        "ppclient.returnn.ServerDataset's with the same keys) is served, its functions as the trainer loads them",
+        help="instead of CONFIG: a RETURNN config file, loaded as RETURNN loads it; its dataset dict named by "
+        f"--dataset (a PostprocessingDataset's, or ppclient.returnn.ServerDataset's with those keys) {what}",
     )
     p.add_argument(
         "--dataset",

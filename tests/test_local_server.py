@@ -472,3 +472,40 @@ def test_ddp_ranks_on_one_node_share_one_local_server(tmp_path):
     server = int(read(logs[0]).split("ppserver[", 1)[1].split("]", 1)[0])
     assert not wait_gone([server], 0), "the server outlived its training"
     assert os.listdir(tmp / f"ppserver-{os.getuid()}") == ["logs"]
+
+
+TORCH_ALONE = """
+import sys
+from ppclient.torch import ServerDataset
+
+ds = ServerDataset(config=sys.argv[1], job="alone")
+assert "ppserver" not in sys.modules, "ppclient imported ppserver"
+seqs = list(ds)
+print(len(seqs), ds.address)
+"""
+
+
+def test_torch_dataset_with_a_config_reads_from_a_local_server_without_importing_ppserver(tmp_path):
+    cfg = numpy_config(tmp_path, "map_seq = lambda seq, **kwargs: seq\n", n=9)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-c", TORCH_ALONE, cfg],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env=dict(os.environ, TMPDIR=str(tmp)),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[0] == "9"
+    assert os.listdir(tmp / f"ppserver-{os.getuid()}") == ["logs"]  # stopped with the process
+
+
+def test_returnn_dataset_without_address_needs_its_keys_and_a_config_file():
+    from ppclient.returnn import ServerDataset
+
+    with pytest.raises(UsageError, match="give 'address'"):
+        ServerDataset(name="train")
+    with pytest.raises(UsageError, match="no RETURNN config"):
+        ServerDataset(name="train", dataset={"class": "HDFDataset", "files": []}, map_seq=scale)
