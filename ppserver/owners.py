@@ -47,6 +47,17 @@ class OwnerWatch:
                 os.kill(os.getpid(), signal.SIGTERM)  # as a supervisor stops it (before serving: at once)
                 return
 
+    def ready(self, address: str) -> None:
+        """Tell the processes waiting for this server that it serves (the one that started it says
+        so too, unless it died meanwhile)."""
+        try:
+            with local_server.locked(self.group, 5.0):
+                state = local_server.read_state(self.group)
+                if state is not None and state.get("pid") == os.getpid() and state.get("state") != "ready":
+                    local_server.write_state(self.group, dict(state, state="ready", address=address))
+        except (Error, OSError) as exc:
+            log.warning("cannot say in %s that this server is ready: %s", self.group, exc)
+
     def _remove_sockets(self) -> None:
         if self.sockets is not None:
             shutil.rmtree(self.sockets, ignore_errors=True)

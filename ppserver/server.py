@@ -663,6 +663,8 @@ def serve(
                 workers,
             )
             print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
+            if watch is not None:
+                watch.ready(server.address)
             server.serve_forever()
         finally:
             server.shutdown()

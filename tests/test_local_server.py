@@ -509,3 +509,41 @@ def test_returnn_dataset_without_address_needs_its_keys_and_a_config_file():
         ServerDataset(name="train")
     with pytest.raises(UsageError, match="no RETURNN config"):
         ServerDataset(name="train", dataset={"class": "HDFDataset", "files": []}, map_seq=scale)
+
+
+FINGERPRINT = "import sys\nfrom ppserver.config import load\nprint(load(sys.argv[1], sys.argv[2]).fingerprint)"
+
+RETURNN_CONFIG_WITH_MODULE = """
+import sys, os
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mymappers
+train = {"class": "PostprocessingDataset", "dataset": {"class": "HDFDataset", "files": []},
+         "map_seq": mymappers.identity}
+dev = {"class": "PostprocessingDataset", "dataset": {"class": "HDFDataset", "files": []},
+       "map_seq": mymappers.identity}
+
+
+def get_model(**kwargs):  # functions of the config itself: RETURNN's module of the config, the file
+    return None
+"""
+
+
+def test_fingerprint_covers_the_returnn_config_its_local_modules_and_the_dataset(tmp_path):
+    def fingerprint(name: str = "train") -> str:
+        res = subprocess.run(
+            [sys.executable, "-c", FINGERPRINT, str(config), name], capture_output=True, text=True, timeout=120
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res.stdout.strip()
+
+    (tmp_path / "mymappers.py").write_text("def identity(tdict, **kwargs):\n    return tdict\n")
+    config = tmp_path / "train.config"
+    config.write_text("#!returnn.py\n" + RETURNN_CONFIG_WITH_MODULE)
+    first = fingerprint()
+    assert fingerprint() == first != fingerprint("dev")
+    # the mapper's source is the same: the module's bytes count
+    (tmp_path / "mymappers.py").write_text("def identity(tdict, **kwargs):\n    return tdict\n\nSCALE = 2\n")
+    second = fingerprint()
+    assert second != first
+    config.write_text("#!returnn.py\n" + RETURNN_CONFIG_WITH_MODULE + "\nnum_epochs = 3\n")
+    assert fingerprint() != second
