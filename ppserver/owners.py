@@ -15,7 +15,7 @@ import shutil
 import signal
 import threading
 
-from ppclient import Error, local_server
+from ppclient import Error, local_group
 
 log = logging.getLogger("ppserver.owners")
 
@@ -37,7 +37,7 @@ class OwnerWatch:
     def _run(self) -> None:
         while not self._stop.wait(WATCH_S):
             try:
-                gone = local_server.retire(self.group, os.getpid())
+                gone = local_group.retire(self.group, os.getpid())
             except (Error, OSError) as exc:
                 log.warning("cannot look at the processes using this server in %s: %s", self.group, exc)
                 continue
@@ -51,10 +51,10 @@ class OwnerWatch:
         """Tell the processes waiting for this server that it serves (the one that started it says
         so too, unless it died meanwhile)."""
         try:
-            with local_server.locked(self.group, 5.0):
-                state = local_server.read_state(self.group)
+            with local_group.locked(self.group, 5.0):
+                state = local_group.read_state(self.group)
                 if state is not None and state.get("pid") == os.getpid() and state.get("state") != "ready":
-                    local_server.write_state(self.group, dict(state, state="ready", address=address))
+                    local_group.write_state(self.group, dict(state, state="ready", address=address))
         except (Error, OSError) as exc:
             log.warning("cannot say in %s that this server is ready: %s", self.group, exc)
 
@@ -68,4 +68,4 @@ class OwnerWatch:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * WATCH_S + 5)
         self._remove_sockets()
-        local_server.tidy(self.group)
+        local_group.tidy(self.group)
