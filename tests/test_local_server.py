@@ -481,25 +481,33 @@ from ppclient.torch import ServerDataset
 ds = ServerDataset(config=sys.argv[1], job="alone")
 assert "ppserver" not in sys.modules, "ppclient imported ppserver"
 seqs = list(ds)
-print(len(seqs), ds.address)
+print(len(seqs), ds.address, flush=True)
+if sys.argv[2] == "raise":
+    raise RuntimeError("the training failed")
 """
 
 
-def test_torch_dataset_with_a_config_reads_from_a_local_server_without_importing_ppserver(tmp_path):
+@pytest.mark.parametrize("end", ["exit", "raise"])
+def test_torch_dataset_with_a_config_reads_from_a_local_server_without_importing_ppserver(tmp_path, end):
+    """The server is gone when the trainer has ended, normally or with an exception."""
     cfg = numpy_config(tmp_path, "map_seq = lambda seq, **kwargs: seq\n", n=9)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     res = subprocess.run(
-        [sys.executable, "-c", TORCH_ALONE, cfg],
+        [sys.executable, "-c", TORCH_ALONE, cfg, end],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=str(tmp_path),
         env=dict(os.environ, TMPDIR=str(tmp)),
     )
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == (0 if end == "exit" else 1), res.stderr[-3000:]
     assert res.stdout.split()[0] == "9"
-    assert os.listdir(tmp / f"ppserver-{os.getuid()}") == ["logs"]  # stopped with the process
+    base = tmp / f"ppserver-{os.getuid()}"
+    assert os.listdir(base) == ["logs"]  # its folder went with it
+    (log,) = glob.glob(str(base / "logs" / "*.log"))
+    server = int(read(log).split("ppserver[", 1)[1].split("]", 1)[0])
+    assert not wait_gone([server], 0)
 
 
 def test_returnn_dataset_without_address_needs_its_keys_and_a_config_file():

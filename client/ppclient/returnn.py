@@ -198,7 +198,7 @@ class ServerDataset(CachedDataset2):
         for name in names:
             try:
                 entry = config_entry(config, name)
-            except (KeyError, Exception):
+            except Exception:  # not a dataset dict, or a function that fails: not this one
                 continue
             if entry.get("dataset") is dataset or entry.get("dataset") == dataset:
                 return name
