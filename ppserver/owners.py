@@ -1,7 +1,7 @@
 """`serve --owners DIR`: a server that ends with the processes using it (ppclient's local servers).
 
 The processes of a training that use a local server register their pids in DIR (see
-ppclient.local_server). A thread looks at them every WATCH_S; once none lives, the server's
+ppclient.local_group). A thread looks at them every WATCH_S; once none lives, the server's
 entry is removed under the group's lock (so no process joins it any more) and the server
 stops as on SIGTERM: its workers, shared memory and sockets go with it. This also covers a
 trainer killed with -9, and the DDP rank that started a server dying before the others.
@@ -16,6 +16,7 @@ import signal
 import threading
 
 from ppclient import Error, local_group
+from ppclient.throttle import Throttled
 
 log = logging.getLogger("ppserver.owners")
 
@@ -29,6 +30,7 @@ class OwnerWatch:
         path = bind[len("ipc://") :] if bind.startswith("ipc://") else ""
         self.sockets = os.path.dirname(path) if os.path.dirname(os.path.dirname(path)) == self.group else None
         self._stop = threading.Event()
+        self._failed = Throttled(log, "cannot look at the processes using this server", interval=10.0)
         self._thread = threading.Thread(target=self._run, name="owners", daemon=True)
 
     def start(self) -> None:
@@ -39,7 +41,7 @@ class OwnerWatch:
             try:
                 gone = local_group.retire(self.group, os.getpid())
             except (Error, OSError) as exc:
-                log.warning("cannot look at the processes using this server in %s: %s", self.group, exc)
+                self._failed.hit(f"in {self.group}: {exc}")
                 continue
             if gone:
                 log.info("no process registered in %s lives any more: stopping", self.group)

@@ -175,20 +175,21 @@ def local_address(
         raise UsageError(f"config {config!r} cannot be read: {exc.strerror}") from None
     if importlib.util.find_spec("ppserver") is None:
         raise UsageError(
-            "without an address a local ppserver is started, but ppserver is not installed here: "
-            "`pip install ppserver` (with the ppclient of its version), or give the address of a running server"
+            "without an address a local ppserver is started, but ppserver is not installed here: install it "
+            "beside this ppclient (`pip install ./client .` in its repository), or give the address of a running server"
         )
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if shared and local and world and local != world:
         raise UsageError(
             f"a local ppserver serves the ranks of one node, but this training has {world} ranks, {local} on "
-            "this node: start `ppserver serve` (with workers on "
-            "any hosts) and give its address"
+            "this node: start `ppserver serve` (with workers on any hosts) and give its address"
         )
     key = _key(path, data, returnn_dataset, job, shared)
     srv = _servers.get(key)
     if srv is not None and srv.usable():
         return srv.address
+    if srv is not None:  # it exited (crashed): reap it, and start a new one
+        srv.release()
     what = f"dataset {returnn_dataset!r} of {path}" if returnn_dataset else path
     srv = _open(os.path.join(base_dir(), key), what, path, returnn_dataset, say, timeout)
     _servers[key] = srv
@@ -260,7 +261,6 @@ def _spawn(group: str, path: str, returnn_dataset: Optional[str]) -> Tuple[subpr
         "address": control,
         "log": log_path,
         "by": os.getpid(),
-        "t0": time.time(),
     }
     write_state(group, state)
     return proc, state
