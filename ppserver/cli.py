@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional, TextIO
+from typing import List, Optional, TextIO, Tuple
 
 EXIT_CONFIG = 2
 
@@ -36,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
         "the log and any other output (the config's, the dataset's) go to stderr. "
         "SIGTERM or SIGINT stops it and its workers.",
     )
-    s.add_argument("config", metavar="CONFIG", help="Python config file (dataset, map_seq or map_seq_stream, ...)")
+    s.add_argument(
+        "config", metavar="CONFIG", nargs="?", help="Python config file (dataset, map_seq or map_seq_stream, ...)"
+    )
+    _returnn_options(s, "is served")
     s.add_argument(
         "--bind",
         default="tcp://127.0.0.1:5555",
@@ -67,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="serve Prometheus metrics over HTTP at HOST:PORT (:PORT: every interface), e.g. 127.0.0.1:9100",
     )
+    s.add_argument(
+        "--owners",
+        default=None,
+        metavar="DIR",
+        help="stop once no process registered in DIR lives any more: how the servers that ppclient starts "
+        "for a training (no address given) end with it",
+    )
 
     w = sub.add_parser(
         "worker",
@@ -75,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         "SIGTERM hands back their work and exits within 5 s. Exit code 2: refused by the server "
         "(protocol or config mismatch). Prints nothing on stdout: the log and any other output go to stderr.",
     )
-    w.add_argument("config", metavar="CONFIG", help="the same config file the server runs")
+    w.add_argument("config", metavar="CONFIG", nargs="?", help="the same config file the server runs")
+    _returnn_options(w, "is mapped here")
     w.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the server's control address")
     w.add_argument(
         "--procs",
@@ -128,6 +139,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _returnn_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--returnn-config",
+        default=None,
+        metavar="FILE",
+        help="instead of CONFIG: a RETURNN config file, loaded as RETURNN loads it; its dataset dict named by "
+        f"--dataset (a PostprocessingDataset's, or ppclient.returnn.ServerDataset's with those keys) {what}",
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        metavar="NAME",
+        help="with --returnn-config: the dataset's name in it: train, dev, eval or a key of eval_datasets "
+        "(default: train)",
+    )
+
+
+def _config_source(args) -> Tuple[str, Optional[str]]:
+    """(path, RETURNN dataset name or None) from CONFIG or --returnn-config/--dataset; ConfigError if unclear."""
+    from .errors import ConfigError
+
+    if args.config is not None and args.returnn_config is not None:
+        raise ConfigError("--returnn-config", "give either CONFIG or --returnn-config, not both")
+    if args.returnn_config is not None:
+        return args.returnn_config, args.dataset or "train"
+    if args.dataset is not None:
+        raise ConfigError("--dataset", "names a dataset of a RETURNN config: give --returnn-config FILE too")
+    if args.config is None:
+        raise ConfigError("config", "missing: give CONFIG (a ppserver config) or --returnn-config FILE")
+    return args.config, None
+
+
 def _version() -> str:
     from ppclient import __version__, protocol
 
@@ -170,7 +213,7 @@ def _fail_config(command: str, exc: Exception) -> int:
 def _serve(args) -> int:
     from ppclient import UsageError, endpoints, keyfiles
 
-    from .config import load_config
+    from .config import load
     from .errors import ConfigError
     from .metrics import parse_address
     from .server import serve, setup_logging
@@ -185,7 +228,7 @@ def _serve(args) -> int:
         metrics = parse_address(args.metrics) if args.metrics is not None else None
         if args.keys:
             keyfiles.server_keys(args.keys)
-        cfg = load_config(args.config)
+        cfg = load(*_config_source(args))
         workers = cfg.num_workers if args.workers is None else args.workers
         if workers < 0:
             raise ConfigError("--workers", f"must be >= 0, got {workers}")
@@ -201,6 +244,7 @@ def _serve(args) -> int:
             insecure=args.insecure,
             metrics=metrics,
             ready=ready,
+            owners=args.owners,
         )
     except (ConfigError, UsageError) as exc:
         return _fail_config("serve", exc)
@@ -212,10 +256,11 @@ def _serve(args) -> int:
 def _worker(args) -> int:
     from ppclient import UsageError, endpoints, keyfiles
 
-    from .config import load_config
+    from .config import load
     from .errors import ConfigError
     from .server import setup_logging
     from .supervisor import EXIT_REFUSED, ProcessPool, worker_argv
+    from .threads import thread_env
 
     stdout_to_stderr()  # a worker host prints nothing on stdout
     setup_logging("ppworker-host")
@@ -223,13 +268,19 @@ def _worker(args) -> int:
         endpoints.check(args.connect, "--connect")
         if args.keys:
             keyfiles.client_keys(args.keys)
-        load_config(args.config)
+        path, returnn_dataset = _config_source(args)
+        cfg = load(path, returnn_dataset)
         if args.procs < 1:
             raise ConfigError("--procs", f"must be >= 1, got {args.procs}")
     except (ConfigError, UsageError) as exc:
         return _fail_config("worker", exc)
-    config = os.path.abspath(args.config)
-    pool = ProcessPool(lambda i: worker_argv(config, args.connect, index=i, keys=args.keys), args.procs, name="worker")
+    config = os.path.abspath(path)
+    pool = ProcessPool(
+        lambda i: worker_argv(config, args.connect, index=i, keys=args.keys, returnn_dataset=returnn_dataset),
+        args.procs,
+        name="worker",
+        env=thread_env(cfg.worker_threads),
+    )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *a: stopping.append(1))

@@ -51,6 +51,7 @@ KNOWN_KEYS = {
     "progress_interval",
     "batching",
     "batch_length",
+    "worker_threads",
 }
 
 
@@ -82,6 +83,8 @@ class Config:
     progress_interval: float = 30.0  # seconds between the server's progress lines; 0: none
     batching: Optional[Batching] = None  # how epochs are cut into batches for requests that do not say
     batch_length: Optional[Callable] = None  # a read seq's length for the cut (default: its length_key's)
+    worker_threads: int = 1  # threads of numpy's, torch's, ... pools in each worker process
+    returnn_dataset: Optional[str] = None  # set: `path` is a RETURNN config, and this its dataset served
 
     @property
     def is_stream(self) -> bool:
@@ -156,6 +159,15 @@ def load_config(path: str) -> Config:
     return from_settings(settings, path=path, source=source, namespace=namespace)
 
 
+def load(path: str, returnn_dataset: Optional[str] = None) -> Config:
+    """A ppserver config, or (`returnn_dataset` given) that dataset of a RETURNN config."""
+    if returnn_dataset is None:
+        return load_config(path)
+    from .returnn_config import load_returnn_config
+
+    return load_returnn_config(path, returnn_dataset)
+
+
 def from_settings(
     settings: Dict[str, Any],
     *,
@@ -225,6 +237,7 @@ def from_settings(
         heartbeat_interval=_float(settings, "heartbeat_interval", 1.0),
         heartbeat_timeout=_float(settings, "heartbeat_timeout", 5.0),
         progress_interval=_float(settings, "progress_interval", 30.0, zero=True),
+        worker_threads=_int(settings, "worker_threads", 1, minimum=1),
     )
     if settings.get("stream_partitions") is not None:
         cfg.stream_partitions = _int(settings, "stream_partitions", 1, minimum=1)
@@ -332,6 +345,9 @@ def _semantics_source() -> bytes:
 
 
 _OWN_PACKAGES = ("ppserver", "ppclient")  # covered by _semantics_source, wherever they are installed
+# RETURNN's view of its loaded config as a module (the functions a RETURNN config defines name it):
+# the config file itself is hashed as the source
+RETURNN_CONFIG_MODULE = "__returnn_config__"
 
 
 def _installed_dirs() -> List[str]:
@@ -347,7 +363,7 @@ def _installed_dirs() -> List[str]:
 
 def _is_local(module: types.ModuleType, installed: List[str]) -> bool:
     name = module.__name__
-    if name == "__main__" or name.split(".")[0] in _OWN_PACKAGES:
+    if name in ("__main__", RETURNN_CONFIG_MODULE) or name.split(".")[0] in _OWN_PACKAGES:
         return False
     file = getattr(module, "__file__", None)
     if not isinstance(file, str) or not os.path.isfile(file):

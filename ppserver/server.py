@@ -40,9 +40,11 @@ from .control import Control
 from .datasets import make_dataset
 from .errors import ConfigError
 from .monitor import Monitor
+from .owners import OwnerWatch
 from .scheduler import Instruction, Prepare, Read, Replay, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from .scheduler import events as ev
 from .supervisor import ProcessPool, worker_argv
+from .threads import thread_env
 
 log = logging.getLogger("ppserver.server")
 
@@ -230,10 +232,17 @@ class Server:
         self.workers_sock.bind(local)
         self.pool = ProcessPool(
             lambda i: worker_argv(
-                self.cfg.path, connect, index=i, keys=self.keys_dir, worker_endpoint=local, local=True
+                self.cfg.path,
+                connect,
+                index=i,
+                keys=self.keys_dir,
+                worker_endpoint=local,
+                local=True,
+                returnn_dataset=self.cfg.returnn_dataset,
             ),
             n,
             name="local worker",
+            env=thread_env(self.cfg.worker_threads),
         )
         self.pool.start()
 
@@ -643,30 +652,41 @@ def serve(
     insecure: bool,
     metrics: Optional[Tuple[str, int]] = None,
     ready: Optional[TextIO] = None,
+    owners: Optional[str] = None,
 ) -> int:
-    """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`."""
+    """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`.
+    `owners`: also until no process registered in that folder lives (see owners.py)."""
     memory.keep_freed_memory()
-    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
-
-    def _stop(signum: int, frame: Any) -> None:
-        server.stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    watch = OwnerWatch(owners, bind) if owners else None
+    if watch is not None:
+        watch.start()  # before the dataset opens: a trainer that dies meanwhile ends this process too
     try:
-        server.monitor.start()
-        server.start_local_workers(workers)
-        log.info(
-            "serving %s on %s (workers connect to %s); %d local workers",
-            cfg.path,
-            server.address,
-            server.worker_address,
-            workers,
-        )
-        print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
-        server.serve_forever()
+        server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
+
+        def _stop(signum: int, frame: Any) -> None:
+            server.stopping = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        try:
+            server.monitor.start()
+            server.start_local_workers(workers)
+            log.info(
+                "serving %s on %s (workers connect to %s); %d local workers",
+                cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
+                server.address,
+                server.worker_address,
+                workers,
+            )
+            print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
+            if watch is not None:
+                watch.ready(server.address)
+            server.serve_forever()
+        finally:
+            server.shutdown()
     finally:
-        server.shutdown()
+        if watch is not None:
+            watch.close()
     return 0
 
 

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("ppserver.supervisor")
 
@@ -31,10 +31,19 @@ def _die_with_parent() -> None:
 
 
 class ProcessPool:
-    """N numbered child processes, each started from argv_for(index)."""
+    """N numbered child processes, each started from argv_for(index), with `env` added to this process's."""
 
-    def __init__(self, argv_for: Callable[[int], List[str]], n: int, *, name: str, respawn: bool = True):
+    def __init__(
+        self,
+        argv_for: Callable[[int], List[str]],
+        n: int,
+        *,
+        name: str,
+        respawn: bool = True,
+        env: Optional[Dict[str, str]] = None,
+    ):
         self.argv_for = argv_for
+        self.env = env
         self.n = n
         self.name = name
         self.respawn = respawn
@@ -52,6 +61,7 @@ class ProcessPool:
             self.argv_for(i),
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
+            env={**os.environ, **self.env} if self.env else None,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         self.started_at[i] = time.monotonic()
@@ -137,9 +147,13 @@ def worker_argv(
     keys: Optional[str] = None,
     worker_endpoint: Optional[str] = None,
     local: bool = False,
+    returnn_dataset: Optional[str] = None,
 ) -> List[str]:
-    """How a worker process is started; `local`: one of the server's own (its exit is reported by index)."""
+    """How a worker process is started; `local`: one of the server's own (its exit is reported by index);
+    `returnn_dataset`: the config is a RETURNN config, and this the dataset in it."""
     argv = [sys.executable, "-m", "ppserver.worker", config_path, "--connect", connect, "--index", str(index)]
+    if returnn_dataset is not None:
+        argv += ["--returnn-dataset", returnn_dataset]
     if keys:
         argv += ["--keys", keys]
     if worker_endpoint:

@@ -23,7 +23,7 @@ import zmq
 
 from ppclient import UsageError, endpoints, keyfiles, protocol
 
-from .config import Config, load_config
+from .config import Config, load
 from .direct import Routes
 from .errors import ConfigError
 from .mapper_api import Mappers, mappers_for
@@ -32,6 +32,7 @@ from .memory import keep_freed_memory
 from .runners import MapSeqRunner, OpenRun, StreamRunner
 from .session import POLL_MS, Refused, Session, Stopped
 from .supervisor import EXIT_REFUSED, set_process_title
+from .threads import limit_threads
 
 log = logging.getLogger("ppserver.worker")
 
@@ -235,6 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--local", action="store_true", help="a local worker of the server (reported by --index)")
     parser.add_argument("--worker-endpoint", default=None, help="skip discovery: the server's worker socket")
+    parser.add_argument("--returnn-dataset", default=None, help="CONFIG is a RETURNN config: serve this dataset of it")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
@@ -246,10 +248,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.worker_endpoint:
             endpoints.check(args.worker_endpoint, "--worker-endpoint")
         keys = keyfiles.client_keys(args.keys) if args.keys else None
-        cfg: Config = load_config(args.config)
+        cfg: Config = load(args.config, args.returnn_dataset)
     except (ConfigError, UsageError) as exc:
         print(f"ppserver worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    limit_threads(cfg.worker_threads)
     keep_freed_memory()
     worker = Worker(
         cfg,

@@ -1,8 +1,14 @@
 """RETURNN: a ppserver epoch as a RETURNN dataset (``pip install ./client[returnn]``).
 
-In a RETURNN config (the PyTorch backend)::
+In a RETURNN config (the PyTorch backend), a PostprocessingDataset dict with its class
+changed, served by a local server that starts for it and stops with the trainer::
 
     from ppclient.returnn import ServerDataset
+
+    train = {"class": ServerDataset, "dataset": {...}, "map_seq": my_mapper, "num_workers": 4}
+
+or reading from a running server (which may serve this very dict, see `ppserver serve
+--returnn-config`)::
 
     train = {"class": ServerDataset, "address": "tcp://trainer:5555", "job": "asr"}
 
@@ -26,7 +32,8 @@ connection never does.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+import sys
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy
 from returnn.datasets.basic import DatasetSeq
@@ -38,7 +45,20 @@ from .client import Client, EpochIterator
 from .errors import UsageError
 from .wire import META_KEYS
 
-__all__ = ["ServerDataset", "returnn_dtype"]
+__all__ = ["ServerDataset", "config_entry", "returnn_dtype"]
+
+# A PostprocessingDataset's own keys: the local server's settings (read from the config file by the
+# server), never needed by a copy of the dataset, which gets the server's address.
+SERVER_KEYS = (
+    "dataset",
+    "map_seq",
+    "map_seq_stream",
+    "map_outputs",
+    "map_seq_stream_preserves_num_seqs",
+    "num_workers",
+    "buf_size",
+    "server_settings",
+)
 
 STRING = "string"  # the template dtype of str arrays, RETURNN's name for them too
 
@@ -61,8 +81,34 @@ def num_outputs_entry(template: Dict[str, Any]) -> Tuple[int, int]:
     return (1 if last is None else int(last)), len(shape)
 
 
+def config_entry(config: Mapping[str, Any], name: str) -> Dict[str, Any]:
+    """The dict RETURNN builds its dataset `name` from: the config's entry of that name (train, dev,
+    eval, ...) or eval_datasets[name]; a function there is called, as RETURNN does. KeyError if none."""
+    value = config.get(name)
+    evals = config.get("eval_datasets")
+    if value is None and isinstance(evals, dict):
+        value = evals.get(name)
+    if callable(value) and not isinstance(value, dict):
+        value = value()
+    if not isinstance(value, dict):
+        names = [k for k in ("train", "dev", "eval") if isinstance(config.get(k), dict)]
+        names += [k for k in evals or {} if isinstance(evals, dict)]
+        raise KeyError(
+            f"the RETURNN config has no dataset dict {name!r} (it has {', '.join(map(repr, names)) or 'none'}; "
+            "names are train, dev, eval and the keys of eval_datasets)"
+        )
+    return value
+
+
 class ServerDataset(CachedDataset2):
     """This process's shard of each epoch of the ppserver at `address`, in the server's order.
+
+    Without `address`, the keys of a PostprocessingDataset (`dataset`, `map_seq` or
+    `map_seq_stream`, `map_outputs`, `map_seq_stream_preserves_num_seqs`, `num_workers`,
+    `buf_size`) are served by a local ppserver started for this dataset of the RETURNN config
+    (which the server loads too, for the same functions) and stopped with the trainer;
+    `server_settings` adds other ppserver settings (e.g. ``{"worker_threads": 2}``). With
+    `address` those keys are for `ppserver serve --returnn-config` and not used here.
 
     `timeout`, `keys`, `drop_last` and `direct` are the Client's; `prefetch` is its `window` (the seqs
     the server may send ahead; RETURNN's Dataset already has an argument named `window`).
@@ -70,9 +116,11 @@ class ServerDataset(CachedDataset2):
     ppclient.Error) reach the trainer as they are.
     """
 
+    _getnewargs_exclude_attrs = CachedDataset2._getnewargs_exclude_attrs.union(SERVER_KEYS)
+
     def __init__(
         self,
-        address: str,
+        address: Optional[str] = None,
         *,
         job: str = "returnn",
         timeout: float = 30.0,
@@ -80,6 +128,14 @@ class ServerDataset(CachedDataset2):
         keys: Optional[str] = None,
         drop_last: bool = True,
         direct: Union[bool, str] = True,
+        dataset: Optional[Dict[str, Any]] = None,
+        map_seq: Optional[Callable] = None,
+        map_seq_stream: Optional[Callable] = None,
+        map_outputs: Optional[Dict[str, Any]] = None,
+        map_seq_stream_preserves_num_seqs: Optional[bool] = None,
+        num_workers: int = 0,
+        buf_size: int = 1,
+        server_settings: Optional[Dict[str, Any]] = None,
         **kwargs: Any,
     ):
         if kwargs.get("partition_epoch") not in (None, 1):
@@ -88,6 +144,13 @@ class ServerDataset(CachedDataset2):
                 "split it there (or ask for shorter epochs) instead"
             )
         super().__init__(**kwargs)
+        if address is None:
+            if dataset is None:
+                raise UsageError(
+                    f"{self}: give 'address' (a running server) or the keys of a PostprocessingDataset "
+                    "('dataset', 'map_seq' or 'map_seq_stream', ...) for a local server"
+                )
+            address = self._local_server(dataset, job)
         endpoints.check(address, "address")  # a bad address fails at config time, before any socket
         # Every argument is kept as `_<name>`: RETURNN's Dataset.__reduce__ builds the copy from them.
         self._address = address
@@ -102,6 +165,47 @@ class ServerDataset(CachedDataset2):
         self._client_key: Optional[Tuple[int, int, int]] = None  # (pid, shard, shards) it was made for
         self._iter: Optional[EpochIterator] = None
         self._next_idx = 0  # the RETURNN seq_idx of the next seq the iterator yields
+
+    def _local_server(self, dataset: Dict[str, Any], job: str) -> str:
+        """Start (or join) the local server of this dataset of the trainer's RETURNN config."""
+        from returnn.config import get_global_config
+        from returnn.log import log as returnn_log
+
+        from .local_server import local_address
+
+        config = get_global_config(raise_exception=False)
+        files = list(getattr(config, "files", None) or [])
+        if config is None or len(files) != 1:
+            raise UsageError(
+                f"{self}: without 'address' a local ppserver loads the trainer's RETURNN config file, but this "
+                f"process has {'no RETURNN config' if config is None else f'{len(files)} config files'}; "
+                "give 'address' of a running server"
+            )
+        name = self._name_in(config.typed_dict, dataset)
+
+        def say(text: str) -> None:
+            print(f"{self}: {text}", file=getattr(returnn_log, "v3", None) or sys.stderr)
+
+        # several shards in this process's training (torch_distributed): its ranks share one server
+        return local_address(files[0], returnn_dataset=name, job=job, shared=self._num_shards > 1, say=say)
+
+    def _name_in(self, config: Dict[str, Any], dataset: Dict[str, Any]) -> str:
+        """The name the server finds this dataset's dict under: RETURNN's name for it, else any whose
+        inner dataset is this one."""
+        names = [self.name] + [k for k in ("train", "dev", "eval") if k != self.name]
+        evals = config.get("eval_datasets")
+        names += [k for k in evals or {} if isinstance(evals, dict) and k not in names]
+        for name in names:
+            try:
+                entry = config_entry(config, name)
+            except Exception:  # not a dataset dict, or a function that fails: not this one
+                continue
+            if entry.get("dataset") is dataset or entry.get("dataset") == dataset:
+                return name
+        raise UsageError(
+            f"{self}: without 'address' a local ppserver serves this dataset from the RETURNN config file, but "
+            "its dict is none of the config's train, dev, eval or eval_datasets; give 'address' of a running server"
+        )
 
     def __reduce__(self) -> Any:  # the copy gets the settings and the data keys, not the connection
         func, (cls, kwargs, state) = super().__reduce__()

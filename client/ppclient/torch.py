@@ -112,12 +112,15 @@ class ServerDataset(IterableDataset):
     [...], "seq_idx": (B,), "complete_frac": (B,)}`. Batch j of the epoch goes to rank
     j % world_size, so with drop_last every rank takes the same number of steps. Use it with
     `DataLoader(batch_size=None)`.
+    `config=PATH` instead of an address: a local server for that ppserver config, started by the
+    first rank on this node and stopped with the last (see ppclient.local_server).
     """
 
     def __init__(
         self,
-        address: str,
+        address: Optional[str] = None,
         *,
+        config: Optional[str] = None,
         job: str = "default",
         epoch: int = 1,
         rank: Optional[int] = None,
@@ -151,10 +154,16 @@ class ServerDataset(IterableDataset):
             }
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
-        self.address = address
         self.job = job
         self._fixed = (rank, world_size)
         rank, world_size = self._resolve()
+        if (address is None) == (config is None):
+            raise UsageError("give the address of a running server or config=PATH for a local one (one of the two)")
+        if address is None:  # a local server for this config, one for all ranks on this node
+            from .local_server import local_address
+
+            address = local_address(str(config), job=job, shared=world_size > 1)
+        self.address = address
         # What set_epoch sets, in shared memory: DataLoader workers (persistent ones too, which keep
         # their copy of the dataset from one epoch to the next) read it when an iteration begins.
         # [epoch, 1 once set_epoch was called, rank, world_size]
