@@ -240,6 +240,22 @@ class ReturnnDataset(Dataset):
             return False
         return True
 
+    def epoch_lengths(self, key: str) -> Optional[Any]:
+        """The lengths of `key` in the epoch, where RETURNN knows them before the seqs are read (a
+        CachedDataset such as HDFDataset, with its count); else None (the batches are cut as the
+        reader reads)."""
+        self._require_args()
+        if not self.random_access or self._count is None:
+            return None
+        import numpy
+
+        try:
+            return numpy.fromiter(
+                (int(self.ds.get_seq_length(i)[key]) for i in range(self._count)), numpy.int64, self._count
+            )
+        except Exception:  # (not known before reading, after all)
+            return None
+
     def get_seq(self, pos: int) -> Dict[str, Any]:
         self._require_args()
         if not _is_int(pos) or pos < 0 or (self._count is not None and pos >= self._count):

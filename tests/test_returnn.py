@@ -385,6 +385,34 @@ def test_class_indices_past_sparse_dim_fail_naming_the_seq(hdf_server):
     assert info.value.seq_tag == tag and repr(tag) in str(info.value)
 
 
+def test_a_returnn_hdf_dataset_is_cut_into_batches_up_front_from_its_lengths(hdf_server):
+    """RETURNN's HDFDataset knows every seq's length once the epoch is set up: the server cuts the
+    epoch's batches at once (len() is known) from those lengths, and each batch holds the mapped
+    seqs PostprocessingDataset gives, padded."""
+    import tdmappers
+
+    from ppclient.batching import Batching
+    from ppserver.cut import cut_epoch
+
+    srv, spec = hdf_server
+    batching = {"max_frames": 40, "bucket_window": 4}
+    ds = init_dataset(spec)
+    ds.init_seq_order(epoch=6)
+    lengths = [int(ds.get_seq_length(i)["data"]) for i in range(ds.num_seqs)]
+    want = pp_epoch(spec, 6, map_seq=tdmappers.scale_checked)
+    with srv.client(batching=batching, job="returnn-batches") as c:
+        it = c.epoch(6)
+        cut = cut_epoch(lengths, Batching.from_dict(batching))
+        assert len(it) == len(cut) > 1
+        got = collect(it)
+    for batch, positions in zip(got, cut):
+        assert batch["seq_tag"] == [want[p][0] for p in positions]
+        for row, p in enumerate(positions):
+            data = want[p][1]["data"]
+            assert batch["data:lengths"][row] == len(data)
+            np.testing.assert_array_equal(batch["data"][row, : len(data)], data)
+
+
 SEQ_LIST = ["b-1", "a-0", "a-22", "a-0"]  # from both files, one tag twice; a seq_list is served whole
 SEQ_ORDER = [33, 0, 5, 5, 20]
 
