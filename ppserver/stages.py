@@ -15,7 +15,9 @@ Each stage sums seconds over seqs and counts the seqs:
 
 Timestamps go into fixed rings indexed by a hash of (run, position), or of the item for
 stream outputs (whose position changes on the way), so nothing is allocated per seq; a
-collision only skews one seq's times. Counters grow per batch.
+collision only skews one seq's times. Counters grow per batch. In a job that batches, a
+position is a batch: its seqs share its times, and what is counted after the workers
+(transfer, reorder, wait_trainer, delivered) counts batches.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ class StageClock:
         salt = _salt(msg.run)
         read_at, sent_at = self.read_at, self.sent_at
         waited = 0.0
-        for item in instr.items:
-            k = (item.pos + salt) & MASK
+        for item in instr.items:  # (the seqs of a batch share its position: its task's)
+            k = (item.task + salt) & MASK
             t = now - read_at[k]
             if t > 0:
                 waited += t
