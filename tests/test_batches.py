@@ -416,5 +416,7 @@ def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(co
                 ):
                     c1.epoch(1)
         with srv.client(job="y", batching={"max_seqs": 2, "length_key": "text"}) as c:
-            with pytest.raises(ppclient.Error, match=r"batching\['length_key'\] 'text' is not an input key of this server"):
+            with pytest.raises(
+                ppclient.Error, match=r"batching\['length_key'\] 'text' is not an input key of this server"
+            ):
                 c.epoch(1)
