@@ -19,10 +19,15 @@ others), of the workers and of the client; cores each used; which one was the bo
 and the projection: with a 2 ms-per-seq mapper one worker core handles 500 seqs/s, so one
 server feeds about (server capacity) / 500 worker cores.
 
+`--max-seqs N` asks for batches of N seqs instead (`batching={"max_seqs": N}`: the server
+cuts each epoch, a task is a batch, the workers pad it, one result message per batch); a
+comma-separated list runs each, 0 meaning one seq at a time. Target: batches of 16 x 32 KB
+at >= 25,000 seqs/s.
+
 Needs root and iproute2 (network namespaces); exits 2 with the reason when they cannot be made.
 
 Usage:  sudo python3 bench/dispatch.py [--quick] [--hosts 2] [--procs 2[,4]] [--seqs 5000,500]
-        [--epochs 3] [--json PATH|-]
+        [--epochs 3] [--max-seqs 0,16] [--json PATH|-]
 See bench/README.md.
 """
 
@@ -56,6 +61,7 @@ MACHINE_SATURATED = 0.85  # the machine with this share of all its cores busy is
 OTHER_CPU_WARN = 0.10  # warn when CPU used outside the benchmark exceeds this share of the machine
 MIN_CPU_TICKS = 50  # fewer ticks of server CPU than this: the us-per-seq figures are coarse
 PORT = 5555  # the server namespace is ours: nothing else listens there
+BATCH_TARGET = ("32KB", 16, 25000.0)  # (size, max_seqs, minimum seqs/s): the batched mode's target
 
 CONFIG = """\
 dataset = {{"class": "NumpyDataset", "path": {path!r}}}
@@ -222,22 +228,47 @@ def check_seq(seq: Dict[str, Any], data: List[np.ndarray]) -> Optional[str]:
     return None
 
 
-def consume(client, epoch: int, expect: int, data: List[np.ndarray]) -> Tuple[int, int, float, Optional[str]]:
-    """One epoch: (seqs, array bytes, seconds from request to last seq, first mismatch or None)."""
+def check_batch(batch: Dict[str, Any], data: List[np.ndarray]) -> Optional[str]:
+    """Every row of a batch (all seqs of a size: no padding) is its seq's array from the npz."""
+    tags = batch.get("seq_tag") or []
+    rows = batch.get("data")
+    if not isinstance(rows, np.ndarray) or len(rows) != len(tags):
+        return f"batch of {len(tags)} tags has no matching data array"
+    for tag, row in zip(tags, rows):
+        problem = check_seq({"seq_tag": tag, "data": row}, data)
+        if problem:
+            return problem
+    return None
+
+
+def consume(
+    client, epoch: int, expect: int, data: List[np.ndarray], batched: bool = False
+) -> Tuple[int, int, float, Optional[str]]:
+    """One epoch: (seqs, array bytes, seconds from request to last seq, first mismatch or None).
+    `batched`: the epoch comes in batches; seqs are counted by their tags."""
     start = time.monotonic()
     n = nbytes = 0
     first = last = None
     for last in client.epoch(epoch):
         if first is None:
             first = last
-        n += 1
+        n += len(last["seq_tag"]) if batched else 1
         nbytes += last["data"].nbytes
     elapsed = time.monotonic() - start
     problem = None if n == expect else f"epoch {epoch}: {n} seqs delivered, {expect} expected"
     for seq in (first, last):
         if problem is None and seq is not None:
-            problem = check_seq(seq, data)
+            problem = check_batch(seq, data) if batched else check_seq(seq, data)
     return n, nbytes, elapsed, problem
+
+
+def client_for(srv, max_seqs: int):
+    """The benchmark's client of the server: one seq at a time, or batches of max_seqs."""
+    if not max_seqs:
+        return srv.client(timeout=60.0)
+    from ppclient import Client
+
+    return Client(srv.address, timeout=60.0, batching={"max_seqs": max_seqs})
 
 
 def worker_pids_of(hosts, procs: int) -> List[int]:
@@ -258,8 +289,9 @@ def run_case(
     procs: int,
     epochs: int,
     data: List[np.ndarray],
+    max_seqs: int = 0,
 ) -> Dict[str, Any]:
-    tag = f"{size.key}-{path}-{n_hosts}x{procs}"
+    tag = f"{size.key}-{path}-{n_hosts}x{procs}" + (f"-b{max_seqs}" if max_seqs else "")
     srv = lab.start_server(cfg, port=PORT, name=f"server-{tag}")
     hosts: List[Any] = []
     result: Dict[str, Any] = {
@@ -268,6 +300,7 @@ def run_case(
         "seq_bytes": size.seq_bytes,
         "hosts": n_hosts,
         "procs": procs,
+        "max_seqs": max_seqs or None,
     }
     try:
         for h in range(1, n_hosts + 1):
@@ -281,14 +314,14 @@ def run_case(
         ksoftirqd = kernel_softirq_pids()
         delivered = nbytes = 0
         epoch_s: List[float] = []
-        with srv.client(timeout=60.0) as c:
-            n, _, warm, problem = consume(c, 0, seqs, data)
+        with client_for(srv, max_seqs) as c:
+            n, _, warm, problem = consume(c, 0, seqs, data, bool(max_seqs))
             result["warmup_s"] = round(warm, 3)
             if problem:
                 raise RuntimeError(f"warm-up: {problem}")
             for epoch in range(1, epochs + 1):
                 before = Snapshot(srv.proc.pid, pids, ksoftirqd)
-                n, b, took, problem = consume(c, epoch, seqs, data)
+                n, b, took, problem = consume(c, epoch, seqs, data, bool(max_seqs))
                 after = Snapshot(srv.proc.pid, pids, ksoftirqd)
                 if problem:
                     raise RuntimeError(problem)
@@ -405,8 +438,31 @@ LEGEND = [
 ]
 
 
+def _path(r: Dict[str, Any]) -> str:
+    """The data path, and the batch size where the row's epochs came in batches."""
+    return r.get("path", "") + (f" b{r['max_seqs']}" if r.get("max_seqs") else "")
+
+
 def _label(r: Dict[str, Any]) -> str:
-    return f"{r['size']} {r.get('path', '')} {r['hosts']}x{r['procs']}"
+    return f"{r['size']} {_path(r)} {r['hosts']}x{r['procs']}"
+
+
+def batch_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The batched mode's target for every row it applies to (BATCH_TARGET's size and batch size)."""
+    size, max_seqs, want = BATCH_TARGET
+    out = []
+    for r in rows:
+        if r["size"] != size or r.get("max_seqs") != max_seqs:
+            continue
+        got = r.get("seqs_per_s")
+        out.append(
+            {
+                "target": f"{_label(r)}: >= {want:.0f} seqs/s",
+                "seqs_per_s": got,
+                "verdict": "FAILED run" if got is None else ("PASS" if got >= want else "FAIL"),
+            }
+        )
+    return out
 
 
 def _n(x: float) -> str:
@@ -418,35 +474,35 @@ def print_report(rows: List[Dict[str, Any]], header: str) -> None:
     print()
     print(header)
     print()
-    print(f"{'':51}{'CPU us per seq':<56}")
+    print(f"{'':55}{'CPU us per seq':<56}")
     print(
-        f"{'size':>7} {'path':>10} "
+        f"{'size':>7} {'path':>14} "
         f"{'workers':>7} {'seqs':>6} {'seqs/s':>7} {'MB/s':>6} | {'server':>6} {'(loop':>6} "
         f"{'zmq-io':>6} {'other)':>6} {'sys %':>5} {'workers':>7} {'client':>6} {'all':>6}"
     )
     for r in rows:
         hw = f"{r['hosts']}x{r['procs']}"
         if "error" in r:
-            print(f"{r['size']:>7} {r.get('path', ''):>10} {hw:>7} FAILED: {r['error']}")
+            print(f"{r['size']:>7} {_path(r):>14} {hw:>7} FAILED: {r['error']}")
             continue
         us = r["cpu_us_per_seq"]
         print(
-            f"{r['size']:>7} {r.get('path', ''):>10} "
+            f"{r['size']:>7} {_path(r):>14} "
             f"{hw:>7} {r['seqs']:>6} {r['seqs_per_s']:>7.0f} {r['mb_per_s']:>6.0f} | "
             f"{us['server']:>6.0f} {us['loop']:>6.0f} {us['zmq_io']:>6.0f} {us['other']:>6.0f} "
             f"{100 * r['server_sys_share']:>5.0f} {us['workers']:>7.0f} {us['client']:>6.0f} {us['all']:>6.0f}"
         )
     print()
-    print(f"{'':29}{'cores busy, timed epochs':<50}{'on CPU + run queue':<20}")
+    print(f"{'':33}{'cores busy, timed epochs':<50}{'on CPU + run queue':<20}")
     print(
-        f"{'size':>7} {'path':>10} "
+        f"{'size':>7} {'path':>14} "
         f"{'workers':>7} | {'server':>6} {'workers':>7} {'(max1)':>6} {'client':>6} {'ksirq':>5} "
         f"{'other':>5} {'all':>5} | {'loop':>5} {'zmq-io':>6} | bottleneck"
     )
     for r in ok:
         co, de = r["cores"], r["server_thread_demand"]
         print(
-            f"{r['size']:>7} {r.get('path', ''):>10} "
+            f"{r['size']:>7} {_path(r):>14} "
             f"{str(r['hosts']) + 'x' + str(r['procs']):>7} | {co['server']:>6.2f} "
             f"{co['workers']:>7.2f} {co['worker_max']:>6.2f} {co['client']:>6.2f} {co['ksoftirqd']:>5.2f} "
             f"{co['other']:>5.2f} {co['machine']:>5.2f} | {de['loop']:>5.2f} {de['zmq_io']:>6.2f} | {r['bottleneck']}"
@@ -479,7 +535,7 @@ def print_report(rows: List[Dict[str, Any]], header: str) -> None:
         print(line)
     print()
     print(
-        f"{'size':>7} {'path':>10} "
+        f"{'size':>7} {'path':>14} "
         f"{'workers':>7} | {'capacity':>8} {'from':<22} {'worker cores':>12} | "
         f"{'1e6/server us':>13} {'cores':>5} | {'threads own cores':>17} {'cores':>5}"
     )
@@ -492,7 +548,7 @@ def print_report(rows: List[Dict[str, Any]], header: str) -> None:
         )
         source = f"1e6 / {us:.0f} us" if r["server_bound"] else "measured (lower bound)"
         print(
-            f"{r['size']:>7} {r.get('path', ''):>10} "
+            f"{r['size']:>7} {_path(r):>14} "
             f"{str(r['hosts']) + 'x' + str(r['procs']):>7} | {cap:>8.0f} {source:<22} "
             f"{_n(r['worker_cores_fed']):>12} | {alt:>13.0f} {_n(alt / per_core):>5} | {thr:>17.0f} "
             f"{_n(thr / per_core):>5}"
@@ -507,6 +563,13 @@ def print_report(rows: List[Dict[str, Any]], header: str) -> None:
             width=104,
         ):
             print(line)
+    targets = batch_targets(rows)
+    if targets:
+        print()
+        print("target (batched mode):")
+        for t in targets:
+            got = "" if t["seqs_per_s"] is None else f"{t['seqs_per_s']:.0f} seqs/s  "
+            print(f"  {t['target']:<44} {got}{t['verdict']}")
 
 
 def parse_seqs(text: Optional[str], quick: bool) -> List[int]:
@@ -534,16 +597,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         default="direct,via-server",
         help="data paths of results: direct (worker to client) and/or via-server (default %(default)s)",
     )
+    p.add_argument(
+        "--max-seqs",
+        default="0",
+        help="batches of N seqs (batching={'max_seqs': N}); a comma-separated list runs each, 0 meaning one "
+        "seq at a time (default %(default)s; the batched target: --max-seqs 16, 32 KB)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (npz, config, logs)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
     args = p.parse_args(argv)
     try:
         counts = [int(x) for x in args.procs.split(",") if x.strip()]
+        batch_sizes = [int(x) for x in args.max_seqs.split(",") if x.strip()]
         seqs = dict(zip([s.key for s in SIZES], parse_seqs(args.seqs, args.quick)))
     except ValueError as exc:
         p.error(str(exc))
     if not counts or min(counts) < 1 or args.hosts < 1:
         p.error("--hosts and every --procs count must be >= 1")
+    if not batch_sizes or min(batch_sizes) < 0:
+        p.error("--max-seqs: counts >= 1, or 0 for one seq at a time")
     sizes = [s for s in SIZES if s.key in args.sizes.split(",")]
     if not sizes:
         p.error(f"--sizes: choose from {','.join(s.key for s in SIZES)}")
@@ -581,25 +653,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                 cfg = os.path.join(tmp, f"config-{size.key}-{data_path}.py")
                 with open(cfg, "w") as f:
                     f.write(CONFIG.format(path=path, buf_size=args.buf_size, direct=data_path == "direct"))
-                for procs in counts:
-                    log(
-                        f"{size.title}, {data_path}: {args.hosts} hosts x {procs} procs, "
-                        f"{epochs} timed epochs of {n} seqs"
-                    )
-                    try:
-                        rows.append(run_case(lab, cfg, size, data_path, n, args.hosts, procs, epochs, data))
-                    except Exception as exc:
-                        failed = True
-                        log(f"  failed: {type(exc).__name__}: {exc}")
-                        rows.append(
-                            {
-                                "size": size.key,
-                                "path": data_path,
-                                "hosts": args.hosts,
-                                "procs": procs,
-                                "error": f"{type(exc).__name__}: {exc}",
-                            }
+                for batch in batch_sizes:
+                    for procs in counts:
+                        what = f"batches of {batch}" if batch else "one seq at a time"
+                        log(
+                            f"{size.title}, {data_path}, {what}: {args.hosts} hosts x {procs} procs, "
+                            f"{epochs} timed epochs of {n} seqs"
                         )
+                        try:
+                            rows.append(run_case(lab, cfg, size, data_path, n, args.hosts, procs, epochs, data, batch))
+                        except Exception as exc:
+                            failed = True
+                            log(f"  failed: {type(exc).__name__}: {exc}")
+                            rows.append(
+                                {
+                                    "size": size.key,
+                                    "path": data_path,
+                                    "hosts": args.hosts,
+                                    "procs": procs,
+                                    "max_seqs": batch or None,
+                                    "error": f"{type(exc).__name__}: {exc}",
+                                }
+                            )
             del data
     finally:
         lab.destroy()
@@ -610,8 +685,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     header = (
         f"dispatch: {args.hosts} worker hosts (network namespaces), server `--workers 0`, client in the "
-        f"root namespace; no-op map_seq; buf_size {args.buf_size}; {epochs} timed epochs per row; "
-        f"{NCPU} CPUs, load average {load:.2f} at start"
+        f"root namespace; no-op map_seq; buf_size {args.buf_size} (tasks: seqs or batches); {epochs} timed "
+        f"epochs per row; {NCPU} CPUs, load average {load:.2f} at start"
+        + ("; path b<N>: batches of N seqs (batching={'max_seqs': N}), seqs counted" if any(batch_sizes) else "")
     )
     print_report(rows, header)
     if args.json:
@@ -623,6 +699,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "epochs": epochs,
                 "mapper_ms_for_projection": MAPPER_MS,
                 "results": rows,
+                "targets": batch_targets(rows),
             },
             indent=2,
         )
