@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ppclient import Client
 from ppserver.cli import wait_ready
-from ppserver.supervisor import stop_process
+from ppserver.worker.pool import stop_process
 
 CONFIG = """
 import time

@@ -29,7 +29,7 @@ REPO = os.path.dirname(HERE)
 TICK = os.sysconf("SC_CLK_TCK")
 
 CONFIG = """\
-from ppserver.mappers import double
+from ppserver.mappers.builtin import double
 
 dataset = {{"class": "NumpyDataset", "path": {path!r}}}
 map_seq = double
@@ -74,7 +74,7 @@ def children(pid: int) -> List[int]:
 def run(world: int, config: str, epochs: int) -> Dict[str, Any]:
     sys.path.insert(0, REPO)
     from ppserver.cli import wait_ready
-    from ppserver.supervisor import stop_process
+    from ppserver.worker.pool import stop_process
 
     server = subprocess.Popen(
         [sys.executable, "-m", "ppserver", "serve", config, "--bind", "tcp://127.0.0.1:0"],
@@ -133,7 +133,7 @@ def main(argv: Any = None) -> int:
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.ranks.split(",")]
     sys.path.insert(0, REPO)
-    from ppserver.datasets import save_npz
+    from ppserver.datasets.base import save_npz
 
     tmp = tempfile.mkdtemp(prefix="ppranks-")
     rng = np.random.RandomState(0)

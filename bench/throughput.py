@@ -6,7 +6,7 @@ the same arrays:
 
   ppserver    `python -m ppserver serve CONFIG --workers N`, consumed through ppclient
   in-process  the same arrays (NumpyDataset) and the same map_seq, applied in a plain loop
-              with ppserver.apply.apply_map_seq (what a worker does, minus the transport)
+              with ppserver.mappers.apply.apply_map_seq (what a worker does, minus the transport)
   RETURNN     returnn.datasets.postprocessing.PostprocessingDataset over a StaticDataset of
               the same arrays, num_workers=N, buf_size=10 (skipped if returnn does not import)
 
@@ -139,9 +139,9 @@ def pad_collate(items):
 
 
 # ppserver configs. The server and each worker execute the file; the in-process baseline
-# loads it with ppserver.config.load_config, so both run the very same map_seq.
+# loads it with ppserver.config.settings.load_config, so both run the very same map_seq.
 CONFIG_DOUBLE = """\
-from ppserver.mappers import double
+from ppserver.mappers.builtin import double
 
 dataset = {{"class": "NumpyDataset", "path": {path!r}}}
 map_seq = double
@@ -153,7 +153,7 @@ seed = 0
 CONFIG_BURN = '''\
 import time
 
-from ppserver.mappers import double
+from ppserver.mappers.builtin import double
 
 BURN_SECONDS = {burn!r}
 
@@ -435,9 +435,9 @@ class InProcess:
         self.seqs = seqs
 
     def start(self) -> None:
-        from ppserver.apply import apply_map_seq
-        from ppserver.config import load_config
-        from ppserver.datasets import NumpyDataset
+        from ppserver.config.settings import load_config
+        from ppserver.datasets.base import NumpyDataset
+        from ppserver.mappers.apply import apply_map_seq
 
         self.apply = apply_map_seq
         self.cfg = load_config(self.config)
@@ -675,7 +675,7 @@ class TorchLoader:
     def start(self) -> None:
         from torch.utils.data import DataLoader
 
-        from ppserver.mappers import double
+        from ppserver.mappers.builtin import double
 
         ds = MappedArrays([s["data"] for s in self.seqs], self.tags, double)
         common: Dict[str, Any] = {"num_workers": self.workers, "persistent_workers": True, "prefetch_factor": PREFETCH}
@@ -824,7 +824,7 @@ def check_batches(res: Result, got: Tally, first: Dict[str, Any], last: Dict[str
 
 
 def make_data(case: Case, n: int, path: str) -> List[Dict[str, np.ndarray]]:
-    from ppserver.datasets import load_npz, save_npz
+    from ppserver.datasets.base import load_npz, save_npz
 
     rng = np.random.default_rng(1234 + ord(case.key))
     if case.frames is None:
@@ -897,9 +897,9 @@ def run_batched(
     """A batched case: ppserver (numpy), ppserver through ServerDataset, and the DataLoader peer."""
     from ppclient import collate
     from ppclient.batching import Batching
-    from ppserver.cut import cut_epoch
-    from ppserver.datasets import NumpyDataset
-    from ppserver.mappers import double
+    from ppserver.datasets.base import NumpyDataset
+    from ppserver.datasets.cut import cut_epoch
+    from ppserver.mappers.builtin import double
 
     assert case.batching is not None
     batching = Batching.from_dict(case.batching)
@@ -1238,7 +1238,9 @@ def print_batch_table(rows: List[Result], notes: List[str]) -> None:
     print(f"        prefetch_factor={PREFETCH}, collating (stacking or padding) in its workers")
     print("us/seq: CPU per seq over the timed epochs: the server process, the workers together (ppserver's or")
     print("        the DataLoader's), the client (this process: the consumer, or the DataLoader's main process)")
-    print("check: the last timed epoch's cut (every batch's seq tags and shape) is ppserver.cut.cut_epoch's, and")
+    print(
+        "check: the last timed epoch's cut (every batch's seq tags and shape) is ppserver.datasets.cut.cut_epoch's, and"
+    )
     print("       its first and last batch equal the in-process reference (the mapper, then")
     print("       ppclient.collate.pad) bit for bit: data, data:lengths, seq_tag, seq_idx")
 

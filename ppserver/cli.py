@@ -158,7 +158,7 @@ def _returnn_options(p: argparse.ArgumentParser, what: str) -> None:
 
 def _config_source(args) -> Tuple[str, Optional[str]]:
     """(path, RETURNN dataset name or None) from CONFIG or --returnn-config/--dataset; ConfigError if unclear."""
-    from .errors import ConfigError
+    from ppserver.errors import ConfigError
 
     if args.config is not None and args.returnn_config is not None:
         raise ConfigError("--returnn-config", "give either CONFIG or --returnn-config, not both")
@@ -212,11 +212,10 @@ def _fail_config(command: str, exc: Exception) -> int:
 
 def _serve(args) -> int:
     from ppclient import UsageError, endpoints, keyfiles
-
-    from .config import load
-    from .errors import ConfigError
-    from .metrics import parse_address
-    from .server import serve, setup_logging
+    from ppserver.config.settings import load
+    from ppserver.errors import ConfigError
+    from ppserver.observe.metrics import parse_address
+    from ppserver.server.loop import serve, setup_logging
 
     ready = ready_stream()
     stdout_to_stderr()
@@ -255,12 +254,11 @@ def _serve(args) -> int:
 
 def _worker(args) -> int:
     from ppclient import UsageError, endpoints, keyfiles
-
-    from .config import load
-    from .errors import ConfigError
-    from .server import setup_logging
-    from .supervisor import EXIT_REFUSED, ProcessPool, worker_argv
-    from .threads import thread_env
+    from ppserver.config.settings import load
+    from ppserver.errors import ConfigError
+    from ppserver.server.loop import setup_logging
+    from ppserver.worker.pool import EXIT_REFUSED, ProcessPool, worker_argv
+    from ppserver.worker.threads import thread_env
 
     stdout_to_stderr()  # a worker host prints nothing on stdout
     setup_logging("ppworker-host")
@@ -360,7 +358,7 @@ def format_status(st) -> str:
 
 def _progress_lines(st) -> List[str]:
     """Rolling rate, ETA and holdup, and the mean time per seq in each stage (see README)."""
-    from .progress import format_eta
+    from ppserver.observe.progress import format_eta
 
     if "rate_seqs_per_sec" not in st:
         return []  # a server without stage timings
@@ -395,8 +393,7 @@ def _demo(args) -> int:
     import tempfile
 
     from ppclient import Client, Error
-
-    from .supervisor import stop_process
+    from ppserver.worker.pool import stop_process
 
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_config.py")
     if args.log:

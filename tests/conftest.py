@@ -20,7 +20,7 @@ from netns import children_of, wait_for, wait_gone  # noqa: F401  (re-exported t
 
 from ppclient import Client
 from ppserver.cli import wait_ready
-from ppserver.supervisor import stop_process
+from ppserver.worker.pool import stop_process
 
 
 def _dev_shm() -> set:
@@ -384,9 +384,9 @@ def map_seq(seq, *, rng, **kwargs):
 
 def reference(config: str, epoch: int, **kw) -> List[dict]:
     """The epoch computed in this process by the same definition the service implements."""
-    from ppserver.apply import reference_epoch
-    from ppserver.config import load_config
-    from ppserver.datasets import make_dataset
+    from ppserver.config.settings import load_config
+    from ppserver.datasets.base import make_dataset
+    from ppserver.mappers.apply import reference_epoch
 
     cfg = load_config(config)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
@@ -411,9 +411,9 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
     outputs' (map_seq_stream), each batch padded as the workers pad it."""
     from ppclient import collate
     from ppclient.batching import Batching
-    from ppserver.config import load_config
-    from ppserver.cut import cut_epoch
-    from ppserver.datasets import make_dataset
+    from ppserver.config.settings import load_config
+    from ppserver.datasets.base import make_dataset
+    from ppserver.datasets.cut import cut_epoch
 
     seqs = reference(config, epoch, **kw)
     cfg = load_config(config)

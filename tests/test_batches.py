@@ -36,7 +36,7 @@ import ppclient
 from ppclient import collate, protocol
 from ppclient.batching import Batching
 from ppclient.protocol import Batch
-from ppserver.cut import Cutter, cut, cut_epoch
+from ppserver.datasets.cut import Cutter, cut, cut_epoch
 from ppserver.scheduler import Reply, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
 

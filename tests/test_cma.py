@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, assert_same_epoch, collect, numpy_config, read, reference, run_server, sitecustomize_env
 
 from ppclient import protocol
-from ppserver import cma
+from ppserver.transport import cma
 
 pytestmark = pytest.mark.skipif(cma.available() is not None, reason=str(cma.available()))
 
@@ -40,7 +40,10 @@ def test_another_process_reads_the_token_of_an_offer():
     """The check a worker makes: its parent's token read back; a wrong token or pid is a reason."""
     token = np.frombuffer(os.urandom(32), np.uint8).copy()
     offer = cma.offer(token)
-    code = "import json, sys; from ppserver import cma; print(cma.check_offer(json.loads(sys.argv[1]))[1] or None)"
+    code = (
+        "import json, sys; from ppserver.transport import cma; "
+        "print(cma.check_offer(json.loads(sys.argv[1]))[1] or None)"
+    )
     import json
 
     def check(o) -> str:
@@ -96,8 +99,8 @@ def test_where_memory_cannot_be_read_inputs_come_through_the_ring(tmp_path):
     env = sitecustomize_env(
         tmp_path,
         """
-        import ppserver.cma
-        ppserver.cma.check_offer = lambda offer: (None, "not permitted here (test)")
+        import ppserver.transport.cma
+        ppserver.transport.cma.check_offer = lambda offer: (None, "not permitted here (test)")
         """,
     )
     log_path = str(tmp_path / "server.log")
@@ -117,15 +120,15 @@ def test_inputs_that_cannot_be_read_are_redone_and_travel_in_messages_after(tmp_
     env = sitecustomize_env(
         tmp_path,
         """
-        import ppserver.cma
-        _read = ppserver.cma.Reader.read
+        import ppserver.transport.cma
+        _read = ppserver.transport.cma.Reader.read
         _calls = [0]
         def read(self, spans, dtypes, shapes):
             _calls[0] += 1
             if _calls[0] == 4:
                 raise OSError(14, "Bad address (test)")
             return _read(self, spans, dtypes, shapes)
-        ppserver.cma.Reader.read = read
+        ppserver.transport.cma.Reader.read = read
         """,
     )
     log_path = str(tmp_path / "server.log")

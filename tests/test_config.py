@@ -22,9 +22,9 @@ from conftest import (
 )
 
 import ppclient
-from ppserver.apply import MappingError, StreamValidator, apply_map_seq, run_stream, validate
-from ppserver.config import from_settings, load_config
+from ppserver.config.settings import from_settings, load_config
 from ppserver.errors import ConfigError
+from ppserver.mappers.apply import MappingError, StreamValidator, apply_map_seq, run_stream, validate
 
 IDENTITY = "dataset = {'class': 'DemoDataset', 'num_seqs': 3}\nmap_seq = lambda s, **k: s\n"
 
@@ -234,7 +234,7 @@ def test_helpers_are_ignored(tmp_path):
         from __future__ import annotations
         import numpy as np
         from functools import partial
-        from ppserver.mapping import Sequential
+        from ppserver.mappers.compose import Sequential
         _private = 1
         N_SEQS = 3
         X2 = [1]
@@ -262,7 +262,7 @@ def test_unknown_camel_case_name_stops_serve(tmp_path):
 
 BAD_DATASETS = """
 import os
-from ppserver.datasets import Dataset
+from ppserver.datasets.base import Dataset
 from ppserver.errors import ConfigError
 
 class Raises(Dataset):
@@ -366,7 +366,7 @@ REACH = {
     "function": ("import numpy as np\nfrom fp_helper import map_seq", "fp_helper.py"),
     "transitive": ("import numpy as np\nfrom fp_helper import map_seq", "fp_deep.py"),
     "sequential": (
-        "import numpy as np, importlib\nfrom ppserver.mapping import Sequential\n"
+        "import numpy as np, importlib\nfrom ppserver.mappers.compose import Sequential\n"
         "map_seq = Sequential(importlib.import_module('fp_helper').scale)",
         "fp_helper.py",
     ),
@@ -388,7 +388,7 @@ def helper_dir(root, reach: str) -> str:
 def fresh_fingerprint(cfg: str, pre_import: str = "") -> str:
     """The fingerprint as a new process computes it (as server and worker do), after `pre_import`."""
     code = (
-        f"{pre_import}\nimport sys\nfrom ppserver.config import load_config\n"
+        f"{pre_import}\nimport sys\nfrom ppserver.config.settings import load_config\n"
         "print(load_config(sys.argv[1]).fingerprint)"
     )
     res = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -415,7 +415,7 @@ def test_fingerprint_does_not_depend_on_earlier_imports(tmp_path):
         "import fp_unrelated",
         "import fp_helper",
         "import fp_deep, fp_unrelated, fp_pkg.sub",
-        "import json, ppserver.server, ppserver.worker",
+        "import json, ppserver.server.loop, ppserver.worker.main",
     ):
         assert fresh_fingerprint(cfg, f"import sys\nsys.path.insert(0, {folder!r})\n{pre}") == fp, pre
 

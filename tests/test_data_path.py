@@ -372,7 +372,7 @@ def test_a_worker_frees_a_consumers_blocks_only_once_its_process_has_exited():
     process has exited; a process that merely has the same pid is not taken for it."""
     import zmq
 
-    from ppserver.direct import Routes
+    from ppserver.worker.routes import Routes
 
     consumer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ctx = zmq.Context()

@@ -1,4 +1,4 @@
-"""In-process tests of ppserver.datasets, ppserver.mapping and ppserver.mappers."""
+"""In-process tests of ppserver.datasets.base, ppserver.mappers.compose and ppserver.mappers.builtin."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from ppserver.datasets import (
+from ppserver.datasets.base import (
     Dataset,
     DemoDataset,
     NumpyDataset,
@@ -18,8 +18,8 @@ from ppserver.datasets import (
     save_npz,
 )
 from ppserver.errors import ConfigError
-from ppserver.mappers import double, spec_augment
-from ppserver.mapping import LaplaceOrdering, Sequential
+from ppserver.mappers.builtin import double, spec_augment
+from ppserver.mappers.compose import LaplaceOrdering, Sequential
 
 pytestmark = pytest.mark.unit
 
@@ -320,7 +320,7 @@ def test_make_dataset_builtin_and_order_seed():
     assert isinstance(ds, DemoDataset) and ds.order_seed == 7 and ds.total_num_seqs == 5
     ds = make_dataset({"class": "DemoDataset", "num_seqs": 5, "order_seed": 2}, order_seed=7)
     assert ds.order_seed == 2
-    ds = make_dataset({"class": "ppserver.datasets:NumpyDataset", "seqs": make_seqs([1, 2])})
+    ds = make_dataset({"class": "ppserver.datasets.base:NumpyDataset", "seqs": make_seqs([1, 2])})
     assert isinstance(ds, NumpyDataset)
 
 
@@ -329,7 +329,7 @@ def test_make_dataset_import_path(tmp_path, monkeypatch):
         textwrap.dedent(
             """
             import numpy as np
-            from ppserver.datasets import Dataset
+            from ppserver.datasets.base import Dataset
 
             class Tiny(Dataset):
                 def __init__(self, *, n=2, **kwargs):
@@ -364,7 +364,7 @@ def test_make_dataset_constructor_failures_are_config_errors(tmp_path, monkeypat
     (tmp_path / "failing_ds_mod.py").write_text(
         textwrap.dedent(
             """
-            from ppserver.datasets import Dataset
+            from ppserver.datasets.base import Dataset
             from ppserver.errors import ConfigError
 
             class Failing(Dataset):

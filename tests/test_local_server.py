@@ -520,7 +520,7 @@ def test_returnn_dataset_without_address_needs_its_keys_and_a_config_file():
         ServerDataset(name="train", dataset={"class": "HDFDataset", "files": []}, map_seq=scale)
 
 
-FINGERPRINT = "import sys\nfrom ppserver.config import load\nprint(load(sys.argv[1], sys.argv[2]).fingerprint)"
+FINGERPRINT = "import sys\nfrom ppserver.config.settings import load\nprint(load(sys.argv[1], sys.argv[2]).fingerprint)"
 
 RETURNN_CONFIG_WITH_MODULE = """
 import sys, os

@@ -19,8 +19,8 @@ import pytest
 import zmq
 from conftest import REPO, collect, free_port, numpy_config, read, run_server, wait_for, write_config
 
-from ppserver.metrics import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
-from ppserver.stages import STAGES
+from ppserver.observe.metrics import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
+from ppserver.observe.stages import STAGES
 
 SLOW_MAPPER = """
 import time
@@ -39,7 +39,7 @@ def map_seq_stream(seqs, **kwargs):
 SLOW_CORPUS = """
 import time
 import numpy as np
-from ppserver.datasets import Dataset
+from ppserver.datasets.base import Dataset
 
 class SlowCorpus(Dataset):
     def __init__(self, n=100, delay=0.0, **kwargs):

@@ -10,9 +10,8 @@ import pytest
 
 from ppclient import protocol
 from ppserver.errors import ConfigError
-from ppserver.mapper_clock import MapperClock, heartbeat_stats
-from ppserver.metrics import families, parse_address
-from ppserver.progress import (
+from ppserver.observe.metrics import families, parse_address
+from ppserver.observe.progress import (
     Sample,
     Window,
     format_eta,
@@ -22,10 +21,11 @@ from ppserver.progress import (
     side_of,
     status_fields,
 )
-from ppserver.reader import DATASET_CALLS
+from ppserver.observe.stages import STAGES, StageClock
 from ppserver.scheduler import Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
-from ppserver.stages import STAGES, StageClock
+from ppserver.server.reader import DATASET_CALLS
+from ppserver.worker.clock import MapperClock, heartbeat_stats
 
 pytestmark = pytest.mark.unit
 

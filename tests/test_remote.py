@@ -488,7 +488,7 @@ def test_reset_worker_connection_loses_nothing(tmp_path, path):
             assert "reconnected" in read(slog)
             assert_data_path(read(str(tmp_path / "w.log")), path)
         finally:
-            from ppserver.supervisor import stop_process
+            from ppserver.worker.pool import stop_process
 
             stop_process(worker, timeout=10)
             fwd.close()

@@ -24,7 +24,7 @@ from test_hdf import LABELS, write_dense
 
 from ppclient import DatasetError, Error, MapperError
 from ppclient.returnn import ServerDataset
-from ppserver.returnn_dataset import ReturnnDataset
+from ppserver.datasets.returnn import ReturnnDataset
 
 pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
 
@@ -392,7 +392,7 @@ def test_a_returnn_hdf_dataset_is_cut_into_batches_up_front_from_its_lengths(hdf
     import tdmappers
 
     from ppclient.batching import Batching
-    from ppserver.cut import cut_epoch
+    from ppserver.datasets.cut import cut_epoch
 
     srv, spec = hdf_server
     batching = {"max_frames": 40, "bucket_window": 4}
@@ -752,9 +752,9 @@ def test_what_makes_a_failing_dict_api_mapper_look_written_for_tensor_dicts():
     from returnn.datasets.postprocessing import LaplaceOrdering, Sequential
     from returnn.tensor import TensorDict
 
-    from ppserver.apply import MappingError
-    from ppserver.config import Config
-    from ppserver.mapper_api import missing_returnn_api_hint
+    from ppserver.config.settings import Config
+    from ppserver.mappers.api import missing_returnn_api_hint
+    from ppserver.mappers.apply import MappingError
 
     def checks(tdict, **kwargs):
         assert isinstance(tdict, TensorDict)

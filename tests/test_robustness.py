@@ -48,7 +48,7 @@ from ppclient.protocol import Channel, Peer
 DATA_MODULE = """
 import time
 import numpy as np
-from ppserver.datasets import Dataset
+from ppserver.datasets.base import Dataset
 
 class Corpus(Dataset):
     def __init__(self, n=30, stuck_at=None, len_delay=0.0, **kwargs):
@@ -233,8 +233,8 @@ IDENTITY = {
 # Loaded by the server (PYTHONPATH): its reader no longer refuses an input whose header is too large,
 # so the worker gets it, cannot decode the message, and must say so.
 NO_INPUT_CHECK = """
-import ppserver.reader
-ppserver.reader.oversized_header = lambda item: None
+import ppserver.server.reader
+ppserver.server.reader.oversized_header = lambda item: None
 """
 
 
@@ -418,7 +418,7 @@ class FakeWorker:
 
 
 def _fingerprint(cfg: str) -> str:
-    from ppserver.config import load_config
+    from ppserver.config.settings import load_config
 
     return load_config(cfg).fingerprint
 

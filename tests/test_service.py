@@ -31,8 +31,8 @@ from conftest import (
 
 import ppclient
 from ppclient import protocol, wire
-from ppserver.reader import MAX_BATCH
 from ppserver.scheduler import Settings
+from ppserver.server.reader import MAX_BATCH
 
 NOISY_MAP_SEQ = """
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
@@ -162,7 +162,7 @@ def test_map_seq_stream_matches_reference(tmp_path):
 
 def test_laplace_ordering_stream_mapper(tmp_path):
     body = """
-    from ppserver.mapping import LaplaceOrdering, Sequential
+    from ppserver.mappers.compose import LaplaceOrdering, Sequential
     def _scale(seqs, *, rng, **kwargs):
         for s in seqs:
             s["data"] = s["data"] * rng.uniform(0.9, 1.1)
@@ -184,7 +184,7 @@ def test_laplace_ordering_stream_mapper(tmp_path):
 @pytest.mark.parametrize("mode", ["map_seq", "map_seq_stream"])
 def test_outputs_identical_for_1_2_3_workers(tmp_path, mode):
     if mode == "map_seq":
-        body = "from ppserver.mappers import spec_augment as map_seq\n"
+        body = "from ppserver.mappers.builtin import spec_augment as map_seq\n"
         extra = "buf_size = 2\n"
     else:
         body = STREAM_MAPPER
@@ -522,7 +522,7 @@ def test_client_reports_a_server_with_another_protocol():
 def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
     body = """
     import numpy as np
-    from ppserver.datasets import Dataset
+    from ppserver.datasets.base import Dataset
     class Flaky(Dataset):
         def _num_corpus_seqs(self):
             return 10

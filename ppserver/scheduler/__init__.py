@@ -5,12 +5,12 @@ workers, the job and delivery, `jobs` the job's runs and their per-rank lanes, `
 `streams` the dispatch of the two mapper styles.
 """
 
-from . import events
-from .core import MAX_READERS, Scheduler
-from .instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
-from .jobs import Job, Lane, Run
-from .settings import Failure, Settings
-from .workers import Departure, WorkerState
+from ppserver.scheduler import events
+from ppserver.scheduler.core import MAX_READERS, Scheduler
+from ppserver.scheduler.instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
+from ppserver.scheduler.jobs import Job, Lane, Run
+from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.workers import Departure, WorkerState
 
 __all__ = [
     "events",

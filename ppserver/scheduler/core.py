@@ -43,15 +43,14 @@ from ppclient.protocol import (
     Tasks,
     Unknown,
 )
-
-from ..cut import Cutter
-from . import events as ev
-from .instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
-from .jobs import Client, Job, Lane, Run
-from .seqs import SeqDispatch
-from .settings import Failure, Settings
-from .streams import StreamDispatch
-from .workers import Departure, WorkerState
+from ppserver.datasets.cut import Cutter
+from ppserver.scheduler import events as ev
+from ppserver.scheduler.instructions import Instruction, Prepare, Read, Reply, StopReading, ToClient, ToWorker
+from ppserver.scheduler.jobs import Client, Job, Lane, Run
+from ppserver.scheduler.seqs import SeqDispatch
+from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.streams import StreamDispatch
+from ppserver.scheduler.workers import Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
 

@@ -29,11 +29,10 @@ from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import Batch, ConsumerRoute, Item
-
-from ..cut import Cutter
-from .instructions import ToClient
-from .seqs import SeqDispatch
-from .streams import StreamDispatch
+from ppserver.datasets.cut import Cutter
+from ppserver.scheduler.instructions import ToClient
+from ppserver.scheduler.seqs import SeqDispatch
+from ppserver.scheduler.streams import StreamDispatch
 
 Dispatch = Union[SeqDispatch, StreamDispatch]
 

@@ -30,10 +30,9 @@ from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Set, Tuple, Union
 
 from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks, short_tag
-
-from .instructions import Instruction, ToWorker
-from .settings import Failure, Settings
-from .workers import WorkerState
+from ppserver.scheduler.instructions import Instruction, ToWorker
+from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.workers import WorkerState
 
 
 class SeqDispatch:

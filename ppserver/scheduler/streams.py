@@ -28,10 +28,9 @@ from ppclient.protocol import (
     StreamOpen,
     short_tag,
 )
-
-from .instructions import Instruction, Replay, ToWorker
-from .settings import Failure, Settings
-from .workers import WorkerState
+from ppserver.scheduler.instructions import Instruction, Replay, ToWorker
+from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.workers import WorkerState
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy
 
-from .apply import partition_rng
-from .config import Config
+from ppserver.config.settings import Config
+from ppserver.mappers.apply import partition_rng
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Mappers:
 
     def stream_rng(self, epoch: int, partition: int) -> numpy.random.RandomState:
         if self.api == "returnn":
-            from .returnn_mappers import stream_seed
+            from ppserver.mappers.returnn import stream_seed
 
             return numpy.random.RandomState(stream_seed(self.seed, epoch, partition, self.partitions))
         return partition_rng(self.seed, epoch, partition)
@@ -38,7 +38,7 @@ class Mappers:
 def mappers_for(cfg: Config, in_templates: Dict[str, Any]) -> Mappers:
     map_seq, map_seq_stream = cfg.map_seq, cfg.map_seq_stream
     if cfg.mapper_api == "returnn":
-        from .returnn_mappers import dict_mappers
+        from ppserver.mappers.returnn import dict_mappers
 
         map_seq, map_seq_stream = dict_mappers(map_seq, map_seq_stream, in_templates)
     return Mappers(map_seq, map_seq_stream, cfg.mapper_api, cfg.seed, cfg.partitions)

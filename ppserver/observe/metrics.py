@@ -27,10 +27,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from urllib.parse import urlsplit
 
 from ppclient.protocol import PROTOCOL
-
-from .errors import ConfigError
-from .progress import SIDES
-from .stages import MAX_SERIES, StageClock
+from ppserver.errors import ConfigError
+from ppserver.observe.progress import SIDES
+from ppserver.observe.stages import MAX_SERIES, StageClock
 
 log = logging.getLogger("ppserver.metrics")
 

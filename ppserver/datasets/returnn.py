@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .apply import STRING, dtype_text
-from .datasets import Dataset, UnknownSeqTagError, _is_int, _one_line
-from .errors import ConfigError
+from ppserver.datasets.base import Dataset, UnknownSeqTagError, _is_int, _one_line
+from ppserver.errors import ConfigError
+from ppserver.mappers.apply import STRING, dtype_text
 
 log = logging.getLogger("ppserver.dataset")
 

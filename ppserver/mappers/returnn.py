@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
-from .apply import STRING, MappingError, dtype_text
-from .errors import ConfigError
+from ppserver.errors import ConfigError
+from ppserver.mappers.apply import STRING, MappingError, dtype_text
 
 Templates = Dict[str, Dict[str, Any]]
 

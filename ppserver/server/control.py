@@ -17,10 +17,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ppclient import protocol
 from ppclient.batching import Batching
 from ppclient.errors import UsageError
-
-from .config import Config
-from .scheduler import Instruction, Scheduler
-from .scheduler import events as ev
+from ppserver.config.settings import Config
+from ppserver.scheduler import Instruction, Scheduler
+from ppserver.scheduler import events as ev
 
 
 class Control:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .progress import Sample, Window, progress_line, status_fields
-from .scheduler import Scheduler
-from .stages import StageClock
+from ppserver.observe.progress import Sample, Window, progress_line, status_fields
+from ppserver.observe.stages import StageClock
+from ppserver.scheduler import Scheduler
 
 log = logging.getLogger("ppserver.progress")
 
@@ -39,7 +39,7 @@ class Monitor:
     def start(self) -> None:
         """Serve the metrics (if asked to); raises OSError if the address cannot be bound."""
         if self.metrics_address is not None and self.exporter is None:
-            from .metrics import Exporter
+            from ppserver.observe.metrics import Exporter
 
             self.exporter = Exporter(*self.metrics_address)
 
@@ -68,7 +68,7 @@ class Monitor:
             seconds, seqs = stages.totals()
             self.window.add(Sample(now, stages.total_delivered, dict(stages.run_delivered), seconds, seqs))
             if self.exporter is not None:
-                from .metrics import families
+                from ppserver.observe.metrics import families
 
                 self.exporter.publish(families(stages, status()))
         if self.interval > 0:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .config import KNOWN_KEYS, Config, _error_line, from_settings
-from .errors import ConfigError
+from ppserver.config.settings import KNOWN_KEYS, Config, _error_line, from_settings
+from ppserver.errors import ConfigError
 
 POSTPROCESSING_KEYS = (
     "map_seq",

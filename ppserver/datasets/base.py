@@ -695,8 +695,8 @@ BUILTIN_DATASETS: Dict[str, Type[Dataset]] = {"NumpyDataset": NumpyDataset, "Dem
 # Built-in classes in modules of their own, imported only when a config names them (their
 # optional dependencies, h5py and RETURNN, are needed only then).
 LAZY_DATASETS = {
-    "HDFDataset": "ppserver.hdf:HDFDataset",
-    "returnn": "ppserver.returnn_dataset:ReturnnDataset",
+    "HDFDataset": "ppserver.datasets.hdf:HDFDataset",
+    "returnn": "ppserver.datasets.returnn:ReturnnDataset",
 }
 
 
@@ -741,7 +741,7 @@ def make_dataset(spec: dict, *, order_seed: int = 0) -> Dataset:
             " or 'package.module:Name'",
         )
     if not (isinstance(cls, type) and issubclass(cls, Dataset)):
-        raise ConfigError("dataset", f"class {name!r} is not a subclass of ppserver.datasets.Dataset")
+        raise ConfigError("dataset", f"class {name!r} is not a subclass of ppserver.datasets.base.Dataset")
     kwargs.setdefault("order_seed", order_seed)
     try:
         return cls(**kwargs)

@@ -29,12 +29,11 @@ import numpy
 
 from ppclient import collate, protocol, shm
 from ppclient.protocol import Item
-
-from .apply import MappingError, apply_map_seq, run_stream, writable
-from .config import Config
-from .direct import Routes
-from .mapper_api import Mappers, missing_returnn_api_hint
-from .mapper_clock import MapperClock
+from ppserver.config.settings import Config
+from ppserver.mappers.api import Mappers, missing_returnn_api_hint
+from ppserver.mappers.apply import MappingError, apply_map_seq, run_stream, writable
+from ppserver.worker.clock import MapperClock
+from ppserver.worker.routes import Routes
 
 log = logging.getLogger("ppserver.worker")
 

@@ -251,7 +251,7 @@ def reference_epoch(
     seq_order=None,
 ) -> Iterator[Dict[str, Any]]:
     """The epoch as the service must deliver it, computed in one process (for checks and benchmarks)."""
-    from .mapper_api import mappers_for
+    from ppserver.mappers.api import mappers_for
 
     mappers = mappers_for(cfg, dataset.data_keys())
     dataset.init_seq_order(epoch, seq_list=seq_list, seq_order=seq_order)

@@ -22,17 +22,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import zmq
 
 from ppclient import UsageError, endpoints, keyfiles, protocol
-
-from .config import Config, load
-from .direct import Routes
-from .errors import ConfigError
-from .mapper_api import Mappers, mappers_for
-from .mapper_clock import heartbeat_stats
-from .memory import keep_freed_memory
-from .runners import MapSeqRunner, OpenRun, StreamRunner
-from .session import POLL_MS, Refused, Session, Stopped
-from .supervisor import EXIT_REFUSED, set_process_title
-from .threads import limit_threads
+from ppserver.config.settings import Config, load
+from ppserver.errors import ConfigError
+from ppserver.mappers.api import Mappers, mappers_for
+from ppserver.worker.clock import heartbeat_stats
+from ppserver.worker.memory import keep_freed_memory
+from ppserver.worker.pool import EXIT_REFUSED, set_process_title
+from ppserver.worker.routes import Routes
+from ppserver.worker.runners import MapSeqRunner, OpenRun, StreamRunner
+from ppserver.worker.session import POLL_MS, Refused, Session, Stopped
+from ppserver.worker.threads import limit_threads
 
 log = logging.getLogger("ppserver.worker")
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ppserver.apply import STRING, dtype_text
-from ppserver.datasets import Dataset
+from ppserver.datasets.base import Dataset
 from ppserver.errors import ConfigError
+from ppserver.mappers.apply import STRING, dtype_text
 
 if TYPE_CHECKING:
     import h5py

@@ -24,8 +24,7 @@ import zmq
 from ppclient import endpoints, protocol, shm
 from ppclient.keyfiles import ClientKeys
 from ppclient.protocol import Channel, Peer
-
-from . import cma
+from ppserver.transport import cma
 
 log = logging.getLogger("ppserver.worker")
 

@@ -36,9 +36,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ppclient.batching import Batching
 from ppclient.protocol import MAX_ITEM_HEADER_BYTES, Batch, Item, oversized_header, seq_to_item, short_tag
-
-from .cut import Cutter, cut_epoch
-from .scheduler import events as ev
+from ppserver.datasets.cut import Cutter, cut_epoch
+from ppserver.scheduler import events as ev
 
 log = logging.getLogger("ppserver.reader")
 

@@ -26,9 +26,8 @@ import numpy
 from ppclient import wire
 from ppclient.batching import Batching
 from ppclient.errors import UsageError
-
-from .apply import dtype_text
-from .errors import ConfigError
+from ppserver.errors import ConfigError
+from ppserver.mappers.apply import dtype_text
 
 KNOWN_KEYS = {
     "dataset",
@@ -163,7 +162,7 @@ def load(path: str, returnn_dataset: Optional[str] = None) -> Config:
     """A ppserver config, or (`returnn_dataset` given) that dataset of a RETURNN config."""
     if returnn_dataset is None:
         return load_config(path)
-    from .returnn_config import load_returnn_config
+    from ppserver.config.returnn import load_returnn_config
 
     return load_returnn_config(path, returnn_dataset)
 
@@ -205,7 +204,7 @@ def from_settings(
     if mapper_api not in MAPPER_APIS:
         raise ConfigError("mapper_api", f"must be one of {', '.join(map(repr, MAPPER_APIS))}, got {mapper_api!r}")
     if mapper_api == "returnn":
-        from .returnn_mappers import out_templates, require_returnn
+        from ppserver.mappers.returnn import out_templates, require_returnn
 
         require_returnn()
 
@@ -338,8 +337,7 @@ def _source_of(obj: Any, seen: set) -> List[str]:
 def _semantics_source() -> bytes:
     """What decides a mapped seq besides the config: rng seeding, meta entries, validation, the wire."""
     from ppclient import __version__, protocol
-
-    from . import apply
+    from ppserver.mappers import apply
 
     return f"{protocol.PROTOCOL}\n{__version__}\n{inspect.getsource(apply)}".encode()
 

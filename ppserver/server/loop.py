@@ -32,19 +32,30 @@ import ppclient
 from ppclient import endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Item, Peer
 from ppclient.throttle import Throttled
-
-from . import cma, memory
-from . import reader as rd
-from .config import FINGERPRINT_COVERS, Config
-from .control import Control
-from .datasets import make_dataset
-from .errors import ConfigError
-from .monitor import Monitor
-from .owners import OwnerWatch
-from .scheduler import Instruction, Prepare, Read, Replay, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
-from .scheduler import events as ev
-from .supervisor import ProcessPool, worker_argv
-from .threads import thread_env
+from ppserver.config.settings import FINGERPRINT_COVERS, Config
+from ppserver.datasets.base import make_dataset
+from ppserver.errors import ConfigError
+from ppserver.observe.monitor import Monitor
+from ppserver.scheduler import (
+    Instruction,
+    Prepare,
+    Read,
+    Replay,
+    Reply,
+    Scheduler,
+    Settings,
+    StopReading,
+    ToClient,
+    ToWorker,
+)
+from ppserver.scheduler import events as ev
+from ppserver.server import reader as rd
+from ppserver.server.control import Control
+from ppserver.server.owners import OwnerWatch
+from ppserver.transport import cma
+from ppserver.worker import memory
+from ppserver.worker.pool import ProcessPool, worker_argv
+from ppserver.worker.threads import thread_env
 
 log = logging.getLogger("ppserver.server")
 

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from ppclient.protocol import Seqs, StreamInputs, Tasks
-
-from .scheduler import Scheduler, ToClient, ToWorker
-from .scheduler import events as ev
+from ppserver.scheduler import Scheduler, ToClient, ToWorker
+from ppserver.scheduler import events as ev
 
 STAGES = ("read", "wait_worker", "mapper", "transfer", "reorder", "wait_trainer")
 RING = 1 << 16
