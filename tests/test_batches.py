@@ -255,14 +255,17 @@ def corpus(tmp_path_factory):
     )
 
 
-def pull(address: str, world: int, epoch: int, **kw) -> Dict[int, List[dict]]:
-    """Every rank's batches of `epoch`, each rank a client in a thread of its own."""
+def pull(address: str, world: int, epoch: int, *, warm: bool = False, **kw) -> Dict[int, List[dict]]:
+    """Every rank's batches of `epoch`, each rank a client in a thread of its own; `warm`: each
+    reads the epoch before first (by then every worker reaches its result socket)."""
     got: Dict[int, List[dict]] = {}
     errors: List[BaseException] = []
 
     def rank_main(rank: int) -> None:
         try:
             with ppclient.Client(address, rank=rank, world_size=world, job=f"b{world}", timeout=30, **kw) as c:
+                if warm:
+                    collect(c.epoch(epoch - 1))
                 got[rank] = collect(c.epoch(epoch))
         except BaseException as exc:
             errors.append(exc)
@@ -284,7 +287,7 @@ def test_batches_are_the_reference_epoch_cut_and_padded_for_any_workers_ranks_an
     want = reference_batches(cfg, 2, BATCHING)
     log = str(tmp_path / "server.log")
     with run_server(cfg, workers=workers, log_path=log) as srv:
-        got = pull(srv.address, world, 2, batching=BATCHING)
+        got = pull(srv.address, world, 2, warm=True, batching=BATCHING)
     for rank in range(world):
         assert_same_batches(got[rank], shard(want, rank, world))
     if world > 1:
