@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 from typing import Any, Dict, List
@@ -423,3 +424,26 @@ def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(co
                 ppclient.Error, match=r"batching\['length_key'\] 'text' is not an input key of this server"
             ):
                 c.epoch(1)
+
+
+def test_a_batched_epoch_reads_on_through_a_server_restart(tmp_path):
+    """kill -9 of the server after 3 batches and a new one on its address 3 s later: the client asks
+    it for its epoch from batch 3, and gets the batches it would have got."""
+    from conftest import SLOW_MAPPER, restartable
+
+    cfg = numpy_config(
+        tmp_path,
+        SLOW_MAPPER.format(delay=0.03),
+        n=61,
+        ordering="laplace:.20",
+        extra="heartbeat_interval = 0.2\nheartbeat_timeout = 1.0\nbuf_size = 2\n",
+    )
+    want = reference_batches(cfg, 1, BATCHING)
+    with restartable(cfg, tmp_path) as service, ppclient.Client(service.address, timeout=30, batching=BATCHING) as c:
+        it = c.epoch(1)
+        got = collect_with(it, {3: service.restart_after})
+        service.join()
+        assert it.reconnects == 1  # the kill landed mid-epoch
+        starts = re.findall(r"reads epoch 1 \(run \d+\) from (?:seq|batch) (\d+)", read(service.log(2)))
+        assert len(starts) == 1 and int(starts[0]) >= 3, starts  # asked again from where it was
+    assert_same_batches(got, want)
