@@ -5,7 +5,7 @@ For a 32 KB seq (float32 (100, 80)) and a 1.28 MB seq (float32 (4000, 80)) it ti
 
   zmq inproc      header + array frame over a PAIR inproc socket, received as np.frombuffer
   zmq ipc         the same over an ipc:// socket (the kernel copies the bytes twice)
-  shm pack+view   ppclient.shm.pack into a Ring, Mapping.arrays on the Ref, drop (release)
+  shm pack+view   ppclient.shm.pack into a Segment, Mapping.arrays on the Ref, drop (release)
   shm + ipc hdr   the same, the Ref and specs travelling as a msgpack header over the ipc socket
 
 Sender and receiver are one thread: --batch seqs are sent, then received and dropped, so
@@ -57,14 +57,14 @@ def socket_batch(pair: Pair, arr: np.ndarray, batch: int) -> Callable[[], None]:
     return run
 
 
-def shm_batch(ring: shm.Ring, arr: np.ndarray, batch: int, pair: Optional[Pair]) -> Callable[[], None]:
-    mapping = shm.Mapping.open(ring.descriptor)
+def shm_batch(segment: shm.Segment, arr: np.ndarray, batch: int, pair: Optional[Pair]) -> Callable[[], None]:
+    mapping = shm.Mapping.open(segment.descriptor)
 
     def run() -> None:
         sent = []
         for _ in range(batch):
-            packed = shm.pack(ring, [arr])
-            assert packed is not None, "ring full"
+            packed = shm.pack(segment, [arr])
+            assert packed is not None, "segment full"
             block, offsets = packed
             msg = {"ref": block.ref(), "specs": [("data", arr.dtype.str, arr.shape, offsets[0])]}
             if pair is not None:
@@ -114,7 +114,7 @@ def main() -> int:
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="shm-bench-")
     pairs = {"inproc": make_pair(ctx, "inproc://bench"), "ipc": make_pair(ctx, f"ipc://{tmp}/bench")}
-    ring = shm.Ring(max(64 << 20, 2 * args.batch * 1_300_000))
+    segment = shm.Segment(max(64 << 20, 2 * args.batch * 1_300_000))
     try:
         print(f"python {sys.version.split()[0]}, numpy {np.__version__}, pyzmq {zmq.__version__}, ", end="")
         print(f"{os.cpu_count()} cpus, batch {args.batch}, median of {args.repeat}")
@@ -125,8 +125,8 @@ def main() -> int:
             rows: Dict[str, Callable[[], None]] = {
                 "zmq inproc": socket_batch(pairs["inproc"], arr, args.batch),
                 "zmq ipc": socket_batch(pairs["ipc"], arr, args.batch),
-                "shm pack+view": shm_batch(ring, arr, args.batch, None),
-                "shm + ipc hdr": shm_batch(ring, arr, args.batch, pairs["ipc"]),
+                "shm pack+view": shm_batch(segment, arr, args.batch, None),
+                "shm + ipc hdr": shm_batch(segment, arr, args.batch, pairs["ipc"]),
             }
             runs: Dict[str, List[Tuple[float, float]]] = {row: [] for row in rows}
             for _ in range(args.repeat):  # rows interleaved, so a drift in load hits all alike
@@ -139,9 +139,9 @@ def main() -> int:
                     f"{name:>8} {row:<14} {wall[row]:8.1f} {wall['zmq ipc'] / wall[row]:6.2f}x"
                     f" {cpu[row]:8.1f} {cpu['zmq ipc'] / cpu[row]:6.2f}x"
                 )
-        assert ring.used() == 0, "a block was not released"
+        assert segment.used() == 0, "a block was not released"
     finally:
-        ring.close()
+        segment.close()
         for tx, rx in pairs.values():
             tx.close()
             rx.close()

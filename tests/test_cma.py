@@ -94,8 +94,8 @@ def test_local_workers_read_their_inputs_in_the_servers_memory(tmp_path):
     assert status["lost_inputs"] == 0
 
 
-def test_where_memory_cannot_be_read_inputs_come_through_the_ring(tmp_path):
-    """A worker whose check fails (as under a ptrace restriction) says why and uses the ring."""
+def test_where_memory_cannot_be_read_inputs_come_through_the_segment(tmp_path):
+    """A worker whose check fails (as under a ptrace restriction) says why and uses its segment."""
     env = sitecustomize_env(
         tmp_path,
         """

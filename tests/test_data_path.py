@@ -286,7 +286,7 @@ def test_without_shared_memory_results_take_sockets_and_the_log_says_why(tmp_pat
         def refuse(descriptor):
             raise ppclient.shm.ShmUnavailable("cannot map in this test")
 
-        monkeypatch.setattr(ppclient.shm, "_map", refuse)
+        monkeypatch.setattr(ppclient.shm.mapping, "_map", refuse)
     log_path = str(tmp_path / "server.log")
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=60, extra="buf_size = 4\n")
     with run_server(cfg, workers=2, log_path=log_path, env=env) as srv, srv.client() as c:
@@ -378,9 +378,9 @@ def test_a_worker_frees_a_consumers_blocks_only_once_its_process_has_exited():
     ctx = zmq.Context()
     routes = Routes(ctx, None)
     routes.identity = b"worker-1"
-    routes.ring = ppclient.shm.Ring(1 << 16)
+    routes.segment = ppclient.shm.Segment(1 << 16)
     try:
-        assert routes.ring.alloc(1000, b"c1") is not None and routes.ring.alloc(1000, b"c2") is not None
+        assert routes.segment.alloc(1000, b"c1") is not None and routes.segment.alloc(1000, b"c2") is not None
         routes._hold(b"c1", consumer.pid)  # welcomed with shared memory
         routes._hold(b"c2", os.getpid())
         pid, start = routes.holders[b"c2"]
@@ -390,18 +390,18 @@ def test_a_worker_frees_a_consumers_blocks_only_once_its_process_has_exited():
         routes.drop(b"c1", gone=True)
         routes.clear()
         routes.poll()
-        assert routes.ring.used() == routes.ring.capacity - routes.ring.free() > 0
+        assert routes.segment.used() == routes.segment.capacity - routes.segment.free() > 0
         assert list(routes.departed) == [b"c1"]  # c2's process is gone: its block is free
         assert consumer.stdin is not None
         consumer.stdin.close()
         consumer.wait(timeout=10)
         routes._reap()
-        assert routes.ring.used() == 0 and not routes.departed and not routes.holders
+        assert routes.segment.used() == 0 and not routes.departed and not routes.holders
     finally:
         if consumer.poll() is None:
             consumer.kill()
             consumer.wait(timeout=10)
-        routes.ring.close()
+        routes.segment.close()
         ctx.destroy(linger=0)
 
 

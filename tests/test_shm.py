@@ -1,4 +1,4 @@
-"""Shared-memory blocks: the ring allocator, zero-copy views, release, and two processes (kill -9 included)."""
+"""Shared-memory blocks: the segment's allocator, zero-copy views, release, and two processes (kill -9 included)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ PRODUCER = (
 import json, sys
 from ppclient import shm
 
-ring = shm.Ring(1 << 20)
+segment = shm.Segment(1 << 20)
 
 def say(obj):
     sys.stdout.write(json.dumps(obj) + "\\n")
@@ -55,11 +55,11 @@ for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["op"] == "pack":
         seq = make(cmd["seed"])
-        block, offsets = shm.pack(ring, list(seq.values()), cmd["owner"].encode())
+        block, offsets = shm.pack(segment, list(seq.values()), cmd["owner"].encode())
         specs = [[k, a.dtype.str, list(a.shape), o] for (k, a), o in zip(seq.items(), offsets)]
-        say({"descriptor": ring.descriptor.to_dict(), "ref": list(block.ref()), "specs": specs})
+        say({"descriptor": segment.descriptor.to_dict(), "ref": list(block.ref()), "specs": specs})
     elif cmd["op"] == "used":
-        say({"used": ring.used()})
+        say({"used": segment.used()})
 """
 )
 
@@ -185,8 +185,8 @@ def specs_of(seq: Dict[str, np.ndarray], offsets: List[int]) -> List[Tuple[str, 
     return [(k, a.dtype.str, a.shape, o) for (k, a), o in zip(seq.items(), offsets)]
 
 
-def put(ring: shm.Ring, seq: Dict[str, np.ndarray], owner: bytes = b"") -> Tuple[shm.Block, List[Any]]:
-    packed = shm.pack(ring, list(seq.values()), owner)
+def put(segment: shm.Segment, seq: Dict[str, np.ndarray], owner: bytes = b"") -> Tuple[shm.Block, List[Any]]:
+    packed = shm.pack(segment, list(seq.values()), owner)
     assert packed is not None
     block, offsets = packed
     return block, specs_of(seq, offsets)
@@ -258,7 +258,7 @@ def assert_gone(inode: Tuple[int, int]) -> None:
     assert inode not in fd_inodes()
 
 
-# --- the ring --------------------------------------------------------------------------------
+# --- the segment -----------------------------------------------------------------------------
 
 
 @pytest.mark.unit
@@ -271,8 +271,8 @@ def test_probe_and_host_id():
 
 @pytest.mark.unit
 def test_descriptor_travels_as_msgpack():
-    with shm.Ring(8192) as ring:
-        d = ring.descriptor
+    with shm.Segment(8192) as segment:
+        d = segment.descriptor
         assert d.pid == os.getpid() and d.size == 8192 and d.host == shm.host_id()
         back = shm.Descriptor.from_dict(msgpack.unpackb(msgpack.packb(d.to_dict()), raw=False))
         assert back == d
@@ -284,88 +284,88 @@ def test_descriptor_travels_as_msgpack():
 
 @pytest.mark.unit
 def test_alloc_is_aligned_and_contiguous():
-    with shm.Ring(1 << 16) as ring:
-        blocks = [ring.alloc(n) for n in (1, 63, 64, 65, 1000, 0, 7)]
+    with shm.Segment(1 << 16) as segment:
+        blocks = [segment.alloc(n) for n in (1, 63, 64, 65, 1000, 0, 7)]
         offset = shm.SEGMENT_HEADER + shm.BLOCK_HEADER
         for b in blocks:
             assert b is not None
             assert b.offset == offset and b.offset % 64 == 0 and b.data.nbytes == b.nbytes
             assert b.data.flags.writeable and b.data.ctypes.data % 64 == 0
             offset += shm.BLOCK_HEADER + -(-b.nbytes // 64) * 64
-        assert ring.used() == offset - shm.SEGMENT_HEADER - shm.BLOCK_HEADER
-        assert ring.free() == ring.capacity - ring.used()
+        assert segment.used() == offset - shm.SEGMENT_HEADER - shm.BLOCK_HEADER
+        assert segment.free() == segment.capacity - segment.used()
         assert len({b.seq for b in blocks if b}) == len(blocks)
 
 
 @pytest.mark.unit
-def test_blocks_wrap_to_the_first_gap_that_fits_and_a_full_ring_returns_none():
-    with shm.Ring(4096) as ring:  # 4032 bytes of blocks: 63 lines
-        assert ring.capacity == 4032
-        a, b, c = (ring.alloc(960) for _ in range(3))  # 1024 bytes each with the header
-        assert a and b and c and ring.used() == 3072
-        assert ring.alloc(960) is None  # 960 left at the end, the start is taken
+def test_blocks_wrap_to_the_first_gap_that_fits_and_a_full_segment_returns_none():
+    with shm.Segment(4096) as segment:  # 4032 bytes of blocks: 63 lines
+        assert segment.capacity == 4032
+        a, b, c = (segment.alloc(960) for _ in range(3))  # 1024 bytes each with the header
+        assert a and b and c and segment.used() == 3072
+        assert segment.alloc(960) is None  # 960 left at the end, the start is taken
         a.release()
-        d = ring.alloc(960)  # does not fit at the end: goes where a was
+        d = segment.alloc(960)  # does not fit at the end: goes where a was
         assert d is not None and d.offset == a.offset
-        assert ring.used() == 3072
-        small = ring.alloc(800)  # fits in the 960 bytes at the end
+        assert segment.used() == 3072
+        small = segment.alloc(800)  # fits in the 960 bytes at the end
         assert small is not None and small.offset == c.offset + 1024
-        assert ring.alloc(960) is None  # nothing is free anywhere
+        assert segment.alloc(960) is None  # nothing is free anywhere
         b.release()
         c.release()
-        assert ring.used() == 1024 + 896  # d and small
-        e = ring.alloc(1900)  # 1984 bytes with the header: the room of b and c, together
+        assert segment.used() == 1024 + 896  # d and small
+        e = segment.alloc(1900)  # 1984 bytes with the header: the room of b and c, together
         assert e is not None and e.offset == d.offset + 1024
 
 
 @pytest.mark.unit
 def test_a_released_block_is_reused_whatever_older_ones_are_held():
     """A consumer that keeps one seq's arrays for long holds only their block."""
-    with shm.Ring(4096) as ring:
-        a, b, c = (ring.alloc(100) for _ in range(3))
+    with shm.Segment(4096) as segment:
+        a, b, c = (segment.alloc(100) for _ in range(3))
         assert a and b and c
         c.release()
         b.release()
-        assert ring.used() == 192  # a alone
-        blocks = [ring.alloc(100) for _ in range(20)]  # 192 bytes each: the rest of the segment
-        assert all(blocks) and ring.alloc(100) is None
+        assert segment.used() == 192  # a alone
+        blocks = [segment.alloc(100) for _ in range(20)]  # 192 bytes each: the rest of the segment
+        assert all(blocks) and segment.alloc(100) is None
         for blk in blocks:
             assert blk is not None
             blk.release()
-        assert ring.used() == 192
-        again = [ring.alloc(100) for _ in range(20)]
+        assert segment.used() == 192
+        again = [segment.alloc(100) for _ in range(20)]
         assert all(again)  # a is still held: the rest is used again
         a.release()
         for blk in again:
             assert blk is not None
             blk.release()
-        assert ring.used() == 0
-        first = ring.alloc(100)
-        assert first is not None and first.offset == a.offset  # an empty ring starts over
+        assert segment.used() == 0
+        first = segment.alloc(100)
+        assert first is not None and first.offset == a.offset  # an empty segment starts over
 
 
 @pytest.mark.unit
-def test_a_block_larger_than_the_ring_returns_none():
-    with shm.Ring(4096) as ring:
-        assert ring.alloc(4096) is None
-        assert shm.pack(ring, [np.zeros(5000, np.uint8)]) is None
-        assert ring.alloc(ring.capacity - shm.BLOCK_HEADER) is not None
+def test_a_block_larger_than_the_segment_returns_none():
+    with shm.Segment(4096) as segment:
+        assert segment.alloc(4096) is None
+        assert shm.pack(segment, [np.zeros(5000, np.uint8)]) is None
+        assert segment.alloc(segment.capacity - shm.BLOCK_HEADER) is not None
 
 
 @pytest.mark.unit
 def test_release_owner():
-    with shm.Ring(1 << 16) as ring:
-        blocks = [ring.alloc(100, owner) for owner in (b"gone", b"alive", b"gone", b"gone")]
+    with shm.Segment(1 << 16) as segment:
+        blocks = [segment.alloc(100, owner) for owner in (b"gone", b"alive", b"gone", b"gone")]
         assert all(blocks)
-        assert ring.release_owner(b"gone") == 3
-        assert ring.used() == 192  # "alive"'s alone
-        assert ring.release_owner(b"gone") == 0
+        assert segment.release_owner(b"gone") == 3
+        assert segment.used() == 192  # "alive"'s alone
+        assert segment.release_owner(b"gone") == 0
         assert blocks[1] is not None
         blocks[1].release()
-        assert ring.used() == 0
+        assert segment.used() == 0
         long_owner = b"x" * 100  # longer than the tag in shared memory: still matched in full
-        assert ring.alloc(8, long_owner) and ring.alloc(8, long_owner[:-1] + b"y")
-        assert ring.release_owner(long_owner) == 1
+        assert segment.alloc(8, long_owner) and segment.alloc(8, long_owner[:-1] + b"y")
+        assert segment.release_owner(long_owner) == 1
 
 
 @pytest.mark.unit
@@ -373,43 +373,43 @@ def test_a_consumer_that_closed_gets_back_only_the_blocks_it_never_took():
     """Blocks a consumer made arrays of are marked taken: freeing the untaken ones of a consumer
     that closed (still in its socket, or on the way) leaves those arrays intact; a taken block
     cannot be made arrays of twice."""
-    with shm.Ring(1 << 20) as ring:
-        mapping = shm.Mapping.open(ring.descriptor)
-        taken, specs = put(ring, make(1), b"closed")
-        unread = [put(ring, make(2), b"closed")[0] for _ in range(2)]
-        put(ring, make(3), b"other")
+    with shm.Segment(1 << 20) as segment:
+        mapping = shm.Mapping.open(segment.descriptor)
+        taken, specs = put(segment, make(1), b"closed")
+        unread = [put(segment, make(2), b"closed")[0] for _ in range(2)]
+        put(segment, make(3), b"other")
         got = mapping.arrays(taken.ref(), specs)
         with pytest.raises(shm.ShmUnavailable, match="taken"):
             mapping.arrays(taken.ref(), specs)
-        size = ring.used() // 4
-        assert ring.release_owner(b"closed", taken=False) == 2
-        assert ring.used() == 2 * size  # the taken block and the other consumer's
+        size = segment.used() // 4
+        assert segment.release_owner(b"closed", taken=False) == 2
+        assert segment.used() == 2 * size  # the taken block and the other consumer's
         for block in unread:
             with pytest.raises(shm.ShmUnavailable, match="stale"):
                 mapping.arrays(block.ref(), specs)
-        put(ring, make(4), b"closed")  # the freed room is used again...
+        put(segment, make(4), b"closed")  # the freed room is used again...
         assert_seq_equal(got, make(1))  # ...and the taken block's arrays are untouched
         del got
-        assert ring.used() == 2 * size  # dropped: released by the consumer, as always
-        assert ring.release_owner(b"other", taken=False) == 1
-        assert ring.release_owner(b"closed") == 1  # its process exited: every block goes
-        assert ring.used() == 0
+        assert segment.used() == 2 * size  # dropped: released by the consumer, as always
+        assert segment.release_owner(b"other", taken=False) == 1
+        assert segment.release_owner(b"closed") == 1  # its process exited: every block goes
+        assert segment.used() == 0
 
 
 @pytest.mark.unit
-def test_closed_ring():
-    ring = shm.Ring(4096)
-    block = ring.alloc(10)
+def test_closed_segment():
+    segment = shm.Segment(4096)
+    block = segment.alloc(10)
     assert block is not None
-    ring.close()  # block.data still maps the segment: unmapped when it goes
-    ring.close()
+    segment.close()  # block.data still maps the segment: unmapped when it goes
+    segment.close()
     with pytest.raises(ValueError, match="closed"):
-        ring.alloc(1)
-    assert ring.release_owner(b"") == 0
+        segment.alloc(1)
+    assert segment.release_owner(b"") == 0
     block.release()
     for bad in (0, 4095, "4096", True):
         with pytest.raises(ValueError):
-            shm.Ring(bad)
+            shm.Segment(bad)
 
 
 # --- views -----------------------------------------------------------------------------------
@@ -449,40 +449,40 @@ def sample(dtype: str, shape: Tuple[int, ...], seed: int) -> np.ndarray:
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_trip_dtypes_and_shapes(dtype):
-    with shm.Ring(1 << 16) as ring:
+    with shm.Segment(1 << 16) as segment:
         seq = {f"a{i}": sample(dtype, shape, i) for i, shape in enumerate(SHAPES)}
         seq["strided"] = sample(dtype, (6, 8), 99)[::2, 1::3]
         seq["fortran"] = np.asfortranarray(sample(dtype, (3, 5), 98))
-        block, specs = put(ring, seq)
+        block, specs = put(segment, seq)
         assert all(off % 64 == 0 for _, _, _, off in specs)
-        got = shm.Mapping.open(ring.descriptor).arrays(block.ref(), specs)
+        got = shm.Mapping.open(segment.descriptor).arrays(block.ref(), specs)
         assert_seq_equal(got, seq)
         del got
-        assert ring.used() == 0
+        assert segment.used() == 0
 
 
 @pytest.mark.unit
 def test_zero_byte_arrays_and_blocks():
-    with shm.Ring(4096) as ring:
+    with shm.Segment(4096) as segment:
         seq = {"e": np.zeros((0, 3), "f4"), "f": np.zeros(0, "U3")}
-        block, specs = put(ring, seq)
-        assert block.nbytes == 0 and ring.used() == shm.BLOCK_HEADER
-        got = shm.Mapping.open(ring.descriptor).arrays(block.ref(), specs)
+        block, specs = put(segment, seq)
+        assert block.nbytes == 0 and segment.used() == shm.BLOCK_HEADER
+        got = shm.Mapping.open(segment.descriptor).arrays(block.ref(), specs)
         assert_seq_equal(got, seq)
         del got
-        assert ring.used() == 0
-        empty = ring.alloc(0)
+        assert segment.used() == 0
+        empty = segment.alloc(0)
         assert empty is not None
-        assert shm.Mapping.open(ring.descriptor).arrays(empty.ref(), []) == {}
-        assert ring.used() == 0  # no arrays: released at once
+        assert shm.Mapping.open(segment.descriptor).arrays(empty.ref(), []) == {}
+        assert segment.used() == 0  # no arrays: released at once
 
 
 @pytest.mark.unit
 def test_views_are_writable_shared_memory():
-    with shm.Ring(1 << 16) as ring:
+    with shm.Segment(1 << 16) as segment:
         seq = make(3)
-        block, specs = put(ring, seq)
-        got = shm.Mapping.open(ring.descriptor).arrays(block.ref(), specs)
+        block, specs = put(segment, seq)
+        got = shm.Mapping.open(segment.descriptor).arrays(block.ref(), specs)
         x = got["x"]
         assert not x.flags.owndata and x.flags.writeable and x.ctypes.data % 64 == 0
         x[0, 0] = 12345.0
@@ -493,61 +493,61 @@ def test_views_are_writable_shared_memory():
 
 @pytest.mark.unit
 def test_dropping_every_array_releases_the_block():
-    with shm.Ring(1 << 16) as ring:
-        mapping = shm.Mapping.open(ring.descriptor)
-        block, specs = put(ring, make(1))
+    with shm.Segment(1 << 16) as segment:
+        mapping = shm.Mapping.open(segment.descriptor)
+        block, specs = put(segment, make(1))
         got = mapping.arrays(block.ref(), specs)
         x_row = got["x"][3]  # a view keeps the block, whichever array it came from
         tail = got["n"].reshape(7, 1).T
         del got
         gc.collect()
-        assert ring.used() > 0
+        assert segment.used() > 0
         del x_row
-        assert ring.used() > 0
+        assert segment.used() > 0
         del tail
-        assert ring.used() == 0  # released at once by reference counting
-        again, specs2 = put(ring, make(2))
+        assert segment.used() == 0  # released at once by reference counting
+        again, specs2 = put(segment, make(2))
         assert again.offset == block.offset  # the producer reuses the memory
         assert_seq_equal(mapping.arrays(again.ref(), specs2), make(2))
 
 
 @pytest.mark.unit
 def test_explicit_release():
-    with shm.Ring(1 << 16) as ring:
-        mapping = shm.Mapping.open(ring.descriptor)
-        first, specs = put(ring, make(1))
-        second, _ = put(ring, make(1))
+    with shm.Segment(1 << 16) as segment:
+        mapping = shm.Mapping.open(segment.descriptor)
+        first, specs = put(segment, make(1))
+        second, _ = put(segment, make(1))
         a = mapping.arrays(first.ref(), specs)
         b = mapping.arrays(second.ref(), specs)
         shm.release(a)
         shm.release(a)  # twice is fine
         shm.release(b["x"][2:])  # any view of any array names its block
-        assert ring.used() == 0
+        assert segment.used() == 0
         assert a["x"].shape == (100, 80)  # still referenced: the memory stays mapped
-        c = mapping.arrays(put(ring, make(4))[0].ref(), specs)
+        c = mapping.arrays(put(segment, make(4))[0].ref(), specs)
         shm.release([c["n"]])
-        assert ring.used() == 0
+        assert segment.used() == 0
         shm.release(np.zeros(3))  # not a block's array: nothing happens
 
 
 @pytest.mark.unit
 def test_stale_and_bad_refs():
-    with shm.Ring(1 << 16) as ring:
-        mapping = shm.Mapping.open(ring.descriptor)
-        block, specs = put(ring, make(1))
+    with shm.Segment(1 << 16) as segment:
+        mapping = shm.Mapping.open(segment.descriptor)
+        block, specs = put(segment, make(1))
         ref = block.ref()
         block.release()
         with pytest.raises(shm.ShmUnavailable, match="stale"):
             mapping.arrays(ref, specs)
-        assert ring.used() == 0  # an empty ring starts over at its start
-        block2, _ = put(ring, make(2))
+        assert segment.used() == 0  # an empty segment starts over at its start
+        block2, _ = put(segment, make(2))
         assert block2.offset == ref.offset
         with pytest.raises(shm.ShmUnavailable, match="stale"):
             mapping.arrays(ref, specs)  # same place, another seq
         for bad_ref in ((block2.offset + 8, 10, block2.seq), (64, 10, 1), (block2.offset, 1 << 20, block2.seq)):
             with pytest.raises(shm.ShmUnavailable, match="outside"):
                 mapping.arrays(bad_ref, specs)
-        assert ring.used() > 0
+        assert segment.used() > 0
         block2.release()
         bad_specs = [
             [("x", "f4", (100, 81), 0)],
@@ -558,16 +558,16 @@ def test_stale_and_bad_refs():
             [("x", "f4", (1,), -64)],
         ]
         for bad in bad_specs:
-            block3, _ = put(ring, make(3))
+            block3, _ = put(segment, make(3))
             with pytest.raises(ValueError):
                 mapping.arrays(block3.ref(), bad)
-            assert ring.used() == 0  # a block that cannot be used is released
+            assert segment.used() == 0  # a block that cannot be used is released
 
 
 @pytest.mark.unit
 def test_open_refuses_what_is_not_the_segment(tmp_path):
-    ring = shm.Ring(8192)
-    d = ring.descriptor
+    segment = shm.Segment(8192)
+    d = segment.descriptor
     with pytest.raises(shm.ShmUnavailable, match="token mismatch"):
         shm.Mapping.open(shm.Descriptor(d.host, d.pid, d.fd, d.size, d.token ^ 1))
     with pytest.raises(shm.ShmUnavailable, match="another host"):
@@ -588,10 +588,10 @@ def test_open_refuses_what_is_not_the_segment(tmp_path):
         os.close(w)
     with pytest.raises(shm.ShmUnavailable, match="does not exist"):
         shm.Mapping.open(shm.Descriptor(d.host, d.pid, 99999, d.size, d.token))
-    ring.close()
+    segment.close()
     with pytest.raises(shm.ShmUnavailable, match="does not exist"):
         shm.Mapping.open(d)  # closed by the producer
-    other = shm.Ring(8192)  # most likely on the same fd: the descriptor is stale
+    other = shm.Segment(8192)  # most likely on the same fd: the descriptor is stale
     try:
         with pytest.raises(shm.ShmUnavailable, match="token mismatch" if other.descriptor.fd == d.fd else "not exist"):
             shm.Mapping.open(d)
@@ -601,14 +601,14 @@ def test_open_refuses_what_is_not_the_segment(tmp_path):
 
 @pytest.mark.unit
 def test_a_mapping_is_shared_by_its_users_and_tells_when_its_producer_is_gone():
-    ring = shm.Ring(1 << 16)
-    a = shm.Mapping.open(ring.descriptor)
-    b = shm.Mapping.open(ring.descriptor)  # a second client of this process: the same mapping
+    segment = shm.Segment(1 << 16)
+    a = shm.Mapping.open(segment.descriptor)
+    b = shm.Mapping.open(segment.descriptor)  # a second client of this process: the same mapping
     assert a is b and not a.producer_gone()
-    block, specs = put(ring, make(1))
+    block, specs = put(segment, make(1))
     a.close()  # one user leaves: the other one keeps reading
     assert_seq_equal(b.arrays(block.ref(), specs), make(1))
-    ring.close()  # the producer is gone (as after a kill): no block will come any more
+    segment.close()  # the producer is gone (as after a kill): no block will come any more
     assert b.producer_gone()
     b.close()
     with pytest.raises(shm.ShmUnavailable, match="closed"):
@@ -617,9 +617,9 @@ def test_a_mapping_is_shared_by_its_users_and_tells_when_its_producer_is_gone():
 
 @pytest.mark.unit
 def test_discard_frees_a_block_whose_message_was_not_used():
-    with shm.Ring(1 << 16) as ring:
-        mapping = shm.Mapping.open(ring.descriptor)
-        block, _ = put(ring, make(1))
+    with shm.Segment(1 << 16) as segment:
+        mapping = shm.Mapping.open(segment.descriptor)
+        block, _ = put(segment, make(1))
         frames = ppclient.protocol.encode_batch(
             ppclient.protocol.DirectSeqs(run=1), [{"i": 7, "meta": [], "arrays": [], "b": [*block.ref(), []]}], []
         )
@@ -628,12 +628,12 @@ def test_discard_frees_a_block_whose_message_was_not_used():
         wrong = [(block.offset + 8, 1, block.seq), (block.offset, block.nbytes, block.seq + 1), ("x",), (1 << 40, 0, 1)]
         for junk in wrong:
             mapping.discard(junk)  # not this block, or no block at all: nothing happens
-        assert ring.used() > 0
+        assert segment.used() > 0
         mapping.discard(block.ref())
-        assert ring.used() == 0
-        again, _ = put(ring, make(2))
+        assert segment.used() == 0
+        again, _ = put(segment, make(2))
         mapping.discard(block.ref())  # a stale reference does not free the block now in its place
-        assert ring.used() > 0
+        assert segment.used() > 0
         again.release()
 
 
@@ -642,27 +642,27 @@ def test_a_segment_is_made_only_with_memory_to_spare(monkeypatch):
     """A segment must fit four times into the memory available, and committing it stops while
     RESERVE is still free (a memfd's pages would otherwise come from the OOM killer)."""
     fds_before = len(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(shm, "_available_memory", lambda: 3 << 20)
+    monkeypatch.setattr(shm.memfd, "_available_memory", lambda: 3 << 20)
     with pytest.raises(shm.ShmUnavailable, match=r"more than 1/4 of the memory available \(3 MiB\)"):
-        shm.Ring(1 << 20)
+        shm.Segment(1 << 20)
     looks = iter([shm.RESERVE + 100 * shm.COMMIT_STEP, shm.RESERVE + shm.COMMIT_STEP // 2])
-    monkeypatch.setattr(shm, "_available_memory", lambda: next(looks))  # others take memory meanwhile
+    monkeypatch.setattr(shm.memfd, "_available_memory", lambda: next(looks))  # others take memory meanwhile
     with pytest.raises(shm.ShmUnavailable, match="memory ran short while committing"):
-        shm.Ring(2 * shm.COMMIT_STEP)
+        shm.Segment(2 * shm.COMMIT_STEP)
     assert len(os.listdir("/proc/self/fd")) == fds_before  # nothing left open
-    monkeypatch.setattr(shm, "_available_memory", lambda: None)  # unknown: no bound
-    shm.Ring(1 << 20).close()
+    monkeypatch.setattr(shm.memfd, "_available_memory", lambda: None)  # unknown: no bound
+    shm.Segment(1 << 20).close()
 
 
 @pytest.mark.unit
 def test_mappings_are_cached_and_bounded():
-    rings = [shm.Ring(4096) for _ in range(shm.MAX_MAPPINGS + 2)]
+    segments = [shm.Segment(4096) for _ in range(shm.MAX_MAPPINGS + 2)]
     try:
-        first = shm.Mapping.open(rings[0].descriptor)
-        assert shm.Mapping.open(rings[0].descriptor.to_dict()) is first
-        for r in rings[1:]:
+        first = shm.Mapping.open(segments[0].descriptor)
+        assert shm.Mapping.open(segments[0].descriptor.to_dict()) is first
+        for r in segments[1:]:
             shm.Mapping.open(r.descriptor)
-        assert shm.Mapping.open(rings[0].descriptor) is not first  # evicted, mapped again
+        assert shm.Mapping.open(segments[0].descriptor) is not first  # evicted, mapped again
         first.close()  # opened twice: one user is left, for whom it stays mapped
         with pytest.raises(shm.ShmUnavailable, match="stale"):
             first.arrays((128, 0, 1), [])
@@ -670,19 +670,19 @@ def test_mappings_are_cached_and_bounded():
         with pytest.raises(shm.ShmUnavailable, match="closed"):
             first.arrays((128, 0, 1), [])
     finally:
-        for r in rings:
+        for r in segments:
             r.close()
 
 
 @pytest.mark.unit
 def test_close_unmaps_once_the_arrays_are_gone():
     before = dev_shm()
-    ring = shm.Ring(1 << 16)
-    inode = memfd_inode(os.getpid(), ring.descriptor.fd)
-    block, specs = put(ring, make(1))
-    got = shm.Mapping.open(ring.descriptor).arrays(block.ref(), specs)
+    segment = shm.Segment(1 << 16)
+    inode = memfd_inode(os.getpid(), segment.descriptor.fd)
+    block, specs = put(segment, make(1))
+    got = shm.Mapping.open(segment.descriptor).arrays(block.ref(), specs)
     del block
-    ring.close()
+    segment.close()
     shm.Mapping.close_all()
     assert_seq_equal(got, make(1))  # still mapped by the arrays
     assert inode[1] in mapped_memfds()
@@ -718,24 +718,24 @@ def test_producer_in_a_child(children):
 
 
 def test_consumer_in_a_child(children):
-    with shm.Ring(1 << 20) as ring:
+    with shm.Segment(1 << 20) as segment:
         consumer = children(CONSUMER)
         for seed in (1, 2):
-            block, specs = put(ring, make(seed), b"child")
+            block, specs = put(segment, make(seed), b"child")
             answer = consumer.ask(
                 {
                     "op": "view",
                     "seed": seed,
-                    "descriptor": ring.descriptor.to_dict(),
+                    "descriptor": segment.descriptor.to_dict(),
                     "ref": block.ref(),
                     "specs": specs,
                 }
             )
             assert answer == {"ok": True}
         del block
-        assert ring.used() > 0
+        assert segment.used() > 0
         assert consumer.ask({"op": "drop"}) == {"dropped": True}
-        assert ring.used() == 0
+        assert segment.used() == 0
         consumer.close()
         assert consumer.proc.returncode == 0, consumer.stderr()
 
@@ -761,51 +761,51 @@ def test_kill9_of_the_producer_leaves_the_consumer_valid_data(children):
 
 def test_kill9_of_the_consumer_leaves_the_producer_running(children):
     before = dev_shm()
-    ring = shm.Ring(1 << 20)
-    inode = memfd_inode(os.getpid(), ring.descriptor.fd)
+    segment = shm.Segment(1 << 20)
+    inode = memfd_inode(os.getpid(), segment.descriptor.fd)
     consumer = children(CONSUMER)
-    block, specs = put(ring, make(1), b"child")
-    view = {"op": "view", "seed": 1, "descriptor": ring.descriptor.to_dict(), "ref": block.ref(), "specs": specs}
+    block, specs = put(segment, make(1), b"child")
+    view = {"op": "view", "seed": 1, "descriptor": segment.descriptor.to_dict(), "ref": block.ref(), "specs": specs}
     assert consumer.ask(view) == {"ok": True}
-    mine, _ = put(ring, make(2), b"other")
+    mine, _ = put(segment, make(2), b"other")
     consumer.kill9()
-    used = ring.used()
+    used = segment.used()
     assert used > 0  # the dead consumer's block is still in use: the producer cannot know
-    extra = ring.alloc(1000, b"other")  # but it keeps allocating
+    extra = segment.alloc(1000, b"other")  # but it keeps allocating
     assert extra is not None
-    assert ring.release_owner(b"child") == 1
-    assert ring.used() == sum(shm.BLOCK_HEADER + -(-b.nbytes // 64) * 64 for b in (mine, extra))
+    assert segment.release_owner(b"child") == 1
+    assert segment.used() == sum(shm.BLOCK_HEADER + -(-b.nbytes // 64) * 64 for b in (mine, extra))
     mine.release()
     extra.release()
-    assert ring.used() == 0
+    assert segment.used() == 0
     del block, mine, extra
-    ring.close()
+    segment.close()
     assert_gone(inode)
     assert_nothing_new_in_dev_shm(before)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the consumer as another user")
 def test_another_user_may_not_open_the_segment(children):
-    with shm.Ring(8192) as ring:
-        block, specs = put(ring, {"n": np.arange(3)})
+    with shm.Segment(8192) as segment:
+        block, specs = put(segment, {"n": np.arange(3)})
         consumer = children(CONSUMER, user=65534, cwd="/")
         answer = consumer.ask(
-            {"op": "view", "seed": 0, "descriptor": ring.descriptor.to_dict(), "ref": block.ref(), "specs": specs}
+            {"op": "view", "seed": 0, "descriptor": segment.descriptor.to_dict(), "ref": block.ref(), "specs": specs}
         )
         assert "no permission" in answer.get("error", ""), answer
 
 
 def test_a_forked_child_neither_allocates_nor_releases(children):
-    with shm.Ring(1 << 16) as ring:
-        block, specs = put(ring, make(1))
-        got = shm.Mapping.open(ring.descriptor).arrays(block.ref(), specs)
-        used = ring.used()
+    with shm.Segment(1 << 16) as segment:
+        block, specs = put(segment, make(1))
+        got = shm.Mapping.open(segment.descriptor).arrays(block.ref(), specs)
+        used = segment.used()
         pid = os.fork()
-        if pid == 0:  # the child: its copies of the ring and the arrays must not touch the parent's blocks
+        if pid == 0:  # the child: its copies of the segment and the arrays must not touch the parent's blocks
             code = 1
             try:
                 try:
-                    ring.alloc(10)
+                    segment.alloc(10)
                 except ValueError:
                     code = 0
                 del got
@@ -823,10 +823,10 @@ def test_a_forked_child_neither_allocates_nor_releases(children):
                 raise AssertionError("forked child did not exit")
             time.sleep(0.01)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert ring.used() == used  # the child's copy of the arrays died: the parent's block is still in use
+        assert segment.used() == used  # the child's copy of the arrays died: the parent's block is still in use
         assert_seq_equal(got, make(1))
         del got
-        assert ring.used() == 0
+        assert segment.used() == 0
 
 
 @pytest.mark.unit
@@ -834,9 +834,9 @@ def test_a_block_good_seqs_of_a_message_use_is_not_given_back_with_a_bad_one():
     """The seqs of one message share a block: a bad item gives it back only if no good one uses it."""
     from ppclient import protocol, wire
 
-    with shm.Ring(1 << 16) as ring:
+    with shm.Segment(1 << 16) as segment:
         items = [protocol.seq_to_item({"data": np.full(3, i, np.float32), "seq_tag": f"s{i}"}, i) for i in range(2)]
-        placed, block = protocol.to_block(items, ring)
+        placed, block = protocol.to_block(items, segment)
         assert block is not None and len({tuple(it.block[:3]) for it in placed}) == 1  # type: ignore[index]
         header = wire.unpack(protocol.encode(protocol.DirectSeqs(run=1), placed)[0])
         header["items"][1]["meta"] = ["not a map"]

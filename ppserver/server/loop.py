@@ -163,14 +163,14 @@ class Server:
         # Shared memory for the inputs of workers on this host: one segment each, used once the
         # worker has mapped it.
         self.host_id = shm.usable_host_id(log, "inputs of local workers go") if cfg.shm_mb > 0 else ""
-        self.rings: Dict[bytes, shm.Ring] = {}
+        self.segments: Dict[bytes, shm.Segment] = {}
         self.shm_ready: Set[bytes] = set()
         # Workers on this host that read their inputs in this process's memory (cma.py): they are
         # told only where each array lies. The token lets a worker check that reading works.
         self.cma_token = numpy.frombuffer(os.urandom(32), numpy.uint8).copy()
         self.cma_ready: Set[bytes] = set()
         self.malformed = Throttled(log, "dropped a malformed message")
-        self.rings_full = Throttled(log, "inputs went over the socket", interval=10.0)
+        self.segments_full = Throttled(log, "inputs went over the socket", interval=10.0)
         self.refused = Throttled(log, "refused a connection")
         self.given_back_at = float("-inf")
 
@@ -295,8 +295,8 @@ class Server:
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
-        for wid in list(self.rings):
-            self._drop_ring(wid)
+        for wid in list(self.segments):
+            self._drop_segment(wid)
         self.monitor.close()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
@@ -338,13 +338,13 @@ class Server:
         a message that was not sent is given back."""
         block = None
         if wid in self.shm_ready:
-            ring = self.rings[wid]
-            items, block = protocol.to_block(items, ring)  # the worker frees it when done
+            segment = self.segments[wid]
+            items, block = protocol.to_block(items, segment)  # the worker frees it when done
             if block is None:
-                self.rings_full.hit(
+                self.segments_full.hit(
                     lambda: (
                         f"worker {wid.decode(errors='replace')}'s shared-memory segment is full "
-                        f"({ring.used() / 2**20:.1f} of {ring.capacity / 2**20:.1f} MiB in use)"
+                        f"({segment.used() / 2**20:.1f} of {segment.capacity / 2**20:.1f} MiB in use)"
                     ),
                     len(items),
                 )
@@ -541,7 +541,7 @@ class Server:
                 # failed: from now on (the redone ones included) they travel in the messages
                 log.warning("worker %s gets its inputs over the socket from now on", wid.decode(errors="replace"))
                 self.cma_ready.discard(wid)
-                self._drop_ring(wid)
+                self._drop_segment(wid)
                 self.handle(ev.InputsShared(now, wid, None))
             return ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:500])
         if kind is protocol.RunDropped:
@@ -580,14 +580,14 @@ class Server:
             log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
             self._send(self.workers_sock, [wid, *protocol.encode(protocol.Refuse(reason=reason))])
             return None
-        self._drop_ring(wid)  # of an earlier registration of this identity
+        self._drop_segment(wid)  # of an earlier registration of this identity
         self.cma_ready.discard(wid)
         offer = cma_offer = None
         if self.host_id and hello.host_id == self.host_id:
             cma_offer = cma.offer(self.cma_token) if cma.available() is None else None
             try:
-                ring = self.rings[wid] = shm.Ring(self.cfg.shm_mb << 20)
-                offer = ring.descriptor.to_dict()
+                segment = self.segments[wid] = shm.Segment(self.cfg.shm_mb << 20)
+                offer = segment.descriptor.to_dict()
             except (OSError, shm.ShmUnavailable) as exc:
                 log.warning("no shared memory for worker %s: %s", wid.decode(errors="replace"), exc)
         self._send(
@@ -605,26 +605,26 @@ class Server:
         """How the worker gets its inputs from now on, as bytes per task message (see
         ev.InputsShared); the segment is kept only where it is of use."""
         name = wid.decode(errors="replace")
-        ring = self.rings.get(wid)
+        segment = self.segments.get(wid)
         if msg.cma:
             self.cma_ready.add(wid)
             log.info("worker %s reads its inputs in the server's memory", name)
             if not self.cfg.is_stream:
-                self._drop_ring(wid)  # tasks name their inputs by address: the segment would sit unused
+                self._drop_segment(wid)  # tasks name their inputs by address: the segment would sit unused
                 return float("inf")
-        if msg.ok and ring is not None:
+        if msg.ok and segment is not None:
             self.shm_ready.add(wid)
-            return float("inf") if msg.cma else ring.capacity / 4  # blocks of a quarter of it fit well
-        if ring is not None:
+            return float("inf") if msg.cma else segment.capacity / 4  # blocks of a quarter of it fit well
+        if segment is not None:
             log.warning("worker %s gets its inputs over the socket: %s", name, msg.reason)
-            self._drop_ring(wid)
+            self._drop_segment(wid)
         return float("inf") if msg.cma else None
 
-    def _drop_ring(self, wid: bytes) -> None:
+    def _drop_segment(self, wid: bytes) -> None:
         self.shm_ready.discard(wid)
-        ring = self.rings.pop(wid, None)
-        if ring is not None:
-            ring.close()
+        segment = self.segments.pop(wid, None)
+        if segment is not None:
+            segment.close()
 
     # ---- periodic -----------------------------------------------------------------------------
     def _housekeeping(self) -> None:
@@ -632,8 +632,8 @@ class Server:
         if now - self.last_tick < TICK_S:
             return
         self.last_tick = now
-        for wid in [w for w in self.rings if w not in self.sched.workers]:
-            self._drop_ring(wid)  # the worker left: its segment goes once it unmaps it
+        for wid in [w for w in self.segments if w not in self.sched.workers]:
+            self._drop_segment(wid)  # the worker left: its segment goes once it unmaps it
         if self.cma_ready:
             self.cma_ready.intersection_update(self.sched.workers)
         if self.pool is not None:

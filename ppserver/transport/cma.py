@@ -9,7 +9,7 @@ The kernel allows it when the worker may trace the server: the same user, and wh
 security module restricts tracing (kernel.yama.ptrace_scope >= 1) not at all, since the
 server does not lift that for its workers; a container's seccomp profile may forbid the call
 too. `check_offer` says whether it works before anything depends on it, and the worker then
-takes its inputs through the shared-memory ring (or the socket) instead.
+takes its inputs through a shared-memory segment (or the socket) instead.
 
 The server keeps every array alive while a worker may still read it (see the scheduler's
 `SeqDispatch`: inputs of tasks in flight, also of dropped seqs and of runs that ended, until the

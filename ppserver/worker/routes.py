@@ -7,7 +7,7 @@ gets results that would then sit in a queue; they go through the server instead.
 that would block (the consumer's queue is full: it is gone or stuck) also falls back to
 the server, so no worker ever waits for a consumer.
 
-A consumer on this host gets the arrays in blocks of this worker's segment (`ring`) and frees
+A consumer on this host gets the arrays in blocks of this worker's segment (`segment`) and frees
 each block itself when it drops the arrays. The blocks of a consumer are freed once its
 process has exited (only then can none of its arrays be in use), whether the server said it
 is gone, this worker lost the server, or nobody has noticed yet (a kill -9): the worker
@@ -70,11 +70,11 @@ class Routes:
         self.routes: Dict[bytes, Route] = {}
         self.host = ""  # shared-memory host id ("": no shared memory here)
         self.shm_mb = 0
-        self.ring: Optional[shm.Ring] = None  # this worker's result segment, made for the first consumer on this host
+        self.segment: Optional[shm.Segment] = None  # this worker's result segment, made for the first consumer here
         self.holders: Dict[bytes, Process] = {}  # consumers welcomed with shared memory: their process
         self.departed: Dict[bytes, Process] = {}  # consumers gone (or out of reach) whose process may hold blocks
         self._reaped_at = 0.0
-        self.over_socket = Throttled(log, "results went over the socket", FALLBACK_LOG_S)  # the ring was full
+        self.over_socket = Throttled(log, "results went over the socket", FALLBACK_LOG_S)  # the segment was full
         self.via_server = Throttled(log, "results went through the server", FALLBACK_LOG_S)  # a send failed
 
     def set(self, msg: protocol.ConsumerRoute) -> None:
@@ -124,8 +124,8 @@ class Routes:
         route = self.routes.pop(consumer, None)
         if route is not None:
             route.sock.close(linger=0)
-        if closed and self.ring is not None:
-            n = self.ring.release_owner(consumer, taken=False)
+        if closed and self.segment is not None:
+            n = self.segment.release_owner(consumer, taken=False)
             if n:
                 log.info("freed %d shared-memory blocks consumer %s never took: it closed", n, consumer.hex()[:12])
         if gone:
@@ -134,7 +134,7 @@ class Routes:
     def _depart(self, consumer: bytes) -> None:
         """Free the consumer's blocks once its process is gone (at once if it is, or never held any)."""
         proc = self.holders.pop(consumer, None)
-        if self.ring is None:
+        if self.segment is None:
             return
         if proc is not None and process(proc[0]) == proc:
             self.departed[consumer] = proc
@@ -145,16 +145,16 @@ class Routes:
         """The descriptor of the result segment for consumers on this host, made on first use (a
         worker with none on its host commits no memory for it); if it cannot be had, results go
         over the socket (logged once)."""
-        if self.ring is None and self.host:
+        if self.segment is None and self.host:
             try:
-                self.ring = shm.Ring(self.shm_mb << 20)
+                self.segment = shm.Segment(self.shm_mb << 20)
             except (OSError, ValueError, shm.ShmUnavailable) as exc:
                 log.warning(
                     "results go over sockets: no shared-memory segment of %d MiB for them: %s", self.shm_mb, str(exc)
                 )
                 self.host = ""
                 return None
-        return self.ring.descriptor.to_dict() if self.ring is not None else None
+        return self.segment.descriptor.to_dict() if self.segment is not None else None
 
     def _reap(self) -> None:
         """Free the blocks of consumers whose process has exited (and give them no new ones)."""
@@ -168,8 +168,8 @@ class Routes:
                         route.shm = False
 
     def _free(self, consumer: bytes) -> None:
-        if self.ring is not None:
-            n = self.ring.release_owner(consumer)
+        if self.segment is not None:
+            n = self.segment.release_owner(consumer)
             if n:
                 log.info("freed %d shared-memory blocks of consumer %s, which is gone", n, consumer.hex()[:12])
 
@@ -221,9 +221,9 @@ class Routes:
                 )
 
     def shared(self, consumer: bytes) -> bool:
-        """Whether results for `consumer` go through shared memory (while its ring has room)."""
+        """Whether results for `consumer` go through shared memory (while its segment has room)."""
         route = self.routes.get(consumer)
-        return route is not None and route.ready and route.shm and self.ring is not None
+        return route is not None and route.ready and route.shm and self.segment is not None
 
     def _hold(self, consumer: bytes, pid: int) -> None:
         """The consumer maps this worker's segment: note its process, whose exit frees its blocks."""
@@ -237,28 +237,28 @@ class Routes:
         and then, and the result goes over the socket)."""
         if not self.shared(consumer):
             return None
-        assert self.ring is not None
-        block = self.ring.alloc(nbytes, consumer)
+        assert self.segment is not None
+        block = self.segment.alloc(nbytes, consumer)
         if block is None:
             self._full(consumer, 1)
         return block
 
     def _full(self, consumer: bytes, n: int) -> None:
-        ring = self.ring
-        assert ring is not None
+        segment = self.segment
+        assert segment is not None
         self.over_socket.hit(
             lambda: (
-                f"the shared-memory segment is full ({ring.used() / 2**20:.1f} of "
-                f"{ring.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})"
+                f"the shared-memory segment is full ({segment.used() / 2**20:.1f} of "
+                f"{segment.capacity / 2**20:.1f} MiB in use; consumer {consumer.hex()[:12]})"
             ),
             n,
         )
 
     def _pack(self, consumer: bytes, items: List[Item]) -> Tuple[List[Item], Optional[shm.Block]]:
-        """The items with their arrays in one block of the ring; if it has no room, they keep
+        """The items with their arrays in one block of the segment; if it has no room, they keep
         them (counted, logged now and then)."""
-        assert self.ring is not None
-        wire, block = protocol.to_block(items, self.ring, consumer)
+        assert self.segment is not None
+        wire, block = protocol.to_block(items, self.segment, consumer)
         if block is None and any(item.block is None and item.frames for item in items):
             self._full(consumer, len(items))
         return wire, block
@@ -270,7 +270,7 @@ class Routes:
             return False
         block: Optional[shm.Block] = None
         wire = items
-        if route.shm and self.ring is not None:
+        if route.shm and self.segment is not None:
             wire, block = self._pack(consumer, items)
         try:
             route.sock.send_multipart(

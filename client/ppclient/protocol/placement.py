@@ -11,17 +11,17 @@ from .codec import _is_int, _position
 from .items import BadItem, Item
 
 
-def to_block(items: Sequence[Item], ring: Any, owner: bytes = b"") -> Tuple[List[Item], Any]:
-    """The items with their arrays copied into one block of `ring` (shm.Ring), and the block; the
-    items themselves and None if the ring has no room (or nothing needs one: items laid out in a
-    block of their own already stay as they are). One block per message: one allocation, and one
-    release once the receiver has dropped every array of every seq in it."""
+def to_block(items: Sequence[Item], segment: Any, owner: bytes = b"") -> Tuple[List[Item], Any]:
+    """The items with their arrays copied into one block of `segment` (shm.Segment), and the block;
+    the items themselves and None if the segment has no room (or nothing needs one: items laid out
+    in a block of their own already stay as they are). One block per message: one allocation, and
+    one release once the receiver has dropped every array of every seq in it."""
     from .. import shm
 
     loose = [item for item in items if item.block is None]
     if not loose:
         return list(items), None
-    packed = shm.pack(ring, [_as_array(f) for item in loose for f in item.frames], owner)
+    packed = shm.pack(segment, [_as_array(f) for item in loose for f in item.frames], owner)
     if packed is None:
         return list(items), None
     block, offsets = packed
