@@ -219,7 +219,7 @@ def test_direct_results_lost_at_the_end_of_an_epoch_are_made_again(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=n, extra="buf_size = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client(timeout=60) as c:
         first = collect(c.epoch(0))  # both workers reach the client directly from now on
-        receive = c._recv
+        receive = c._inbox._recv
         dropped = []
 
         def lossy(sock, from_server):
@@ -230,10 +230,10 @@ def test_direct_results_lost_at_the_end_of_an_epoch_are_made_again(tmp_path):
                     return None
             return decoded
 
-        c._recv = lossy
+        c._inbox._recv = lossy
         got = collect(c.epoch(1))
         status = c.status()
-        c._recv = receive
+        c._inbox._recv = receive
         again = collect(c.epoch(2))
     assert dropped, "no direct message of the last seqs was seen"
     assert_same_epoch(first, reference(cfg, 0))
@@ -430,7 +430,7 @@ def test_malformed_direct_results_are_counted_logged_and_made_again(tmp_path, ca
             fake = ctx.socket(zmq.DEALER)
             fake.linger = 0
             fake.identity = b"not-a-worker"
-            fake.connect(c._direct_endpoint)
+            fake.connect(c._results.endpoint)
             fake.send_multipart([b"\xc1 is no msgpack"])
             bad = {"i": 0, "meta": ["seq_tag", "x"], "arrays": []}  # meta is not a map
             fake.send_multipart(ppclient.protocol.encode_batch(ppclient.protocol.DirectSeqs(run=it.run), [bad], []))

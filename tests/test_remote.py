@@ -161,7 +161,7 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
                 sock.linger = 0
                 sock.curve_publickey, sock.curve_secretkey = stranger.public, stranger.secret
                 sock.curve_serverkey = keyfiles.client_keys(good).public
-                sock.connect(c._direct_endpoint)
+                sock.connect(c._results.endpoint)
                 with caplog.at_level("WARNING", logger="ppclient"):
                     wait_for(lambda: c.refused_workers >= 1, 10, "the client to refuse the stranger")
                 assert "is not authorised" in caplog.text

@@ -11,7 +11,7 @@ both sides, so a bad value is one line naming it before anything is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .errors import UsageError
 
@@ -92,8 +92,22 @@ class Batching:
 
 
 def describe(value: Optional[Dict[str, Any]]) -> str:
-    """A request's batching (a canonical dict, or None: one seq at a time), in words."""
-    return "one seq at a time" if value is None else f"batches of {Batching.from_dict(value).describe()}"
+    """A request's batching (a canonical dict; None or {}: one seq at a time), in words."""
+    return f"batches of {Batching.from_dict(value).describe()}" if value else "one seq at a time"
+
+
+def argument(value: Union[bool, Dict[str, Any], None]) -> Optional[Dict[str, Any]]:
+    """A client's batching argument as it travels: None (the server's default), {} (False: one seq
+    at a time) or the checked settings."""
+    if value is None:
+        return None
+    if value is False:
+        return {}
+    if value is True:
+        raise UsageError(
+            "batching must be a dict of settings, None (the server's default) or False (one seq at a time)"
+        )
+    return Batching.from_dict(value).to_dict()
 
 
 def _count(value: Any, where: str) -> Optional[int]:

@@ -29,7 +29,7 @@ import numpy
 import zmq
 
 import ppclient
-from ppclient import endpoints, keyfiles, protocol, shm
+from ppclient import curve, endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Item, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.settings import FINGERPRINT_COVERS, Config
@@ -176,24 +176,13 @@ class Server:
 
     # ---- sockets ------------------------------------------------------------------------------
     def _authenticator(self) -> Any:
-        """Accept only clients and workers whose public key is authorised; refusals are logged."""
+        """Accept only clients and workers whose public key is authorised. A refusal is logged through
+        the `refused` throttle but counted by the handshake monitor, which sees the handshake fail."""
         if self.keys is None:
             return None
-        from zmq.auth.thread import ThreadAuthenticator
-
-        authorized = set(self.keys.authorized)
-
-        class KeyRing:
-            def callback(self, domain: str, client_key: bytes) -> bool:
-                if client_key in authorized:
-                    return True
-                log.warning("refused a connection: CURVE client key %s... is not authorised", client_key.decode()[:16])
-                return False
-
-        auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("ppserver.auth"))
-        auth.start()
-        auth.configure_curve_callback(domain="*", credentials_provider=KeyRing())
-        return auth
+        return curve.authenticator(
+            self.ctx, self.keys.authorized, lambda why: self.refused.hit(why, 0), logging.getLogger("ppserver.auth")
+        )
 
     def _router(self, endpoint: str, max_bytes: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)

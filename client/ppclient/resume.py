@@ -1,0 +1,78 @@
+"""Resume states: what `EpochIterator.state_dict()` holds, and the checks a client makes before it
+resumes one, so that a state is resumed only by the reader it was taken of."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import msgpack
+
+from . import batching
+from .arguments import int_arg
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .client import Client
+
+STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last", "subshard")
+
+
+def seq_selection(seq_list: Optional[List[str]], seq_order: Optional[List[int]]) -> Optional[str]:
+    """A digest of an epoch's seq_list or seq_order (None: the whole epoch), kept in resume states
+    so that a state is resumed only with the same selection."""
+    if seq_list is None and seq_order is None:
+        return None
+    kind, values = ("seq_list", seq_list) if seq_list is not None else ("seq_order", seq_order)
+    digest = hashlib.sha256(msgpack.packb([kind, values])).hexdigest()[:32]
+    return f"{kind} of {len(values or ())} entries, sha256 {digest}"
+
+
+def reader(client: Client) -> Dict[str, Any]:
+    """Who reads: what a state names and must match."""
+    return {
+        "job": client.job,
+        "rank": client.rank,
+        "world_size": client.world_size,
+        "drop_last": client.drop_last,
+        "subshard": [client.subshard, client.subshards],
+    }
+
+
+def check(
+    state: Dict[str, Any], client: Client, epoch: Optional[int], selection: Optional[str]
+) -> Tuple[int, int, str, Dict[str, Any]]:
+    """(epoch, position, fingerprint, batching) of a state `client` may resume, asked for with
+    `epoch` (None: the state's) and the seq selection `selection`; else UsageError saying why."""
+    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
+        raise UsageError(f"state must be a dict from EpochIterator.state_dict() with {', '.join(STATE_KEYS)}")
+    for key, value in reader(client).items():
+        theirs = list(state[key]) if isinstance(state[key], (list, tuple)) else state[key]
+        if theirs != value:
+            raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
+    if epoch is not None and epoch != state["epoch"]:
+        raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
+    # (a state of ppclient 0.2.0 has no seq_selection: it cannot be checked)
+    if "seq_selection" in state and state["seq_selection"] != selection:
+        saved = state["seq_selection"] or "the whole epoch"
+        raise UsageError(
+            f"the state was taken of {saved}, this request asks for {selection or 'the whole epoch'}: "
+            "resume with the seq_list or seq_order the state's epoch was asked for"
+        )
+    fingerprint = state["fingerprint"]
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise UsageError(
+            f"the state has no config fingerprint (fingerprint={fingerprint!r}); EpochIterator.state_dict() "
+            "always gives one"
+        )
+    int_arg("the state's position", state["position"], 0)
+    # the state's position counts its batches: it resumes with its cut (a state of ppclient 0.2.0
+    # was read seq by seq)
+    cut = batching.argument(state.get("batching") or False)
+    assert cut is not None
+    if client.batching is not None and client.batching != cut:
+        raise UsageError(
+            f"the state was taken of an epoch read in {batching.describe(cut)}, "
+            f"this client asks for {batching.describe(client.batching)}"
+        )
+    return state["epoch"], state["position"], fingerprint, cut
