@@ -640,7 +640,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed = False
     load = os.getloadavg()[0]
     try:
-        from ppserver.datasets.base import save_npz
+        from ppserver.datasets import save_npz
 
         for size in sizes:
             n = seqs[size.key]

@@ -133,7 +133,7 @@ def main(argv: Any = None) -> int:
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.ranks.split(",")]
     sys.path.insert(0, REPO)
-    from ppserver.datasets.base import save_npz
+    from ppserver.datasets import save_npz
 
     tmp = tempfile.mkdtemp(prefix="ppranks-")
     rng = np.random.RandomState(0)

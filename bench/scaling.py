@@ -159,7 +159,7 @@ def run_count(lab: Lab, cfg: str, procs: int, seqs: int, warmup_seqs: int, port:
 def in_process_baseline(cfg_path: str, seconds: float) -> Dict[str, Any]:
     """The same map_seq, applied in this process in a loop (what one worker can do alone)."""
     from ppserver.config.settings import load_config
-    from ppserver.datasets.base import make_dataset
+    from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import apply_map_seq
 
     cfg = load_config(cfg_path)

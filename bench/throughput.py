@@ -436,7 +436,7 @@ class InProcess:
 
     def start(self) -> None:
         from ppserver.config.settings import load_config
-        from ppserver.datasets.base import NumpyDataset
+        from ppserver.datasets import NumpyDataset
         from ppserver.mappers.apply import apply_map_seq
 
         self.apply = apply_map_seq
@@ -824,7 +824,7 @@ def check_batches(res: Result, got: Tally, first: Dict[str, Any], last: Dict[str
 
 
 def make_data(case: Case, n: int, path: str) -> List[Dict[str, np.ndarray]]:
-    from ppserver.datasets.base import load_npz, save_npz
+    from ppserver.datasets import load_npz, save_npz
 
     rng = np.random.default_rng(1234 + ord(case.key))
     if case.frames is None:
@@ -897,7 +897,7 @@ def run_batched(
     """A batched case: ppserver (numpy), ppserver through ServerDataset, and the DataLoader peer."""
     from ppclient import collate
     from ppclient.batching import Batching
-    from ppserver.datasets.base import NumpyDataset
+    from ppserver.datasets import NumpyDataset
     from ppserver.datasets.cut import cut_epoch
     from ppserver.mappers.builtin import double
 

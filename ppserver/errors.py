@@ -17,3 +17,9 @@ class ConfigError(Exception):
             text = f"{what} {key!r}: {message}"
         super().__init__(text)
         self.key = key
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line naming its type, for an error that names a key instead of a traceback."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -385,7 +385,7 @@ def map_seq(seq, *, rng, **kwargs):
 def reference(config: str, epoch: int, **kw) -> List[dict]:
     """The epoch computed in this process by the same definition the service implements."""
     from ppserver.config.settings import load_config
-    from ppserver.datasets.base import make_dataset
+    from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import reference_epoch
 
     cfg = load_config(config)
@@ -412,7 +412,7 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
     from ppclient import collate
     from ppclient.batching import Batching
     from ppserver.config.settings import load_config
-    from ppserver.datasets.base import make_dataset
+    from ppserver.datasets import make_dataset
     from ppserver.datasets.cut import cut_epoch
 
     seqs = reference(config, epoch, **kw)

@@ -1,4 +1,4 @@
-"""In-process tests of ppserver.datasets.base, ppserver.mappers.compose and ppserver.mappers.builtin."""
+"""In-process tests of ppserver.datasets, ppserver.mappers.compose and ppserver.mappers.builtin."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from ppserver.datasets.base import (
+from ppserver.datasets import (
     Dataset,
     DemoDataset,
     NumpyDataset,
@@ -320,7 +320,7 @@ def test_make_dataset_builtin_and_order_seed():
     assert isinstance(ds, DemoDataset) and ds.order_seed == 7 and ds.total_num_seqs == 5
     ds = make_dataset({"class": "DemoDataset", "num_seqs": 5, "order_seed": 2}, order_seed=7)
     assert ds.order_seed == 2
-    ds = make_dataset({"class": "ppserver.datasets.base:NumpyDataset", "seqs": make_seqs([1, 2])})
+    ds = make_dataset({"class": "ppserver.datasets.arrays:NumpyDataset", "seqs": make_seqs([1, 2])})
     assert isinstance(ds, NumpyDataset)
 
 

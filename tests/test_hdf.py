@@ -11,7 +11,7 @@ from conftest import collect, run_server, write_config
 from returnn.datasets.hdf import HDFDataset as ReturnnHDFDataset
 from returnn.datasets.hdf import SimpleHDFWriter
 
-from ppserver.datasets.base import make_dataset
+from ppserver.datasets import make_dataset
 from ppserver.datasets.hdf import HDFDataset
 from ppserver.errors import ConfigError
 

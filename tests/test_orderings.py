@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from returnn.datasets.generating import StaticDataset
 
-from ppserver.datasets.base import DemoDataset, NumpyDataset, epoch_random_seed, make_dataset
+from ppserver.datasets import DemoDataset, NumpyDataset, epoch_random_seed, make_dataset
 from ppserver.errors import ConfigError
 
 pytestmark = pytest.mark.unit

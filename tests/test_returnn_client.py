@@ -54,7 +54,7 @@ def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
 # A dataset whose templates carry labels and a "string" key; a stream mapper that drops every
 # third seq, so the server does not know an epoch's length in advance.
 LABELLED_MODULE = """
-from ppserver.datasets.base import NumpyDataset
+from ppserver.datasets import NumpyDataset
 
 class LabelledDataset(NumpyDataset):
     def data_keys(self):

@@ -2,21 +2,18 @@
 is their only caller), and how an epoch is cut into batches.
 
     from ppserver.datasets import Dataset, NumpyDataset, save_npz
+
+The modules: `base` (the Dataset class), `orderings` (RETURNN's epoch orders), `arrays`
+(NumpyDataset and its npz files), `demo` (DemoDataset), `factory` (a dataset from its config
+entry), `hdf` and `returnn` (loaded when a config names them), `cut` (batches).
 """
 
-from ppserver.datasets.base import (
-    META_KEYS,
-    SEQ_ORDERINGS,
-    Dataset,
-    DemoDataset,
-    NumpyDataset,
-    UnknownSeqTagError,
-    describe_arrays,
-    epoch_random_seed,
-    load_npz,
-    make_dataset,
-    save_npz,
-)
+from ppclient.wire import META_KEYS
+from ppserver.datasets.arrays import NumpyDataset, load_npz, save_npz
+from ppserver.datasets.base import Dataset, UnknownSeqTagError, describe_arrays
+from ppserver.datasets.demo import DemoDataset
+from ppserver.datasets.factory import make_dataset
+from ppserver.datasets.orderings import SEQ_ORDERINGS, epoch_random_seed
 
 __all__ = [
     "META_KEYS",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ppserver.datasets.base import Dataset
-from ppserver.errors import ConfigError
+from ppserver.errors import ConfigError, one_line
 from ppserver.mappers.apply import STRING, dtype_text
 
 if TYPE_CHECKING:
@@ -31,11 +31,6 @@ def _decode(text: Any) -> str:
     if isinstance(text, bytes):
         text = text.decode("utf-8")
     return str(text).split("\0")[0]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _import_h5py() -> Any:
@@ -147,7 +142,7 @@ class HDFDataset(Dataset):
         try:
             h5 = h5py_module.File(path, "r")
         except Exception as exc:
-            raise ConfigError("files", f"cannot open HDF file {path!r}: {_one_line(exc)}") from None
+            raise ConfigError("files", f"cannot open HDF file {path!r}: {one_line(exc)}") from None
         try:
             self._files.append(self._parse(h5))
         except ConfigError:
@@ -155,7 +150,7 @@ class HDFDataset(Dataset):
             raise
         except Exception as exc:
             h5.close()
-            raise ConfigError("files", f"{path!r} is not a RETURNN HDF file: {_one_line(exc)}") from None
+            raise ConfigError("files", f"{path!r} is not a RETURNN HDF file: {one_line(exc)}") from None
         self.files.append(path)
         self._file_start.append(self._file_start[-1] + self._files[-1].num_seqs)
 

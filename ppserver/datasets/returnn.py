@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ppserver.datasets.base import Dataset, UnknownSeqTagError, _is_int, _one_line
-from ppserver.errors import ConfigError
+from ppserver.datasets.base import Dataset, UnknownSeqTagError, is_int
+from ppserver.errors import ConfigError, one_line
 from ppserver.mappers.apply import STRING, dtype_text
 
 log = logging.getLogger("ppserver.dataset")
@@ -43,7 +43,7 @@ def _import_returnn() -> Any:
         from returnn.datasets import basic
     except ImportError as exc:
         raise ConfigError(
-            "dataset", f"class 'returnn' needs RETURNN: pip install 'ppserver[returnn]' ({_one_line(exc)})"
+            "dataset", f"class 'returnn' needs RETURNN: pip install 'ppserver[returnn]' ({one_line(exc)})"
         ) from None
     return basic
 
@@ -144,7 +144,7 @@ class ReturnnDataset(Dataset):
     def check_epoch_args(
         self, epoch: int, seq_list: Optional[List[str]] = None, seq_order: Optional[List[int]] = None
     ) -> None:
-        if not _is_int(epoch) or epoch < 0:
+        if not is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if seq_list is not None and seq_order is not None:
             raise ValueError("give at most one of seq_list and seq_order")
@@ -157,7 +157,7 @@ class ReturnnDataset(Dataset):
         if seq_order is not None:
             n = self._corpus_size()
             for idx in seq_order:
-                if not _is_int(idx) or idx < 0:
+                if not is_int(idx) or idx < 0:
                     raise ValueError(f"seq_order entry {idx!r} is not a corpus index")
                 if n is not None and idx >= n:
                     raise ValueError(f"seq_order entry {idx!r} out of range [0, {n})")
@@ -258,7 +258,7 @@ class ReturnnDataset(Dataset):
 
     def get_seq(self, pos: int) -> Dict[str, Any]:
         self._require_args()
-        if not _is_int(pos) or pos < 0 or (self._count is not None and pos >= self._count):
+        if not is_int(pos) or pos < 0 or (self._count is not None and pos >= self._count):
             raise IndexError(f"seq position {pos!r} out of range [0, {self._count})")
         pos = int(pos)
         if self._end is not None and pos >= self._end:

@@ -33,7 +33,7 @@ from ppclient import curve, endpoints, keyfiles, protocol, shm
 from ppclient.protocol import Channel, Item, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.settings import FINGERPRINT_COVERS, Config
-from ppserver.datasets.base import make_dataset
+from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
