@@ -1,0 +1,80 @@
+"""`ppserver serve`: the server with its local workers; and reading its `ready ADDRESS` line, as the
+demo, the tests and the benchmarks do."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from ppserver.cli.output import fail_config, ready_stream, stdout_to_stderr
+from ppserver.cli.parser import config_source
+
+
+def run(args: argparse.Namespace) -> int:
+    from ppclient import UsageError, endpoints, keyfiles
+    from ppserver.config.settings import load
+    from ppserver.errors import ConfigError
+    from ppserver.observe.metrics import parse_address
+    from ppserver.server.loop import serve, setup_logging
+
+    ready = ready_stream()
+    stdout_to_stderr()
+    setup_logging()
+    try:
+        endpoints.check(args.bind, "--bind")
+        if args.worker_bind:
+            endpoints.check(args.worker_bind, "--worker-bind")
+        metrics = parse_address(args.metrics) if args.metrics is not None else None
+        if args.keys:
+            keyfiles.server_keys(args.keys)
+        cfg = load(*config_source(args))
+        workers = cfg.num_workers if args.workers is None else args.workers
+        if workers < 0:
+            raise ConfigError("--workers", f"must be >= 0, got {workers}")
+        # partitions follow the config, not --workers, so outputs never depend on the worker count
+        cfg.stream_partitions = cfg.partitions
+        cfg.num_workers = max(workers, 1)
+        return serve(
+            cfg,
+            bind=args.bind,
+            worker_bind=args.worker_bind,
+            workers=workers,
+            keys=args.keys,
+            insecure=args.insecure,
+            metrics=metrics,
+            ready=ready,
+            owners=args.owners,
+        )
+    except (ConfigError, UsageError) as exc:
+        return fail_config("serve", exc)
+    except OSError as exc:
+        print(f"ppserver serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def wait_ready(proc: subprocess.Popen, timeout: float, skipped: Optional[List[str]] = None) -> str:
+    """Read the server's stdout until its 'ready ADDRESS' line; raise if it exits or stalls.
+    Lines before it (a server prints none) are added to `skipped` if given."""
+    import selectors
+
+    assert proc.stdout is not None, "start the server with stdout=subprocess.PIPE"
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(deadline - time.monotonic(), 0)):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"server exited with code {proc.wait()} before it was ready")
+            if line.startswith("ready "):
+                return line.split()[1]
+            if skipped is not None:
+                skipped.append(line)
+    finally:
+        sel.close()
+    raise RuntimeError(f"server not ready within {timeout:g} s")
