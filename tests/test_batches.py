@@ -301,7 +301,10 @@ def test_padded_batches_come_straight_through_shared_memory_and_len_is_known_up_
     want = reference_batches(corpus, 1, BATCHING)
     log = str(tmp_path / "server.log")
     with run_server(corpus, workers=2, log_path=log) as srv, srv.client(batching=BATCHING) as c:
+        # a worker's hello waits in the client's result socket until it reads an epoch: two epochs
+        # before, both workers have been welcomed
         collect(c.epoch(2))
+        collect(c.epoch(3))
         wait_for(lambda: read(log).count("(shared memory)") == 2, 10, "both workers to send through shared memory")
         it = c.epoch(1)
         assert len(it) == len(want)  # NumpyDataset knows every length: the server cut the epoch up front
