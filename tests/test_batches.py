@@ -279,6 +279,7 @@ def pull(address: str, world: int, epoch: int, *, warm: bool = False, **kw) -> D
     return got
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "workers, world, path", [(1, 1, "direct"), (3, 1, "via-server"), (3, 3, "direct"), (1, 3, "via-server")]
 )
@@ -296,6 +297,7 @@ def test_batches_are_the_reference_epoch_cut_and_padded_for_any_workers_ranks_an
     assert "batches of max_seqs 6, max_frames 160, bucket_window 16" in read(log)
 
 
+@pytest.mark.processes
 def test_padded_batches_come_straight_through_shared_memory_and_len_is_known_up_front(corpus, tmp_path):
     want = reference_batches(corpus, 1, BATCHING)
     log = str(tmp_path / "server.log")
@@ -318,6 +320,7 @@ batching = {"max_frames": 200, "max_seqs": 5}
 """
 
 
+@pytest.mark.processes
 def test_a_config_batch_length_cuts_as_the_reader_reads_and_the_config_batching_is_the_default(tmp_path):
     cfg = numpy_config(tmp_path, MAPPER, n=33, extra=LENGTH_FN)
     want = reference_batches(cfg, 3, {"max_frames": 200, "max_seqs": 5})
@@ -333,6 +336,7 @@ def test_a_config_batch_length_cuts_as_the_reader_reads_and_the_config_batching_
     assert [s["seq_tag"] for s in got] == [s["seq_tag"] for s in reference(cfg, 3)]
 
 
+@pytest.mark.processes
 def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
     want = reference_batches(corpus, 4, BATCHING)
     with run_server(corpus, workers=2) as srv:
@@ -373,6 +377,7 @@ stream_partitions = 2
 """
 
 
+@pytest.mark.processes
 def test_map_seq_stream_batches_cut_the_merged_outputs_by_their_lengths(tmp_path):
     cfg = numpy_config(tmp_path, STREAM, n=50)
     batching = {"max_frames": 300, "bucket_window": 8, "pad": {"classes": -1}}
@@ -395,6 +400,7 @@ max_seq_retries = 2
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("crash", [False, True])
 def test_a_seq_that_fails_fails_its_batch_naming_the_seq(tmp_path, crash):
     cfg = numpy_config(tmp_path, FAILING, n=20)
@@ -409,6 +415,7 @@ def test_a_seq_that_fails_fails_its_batch_naming_the_seq(tmp_path, crash):
         assert "batch 1: ValueError: cannot map this one" in str(info.value)
 
 
+@pytest.mark.processes
 def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(corpus):
     with run_server(corpus, workers=1) as srv:
         with srv.client(rank=0, world_size=2, job="x", batching={"max_seqs": 4}) as c0:

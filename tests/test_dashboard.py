@@ -11,6 +11,7 @@ import signal
 import urllib.request
 from typing import List, Set
 
+import pytest
 from conftest import REPO, free_port, numpy_config, run_server
 from test_metrics import SLOW_MAPPER
 
@@ -50,6 +51,7 @@ def exported(port: int) -> Set[str]:
     return {f.name for f in families} | {s.name for f in families for s in f.samples}
 
 
+@pytest.mark.processes
 def test_every_dashboard_query_names_exported_metrics(tmp_path):
     with open(DASHBOARD) as f:
         dashboard = json.load(f)
@@ -72,6 +74,7 @@ def test_every_dashboard_query_names_exported_metrics(tmp_path):
         assert used <= names, f"{expr!r} names {sorted(used - names)}, which the server does not export"
 
 
+@pytest.mark.unit
 def test_dashboard_shows_what_it_is_for():
     with open(DASHBOARD) as f:
         dashboard = json.load(f)

@@ -36,6 +36,8 @@ from conftest import (
 
 import ppclient
 
+pytestmark = pytest.mark.processes
+
 
 def shm_files() -> set:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

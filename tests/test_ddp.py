@@ -9,12 +9,12 @@ import sys
 from typing import Dict, List
 
 import pytest
-from conftest import REPO, free_port, have_modules, numpy_config, reference_batches, run_server, shard
+from conftest import REPO, free_port, numpy_config, reference_batches, run_server, shard
 
 from ppserver.worker.pool import stop_process
 
 # torch runs in the ranks' processes only: this module does not import it
-pytestmark = pytest.mark.skipif(not have_modules("torch", "torchdata"), reason="needs torch and torchdata")
+pytestmark = [pytest.mark.processes, pytest.mark.torch]
 
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):

@@ -14,6 +14,8 @@ from typing import List
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.processes
+
 TIMEOUT_S = 240  # mypy on a cold cache, on a busy machine
 
 

@@ -38,7 +38,9 @@ from conftest import (
 from ppclient import Error, UsageError
 
 pytestmark = [
-    pytest.mark.skipif(not have_modules("returnn", "torch"), reason="needs RETURNN and torch"),
+    pytest.mark.processes,
+    pytest.mark.returnn,
+    pytest.mark.torch,
     pytest.mark.usefixtures("in_temporary_cwd"),
 ]
 

@@ -22,6 +22,8 @@ from conftest import REPO, collect, free_port, numpy_config, read, run_server, w
 from ppserver.observe.metrics import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from ppserver.observe.stages import STAGES
 
+pytestmark = pytest.mark.processes
+
 SLOW_MAPPER = """
 import time
 def map_seq(seq, **kwargs):

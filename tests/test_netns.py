@@ -26,7 +26,7 @@ import pytest
 from conftest import assert_same_epoch, mapped_segments, numpy_config, reference
 from netns import Lab, NetnsUnavailable, Proc, ServerHandle, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.processes, pytest.mark.netns, pytest.mark.timeout(180)]
 
 MAPPER = """
 import os

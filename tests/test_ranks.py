@@ -36,6 +36,8 @@ from conftest import (
 import ppclient
 from ppserver.scheduler import MAX_READERS
 
+pytestmark = pytest.mark.processes
+
 MAPPER = """
 def map_seq(seq, *, rng, **kwargs):
     seq["data"] = seq["data"] * rng.uniform(0.5, 1.5) + rng.randn(*seq["data"].shape).astype("float32")

@@ -34,6 +34,8 @@ from conftest import (
 import ppclient
 from ppclient import keyfiles, protocol, wire
 
+pytestmark = pytest.mark.processes
+
 FAST_HB = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.5\n"
 
 

@@ -29,7 +29,7 @@ from returnn.util.basic import OptionalNotImplementedError
 import ppclient
 from ppclient.returnn import ServerDataset
 
-pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+pytestmark = [pytest.mark.processes, pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
 
 # Frame-wise classes with a sparse_dim declared in map_outputs; epoch 9 fails at its 4th seq.
 CONFIG = """
@@ -259,6 +259,7 @@ def unbatch(batches: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return seqs
 
 
+@pytest.mark.torch
 def test_returnns_torch_data_loader_reads_epochs_in_a_spawned_worker(server):
     srv, cfg = server
     got = batches_by_epoch(dataset(srv.address, job="f"), [1, 2], num_workers=1)
@@ -268,6 +269,7 @@ def test_returnns_torch_data_loader_reads_epochs_in_a_spawned_worker(server):
         assert all(int(b["epoch"]) == epoch and int(b["num_seqs"]) == 23 for b in got[epoch])
 
 
+@pytest.mark.torch
 def test_data_loader_workers_read_as_shards_of_one_job(server):
     srv, cfg = server
     got = unbatch(batches_by_epoch(dataset(srv.address, job="g"), [5], num_workers=2)[5])
@@ -350,6 +352,7 @@ def train_step(*, model, extern_data, **_kwargs):
 """
 
 
+@pytest.mark.torch
 def test_a_returnn_training_reads_its_epochs_from_the_server(server, tmp_path):
     srv, cfg = server
     tags_path = str(tmp_path / "tags.txt")

@@ -38,6 +38,8 @@ from test_robustness import corpus_config
 
 import ppclient
 
+pytestmark = pytest.mark.processes
+
 HEARTBEATS = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.0\nbuf_size = 2\n"
 
 # A stream mapper that merges pairs of seqs and takes a while per input in the service.

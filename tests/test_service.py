@@ -63,6 +63,7 @@ def map_seq_stream(seqs, *, epoch, rng, **kwargs):
 """
 
 
+@pytest.mark.processes
 def test_epoch_in_order_matches_reference(tmp_path):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=60, extra="buf_size = 3\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
@@ -81,6 +82,7 @@ def test_epoch_in_order_matches_reference(tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
 
 
+@pytest.mark.processes
 def test_back_to_back_epochs_and_random_ordering(tmp_path):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=30, ordering="random")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
@@ -92,6 +94,7 @@ def test_back_to_back_epochs_and_random_ordering(tmp_path):
     assert_same_epoch(again, epochs[1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ordering", ["default", "reverse", "sorted", "sorted_reverse", "random", "laplace:.7"])
 def test_every_seq_ordering(tmp_path, ordering):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=25, ordering=ordering)
@@ -106,6 +109,7 @@ def test_every_seq_ordering(tmp_path, ordering):
         assert lens == sorted(lens, reverse=True)
 
 
+@pytest.mark.processes
 def test_seq_list_and_seq_order(tmp_path):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=20)
     tags = ["seq-7", "seq-3", "seq-19", "seq-0"]
@@ -121,6 +125,7 @@ def test_seq_list_and_seq_order(tmp_path):
     assert_same_epoch(by_idx, reference(cfg, 2, seq_order=[5, 1, 1, 12]))
 
 
+@pytest.mark.processes
 def test_new_epoch_cancels_old_feeder(tmp_path):
     # 200 seqs x 50 ms on 2 workers: finishing the old epoch would take 5 s.
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=200, extra="buf_size = 8\n")
@@ -143,6 +148,7 @@ def test_new_epoch_cancels_old_feeder(tmp_path):
     assert status["epoch"] == 2 and status["state"] == "done"
 
 
+@pytest.mark.processes
 def test_map_seq_stream_matches_reference(tmp_path):
     cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
@@ -160,6 +166,7 @@ def test_map_seq_stream_matches_reference(tmp_path):
     assert_same_epoch(got2, reference(cfg, 2))
 
 
+@pytest.mark.processes
 def test_laplace_ordering_stream_mapper(tmp_path):
     body = """
     from ppserver.mappers.compose import LaplaceOrdering, Sequential
@@ -181,6 +188,7 @@ def test_laplace_ordering_stream_mapper(tmp_path):
     assert fracs == sorted(fracs)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["map_seq", "map_seq_stream"])
 def test_outputs_identical_for_1_2_3_workers(tmp_path, mode):
     if mode == "map_seq":
@@ -199,6 +207,7 @@ def test_outputs_identical_for_1_2_3_workers(tmp_path, mode):
     assert_same_epoch(runs[0], reference(cfg, 5))
 
 
+@pytest.mark.processes
 def test_mapper_exception_reaches_client_and_server_stays_up(tmp_path):
     body = """
     def map_seq(seq, *, epoch, **kwargs):
@@ -217,6 +226,7 @@ def test_mapper_exception_reaches_client_and_server_stays_up(tmp_path):
         assert len(collect(c.epoch(2))) == 30
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "ret, match",
     [
@@ -234,6 +244,7 @@ def test_output_validation_names_the_key(tmp_path, ret, match):
             collect(c.epoch(1))
 
 
+@pytest.mark.processes
 def test_map_outputs_template_and_dropped_meta(tmp_path):
     body = """
     import numpy as np
@@ -249,6 +260,7 @@ def test_map_outputs_template_and_dropped_meta(tmp_path):
     assert all(set(s) == {"feat", "seq_tag", "seq_idx", "complete_frac"} for s in got)
 
 
+@pytest.mark.processes
 def test_mapper_must_accept_kwargs(tmp_path):
     cfg = numpy_config(tmp_path, "def map_seq(seq, *, epoch, seq_idx, rng):\n    return seq\n", n=3)
     with run_server(cfg, workers=1) as srv, srv.client() as c:
@@ -256,6 +268,7 @@ def test_mapper_must_accept_kwargs(tmp_path):
             collect(c.epoch(1))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=150, extra="buf_size = 4\n" + DATA_PATHS[path])
@@ -280,6 +293,7 @@ SLOW_STREAM_MAPPER = "import os\n" + STREAM_MAPPER.replace(
 )
 
 
+@pytest.mark.processes
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_STREAM_MAPPER, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
@@ -288,6 +302,7 @@ def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_server_killed_client_raises_unavailable(tmp_path, path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=200, extra=DATA_PATHS[path])
@@ -314,6 +329,7 @@ def test_server_killed_client_raises_unavailable(tmp_path, path):
     assert_data_path(read(slog), path)
 
 
+@pytest.mark.processes
 def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=100)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -329,6 +345,7 @@ def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
             assert wait_gone(kids, 1.0) == []
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "body, key",
     [
@@ -364,6 +381,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path, body, key):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.processes
 def test_protocol_mismatch_is_a_clear_error(tmp_path):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=5)
     with run_server(cfg, workers=1) as srv:
@@ -382,6 +400,7 @@ def test_protocol_mismatch_is_a_clear_error(tmp_path):
             assert len(collect(c.epoch(1))) == 5
 
 
+@pytest.mark.processes
 def test_status_cli_and_json(tmp_path):
     import json
 
@@ -414,6 +433,7 @@ def test_status_cli_and_json(tmp_path):
     assert res.returncode == 1 and "no answer" in res.stderr
 
 
+@pytest.mark.processes
 def test_demo_runs_two_epochs_and_exits_0(tmp_path):
     log_path = str(tmp_path / "demo.log")
     res = subprocess.run(
@@ -433,6 +453,7 @@ def test_demo_runs_two_epochs_and_exits_0(tmp_path):
     assert "serving" in read(log_path) and "registered with" in read(log_path)
 
 
+@pytest.mark.processes
 def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
     import pty
     import select
@@ -468,6 +489,7 @@ def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
     assert not os.path.exists(log_path)  # a clean exit leaves no temporary log behind
 
 
+@pytest.mark.processes
 def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
     body = """
     dataset = {"class": "DemoDataset", "num_seqs": 3000, "seed": 3, "min_frames": 5, "max_frames": 20}
@@ -489,12 +511,14 @@ def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
         assert sum(1 for _ in it) == 2999
 
 
+@pytest.mark.processes
 def test_client_package_does_not_import_the_server():
     code = "import sys, ppclient; bad = [m for m in sys.modules if m.startswith('ppserver')]; assert not bad, bad"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.sockets
 def test_client_reports_a_server_with_another_protocol():
     ctx = zmq.Context()
     fake = ctx.socket(zmq.ROUTER)
@@ -519,6 +543,7 @@ def test_client_reports_a_server_with_another_protocol():
         ctx.term()
 
 
+@pytest.mark.processes
 def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
     body = """
     import numpy as np
@@ -556,6 +581,7 @@ def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
     assert "disk gone" in read(slog) and "Traceback" in read(slog)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "argv, key",
     [
@@ -574,6 +600,7 @@ def test_bad_command_line_exits_2_with_one_line(tmp_path, argv, key):
     assert len(lines) == 1 and f"'{key}'" in lines[0], res.stderr
 
 
+@pytest.mark.processes
 def test_empty_epoch_ends_cleanly_every_time(tmp_path):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=5)
     with run_server(cfg, workers=1) as srv:
@@ -582,6 +609,7 @@ def test_empty_epoch_ends_cleanly_every_time(tmp_path):
                 assert collect(c.epoch(e, seq_order=[])) == []
 
 
+@pytest.mark.processes
 def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
     body = """
     import time
@@ -603,6 +631,7 @@ def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.processes
 def test_stream_partition_survives_repeated_kills(tmp_path):
     cfg = numpy_config(
         tmp_path, SLOW_STREAM_MAPPER, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n"
@@ -619,6 +648,7 @@ def test_stream_partition_survives_repeated_kills(tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
 
 
+@pytest.mark.processes
 def test_serves_on_a_unix_socket(tmp_path):
     cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=12)
     address = f"ipc://{tmp_path}/ppserver.sock"
