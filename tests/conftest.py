@@ -100,20 +100,21 @@ def _install_guards() -> None:
     # before ZeroMQ makes the context or socket (which __init__ would be too late for)
     zmq.Context.__new__ = _guarded("socket", "zmq.Context", zmq.Context.__new__)  # type: ignore[method-assign]
     zmq.Socket.__new__ = _guarded("socket", "zmq.Socket", zmq.Socket.__new__)  # type: ignore[method-assign]
-    real_import, real_import_module = builtins.__import__, importlib.import_module
 
-    def guarded_import(name: str, globals=None, locals=None, fromlist=(), level: int = 0):
-        if _guard is not None and level == 0 and name.partition(".")[0] in HEAVY:
-            _guard.check("import", f"import {name}")
-        return real_import(name, globals, locals, fromlist, level)
 
-    def guarded_import_module(name: str, package: Optional[str] = None):
-        if _guard is not None and name.partition(".")[0] in HEAVY:
-            _guard.check("import", f"import {name}")
-        return real_import_module(name, package)
+_real_import, _real_import_module = builtins.__import__, importlib.import_module
 
-    builtins.__import__ = guarded_import
-    importlib.import_module = guarded_import_module
+
+def _guarded_import(name: str, globals=None, locals=None, fromlist=(), level: int = 0):
+    if _guard is not None and level == 0 and name.partition(".")[0] in HEAVY:
+        _guard.check("import", f"import {name}")
+    return _real_import(name, globals, locals, fromlist, level)
+
+
+def _guarded_import_module(name: str, package: Optional[str] = None):
+    if _guard is not None and name.partition(".")[0] in HEAVY:
+        _guard.check("import", f"import {name}")
+    return _real_import_module(name, package)
 
 
 _install_guards()
@@ -122,6 +123,8 @@ _install_guards()
 def _guarded_phase(item: pytest.Item):
     global _guard
     _guard = guard = _Guard(item)
+    if guard.unit:  # (only then: code that looks at builtins, as the config fingerprint does, sees them as they are)
+        builtins.__import__, importlib.import_module = _guarded_import, _guarded_import_module
     try:
         result = yield
     except Exception as exc:
@@ -130,6 +133,7 @@ def _guarded_phase(item: pytest.Item):
         raise
     finally:
         _guard = None
+        builtins.__import__, importlib.import_module = _real_import, _real_import_module
     if guard.violations:  # caught by the code under test: the test fails all the same
         raise ImpureTest("; ".join(guard.violations))
     return result
@@ -720,6 +724,65 @@ def run_cli(
         cwd=cwd or REPO,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+# A RETURNN training of the tests (`python -m returnn`: PyTorch backend, 2 epochs, a DataLoader worker);
+# a part of a config to fill in with .format(model=..., log=...), its paths, as the config it is in.
+RETURNN_TRAINING = """
+backend = "torch"
+device = "cpu"
+behavior_version = 24
+task = "train"
+num_epochs = 2
+model = {model!r}
+log = [{log!r}]
+max_seqs = 3
+optimizer = {{"class": "adam"}}
+learning_rate = 1e-3
+torch_dataloader_opts = {{"num_workers": 1}}
+"""
+# Its model and step (needs torch and returnn.frontend as rf imported): a step writes a line per
+# batch to {tags}: the epoch, the sum of |data| and the seq tags (read with returnn_batches).
+RETURNN_L2_STEP = """
+
+def get_model(**_kwargs):
+    return torch.nn.Linear(8, 2)
+
+
+def train_step(*, model, extern_data, **_kwargs):
+    x = extern_data["data"].raw_tensor
+    with open({tags!r}, "a") as f:
+        tags = " ".join(str(t) for t in extern_data["seq_tag"].raw_tensor)
+        f.write("%d %.4f %s\\n" % (rf.get_run_ctx().epoch, float(x.abs().sum()), tags))
+    rf.get_run_ctx().mark_as_loss(name="l2", loss=(model(x) ** 2).mean())
+"""
+
+
+def returnn_batches(tags_path: str) -> List[tuple]:
+    """What RETURNN_L2_STEP wrote: (epoch, sum of |data|, [tags]) per batch."""
+    with open(tags_path) as f:
+        return [(int(epoch), float(total), tags) for epoch, total, *tags in (line.split() for line in f)]
+
+
+def run_returnn(config: str, cwd: str, *, timeout: float, env: Optional[Dict[str, str]] = None) -> str:
+    """`python -m returnn CONFIG` in `cwd` to its end (killed after `timeout`), which must succeed; its
+    output, stdout and stderr together. `env`: its whole environment."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "returnn", str(config)],
+        cwd=str(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out[-4000:]
+    return out
 
 
 def error_line(res: subprocess.CompletedProcess, code: int = 2, *, info: bool = False) -> str:

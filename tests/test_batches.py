@@ -18,10 +18,14 @@ import numpy as np
 import pytest
 from conftest import (
     DATA_PATHS,
+    SCALE_MAPPER,
+    SLOW_MAPPER,
+    STREAM_MAPPER,
     assert_data_path,
     assert_same_batches,
     collect,
     collect_with,
+    is_shared,
     numpy_config,
     read,
     reference,
@@ -30,7 +34,6 @@ from conftest import (
     shard,
     wait_for,
 )
-from test_data_path import is_shared
 
 import ppclient
 from ppclient import collate, protocol
@@ -40,11 +43,7 @@ from ppserver.datasets.cut import Cutter, cut, cut_epoch
 from ppserver.scheduler import Reply, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
 
-MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 BATCHING = {"max_seqs": 6, "max_frames": 160, "bucket_window": 16, "pad": {"classes": -1}}
 
 
@@ -337,9 +336,11 @@ def test_a_config_batch_length_cuts_as_the_reader_reads_and_the_config_batching_
 
 
 @pytest.mark.processes
-def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
-    want = reference_batches(corpus, 4, BATCHING)
-    with run_server(corpus, workers=2) as srv:
+def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(tmp_path):
+    # 10 ms a seq: the epoch is still being mapped when the worker is killed
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=61, ordering="laplace:.20", extra="buf_size = 3\n")
+    want = reference_batches(cfg, 4, BATCHING)
+    with run_server(cfg, workers=2) as srv:
         with srv.client(batching=BATCHING, job="resume") as c:
             it = c.epoch(4)
             first = [next(it) for _ in range(3)]
@@ -347,7 +348,10 @@ def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
         assert state["position"] == 3  # batches
         with srv.client(job="resume") as c:  # the state carries its batching
             rest = collect_with(c.epoch(state=state), {2: lambda: os.kill(srv.worker_pids()[0], signal.SIGKILL)})
+            st = c.status()
         assert_same_batches(first + rest, want)
+        # killed mid-epoch, with the seqs of a batch it had yet to send back
+        assert st["departures"].get("exited") == 1 and st["handed_back"] >= 1, st
         wait_for(lambda: len(srv.worker_pids()) == 2, 30, "the killed worker to be replaced")
         with srv.client(batching=False, job="resume") as c:
             with pytest.raises(
@@ -356,25 +360,7 @@ def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
                 c.epoch(state=state)
 
 
-STREAM = """
-import numpy as np
-def map_seq_stream(seqs, *, rng, **kwargs):
-    held = None
-    for seq in seqs:
-        if held is None:
-            held = seq
-            continue
-        yield {
-            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
-            "classes": np.concatenate([held["classes"], seq["classes"]]),
-            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
-            "complete_frac": seq["complete_frac"],
-        }
-        held = None
-    if held is not None:
-        yield held
-stream_partitions = 2
-"""
+STREAM = STREAM_MAPPER.format(delay=0) + "stream_partitions = 2\n"
 
 
 @pytest.mark.processes

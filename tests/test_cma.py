@@ -9,18 +9,24 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_same_epoch, collect, numpy_config, read, reference, run_server, sitecustomize_env
+from conftest import (
+    REPO,
+    SCALE_MAPPER,
+    assert_same_epoch,
+    collect,
+    numpy_config,
+    read,
+    reference,
+    run_server,
+    sitecustomize_env,
+)
 
 from ppclient import protocol
 from ppserver.transport import cma
 
 pytestmark = pytest.mark.skipif(cma.available() is not None, reason=str(cma.available()))
 
-MAPPER = """
-def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 
 
 @pytest.mark.unit

@@ -12,10 +12,12 @@ import pytest
 from conftest import (
     REPO,
     collect,
+    error_line,
     free_port,
     numpy_config,
     read,
     reference,
+    run_cli,
     run_server,
     run_worker_host,
     write_config,
@@ -29,12 +31,6 @@ from ppserver.mappers.apply import MappingError, StreamValidator, apply_map_seq,
 IDENTITY = "dataset = {'class': 'DemoDataset', 'num_seqs': 3}\nmap_seq = lambda s, **k: s\n"
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-
-
 def serve(cfg: str) -> subprocess.CompletedProcess:
     return run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0")
 
@@ -42,15 +38,6 @@ def serve(cfg: str) -> subprocess.CompletedProcess:
 def worker(cfg: str) -> subprocess.CompletedProcess:
     # nothing listens there: a config that loads would make it wait for the server until the timeout
     return run_cli("worker", cfg, "--connect", f"tcp://127.0.0.1:{free_port()}", "--procs", "1")
-
-
-def config_error_line(res: subprocess.CompletedProcess) -> str:
-    """The one stderr line of a config error (exit 2, no traceback)."""
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    return lines[0]
 
 
 def expect_config_error(key: str, fn, *args, **kwargs) -> ConfigError:
@@ -257,7 +244,7 @@ def test_helpers_are_ignored(tmp_path):
 
 @pytest.mark.processes
 def test_unknown_camel_case_name_stops_serve(tmp_path):
-    line = config_error_line(serve(write_config(tmp_path, IDENTITY + "numWorkers = 3\n")))
+    line = error_line(serve(write_config(tmp_path, IDENTITY + "numWorkers = 3\n")))
     assert "'numWorkers'" in line and "did you mean 'num_workers'" in line
 
 
@@ -306,7 +293,7 @@ def dataset_config(tmp_path, kind: str) -> str:
     ],
 )
 def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, key, text):
-    line = config_error_line(serve(dataset_config(tmp_path, kind)))
+    line = error_line(serve(dataset_config(tmp_path, kind)))
     assert f"'{key}'" in line and text in line
     if kind == "missing":
         assert "no_such_corpus.txt" in line
@@ -328,7 +315,7 @@ def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, k
 def test_config_that_exits_while_loading_is_a_config_error(tmp_path, stop, what):
     cfg = write_config(tmp_path, IDENTITY + stop + "\n", name="stopping_cfg.py")
     for res in (serve(cfg), worker(cfg)):
-        line = config_error_line(res)
+        line = error_line(res)
         assert "stopping_cfg.py" in line and "stopped while loading" in line and what in line
 
 
@@ -341,7 +328,7 @@ def test_unreadable_config_file_is_a_config_error(tmp_path, kind):
     elif kind == "syntax":
         write_config(tmp_path, "dataset = {\n", name="the_cfg.py")
     for res in (serve(path), worker(path)):
-        assert "the_cfg.py" in config_error_line(res)
+        assert "the_cfg.py" in error_line(res)
 
 
 # ---- 14: fingerprint ------------------------------------------------------------------------

@@ -12,8 +12,7 @@ import urllib.request
 from typing import List, Set
 
 import pytest
-from conftest import REPO, free_port, numpy_config, run_server
-from test_metrics import SLOW_MAPPER
+from conftest import REPO, SLOW_MAPPER, free_port, numpy_config, run_server
 
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "ppserver.json")
 
@@ -67,6 +66,7 @@ def test_every_dashboard_query_names_exported_metrics(tmp_path):
             if n % 10 == 9:
                 names |= exported(port)
         names |= exported(port)
+        assert c.status()["departures"].get("exited") == 1  # the kill landed while the epoch ran
     assert {"ppserver_eta_seconds", "ppserver_worker_departures_total", "ppserver_held_back"} <= names
     for expr in exprs:
         used = metric_names(expr)

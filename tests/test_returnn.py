@@ -16,7 +16,18 @@ from typing import List, Optional
 
 import numpy as np
 import pytest
-from conftest import children_of, collect, collect_with, read, run_server, run_worker_host
+from conftest import (
+    RETURNN_L2_STEP,
+    RETURNN_TRAINING,
+    children_of,
+    collect,
+    collect_with,
+    read,
+    returnn_batches,
+    run_returnn,
+    run_server,
+    run_worker_host,
+)
 from returnn.datasets.basic import DatasetSeq, init_dataset
 from returnn.datasets.cached2 import CachedDataset2
 from returnn.util.basic import OptionalNotImplementedError
@@ -618,6 +629,9 @@ def test_forward_only_dataset_replays_after_a_killed_worker(corpus, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
         got = collect_with(it, {8: kill_owner})
+        st = c.status()
+    # killed mid-epoch, holding the partition, which another worker played again
+    assert st["departures"].get("exited") == 1 and st["handed_back"] >= 1, st
     want = pp_epoch(spec, 1, map_seq_stream=Sequential(LaplaceOrdering(3), tdmappers.noisy))
     assert_like_returnn(got, want, stream=True)
     # the restarted partition started from seq 0, which the one forward pass had passed
@@ -802,7 +816,8 @@ def test_what_makes_a_failing_dict_api_mapper_look_written_for_tensor_dicts():
 
 # ---- a RETURNN training ------------------------------------------------------------------------
 
-TRAIN_CONFIG = """
+TRAIN_CONFIG = (
+    """
 #!returnn.py
 import sys
 sys.path.insert(0, {root!r})
@@ -812,34 +827,14 @@ from returnn.tensor import Dim, batch_dim
 from ppclient.returnn import ServerDataset
 import tdmappers
 
-backend = "torch"
-device = "cpu"
-behavior_version = 24
-task = "train"
-num_epochs = 2
-model = {model!r}
-log = [{log!r}]
 log_verbosity = 3
 batch_size = 100
-max_seqs = 3
-optimizer = {{"class": "adam"}}
-learning_rate = 1e-3
-torch_dataloader_opts = {{"num_workers": 1}}
 extern_data = {{"data": {{"dims": [batch_dim, Dim(None, name="time"), Dim(8, name="in")], "dtype": "float32"}}}}
 train = {train}
-
-
-def get_model(**_kwargs):
-    return torch.nn.Linear(8, 2)
-
-
-def train_step(*, model, extern_data, **_kwargs):
-    x = extern_data["data"].raw_tensor
-    with open({tags!r}, "a") as f:
-        tags = " ".join(str(t) for t in extern_data["seq_tag"].raw_tensor)
-        f.write("%d %.4f %s\\n" % (rf.get_run_ctx().epoch, float(x.abs().sum()), tags))
-    rf.get_run_ctx().mark_as_loss(name="l2", loss=(model(x) ** 2).mean())
 """
+    + RETURNN_TRAINING
+    + RETURNN_L2_STEP
+)
 
 
 def _train(tmp_path, corpus, name, train):
@@ -857,25 +852,10 @@ def _train(tmp_path, corpus, name, train):
             tags=tags_path,
         )
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "returnn", str(config)],
-        cwd=str(out_dir),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 0, out[-4000:]
+    run_returnn(str(config), str(out_dir), timeout=180)
     batches: dict = {1: [], 2: []}
-    with open(tags_path) as f:
-        for line in f:
-            epoch, total, *tags = line.split()
-            batches[int(epoch)].append((float(total), tags))
+    for epoch, total, tags in returnn_batches(tags_path):
+        batches[epoch].append((total, tags))
     return batches
 
 

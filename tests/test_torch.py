@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 from conftest import (
+    SCALE_MAPPER,
     assert_same_batches,
     assert_same_epoch,
     collect_with,
@@ -53,11 +54,7 @@ data = _Lazy("torch.utils.data")
 pptorch = _Lazy("ppclient.torch")
 
 
-MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 
 
 def as_numpy(seq: Dict[str, Any]) -> Dict[str, Any]:
