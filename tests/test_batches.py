@@ -301,8 +301,13 @@ def test_padded_batches_come_straight_through_shared_memory_and_len_is_known_up_
     want = reference_batches(corpus, 1, BATCHING)
     log = str(tmp_path / "server.log")
     with run_server(corpus, workers=2, log_path=log) as srv, srv.client(batching=BATCHING) as c:
-        collect(c.epoch(2))
-        wait_for(lambda: read(log).count("(shared memory)") == 2, 10, "both workers to send through shared memory")
+        # epochs before the one compared, until both workers have the client's route and send through
+        # shared memory (one that had none yet sent its results of an epoch through the server)
+        wait_for(
+            lambda: collect(c.epoch(2)) and read(log).count("(shared memory)") == 2,
+            30,
+            "both workers to send through shared memory",
+        )
         it = c.epoch(1)
         assert len(it) == len(want)  # NumpyDataset knows every length: the server cut the epoch up front
         got = collect(it)
