@@ -58,7 +58,9 @@ class _Guard:
             "import": not self.unit,
         }
         self.main = threading.get_ident()
-        self.others = {t.ident for t in threading.enumerate()} - {self.main}
+        if not hasattr(item, "threads_before"):  # (at its setup: its fixtures' threads are the test's too)
+            item.threads_before = {t.ident for t in threading.enumerate()} - {self.main}  # type: ignore[attr-defined]
+        self.others = item.threads_before  # type: ignore[attr-defined]
         self.violations: List[str] = []
 
     def check(self, kind: str, what: str) -> None:
