@@ -2,25 +2,175 @@
 
 from __future__ import annotations
 
+import _posixsubprocess
+import builtins
 import gc
+import importlib
 import importlib.util
+import mmap
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from typing import Dict, Iterator, List, Optional, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 import numpy as np
 import pytest
+import zmq
 from netns import children_of, wait_for, wait_gone  # noqa: F401  (re-exported to the tests)
 
 from ppclient import Client
 from ppserver.cli import wait_ready
 from ppserver.worker.pool import stop_process
+
+# ---- markers: what a test needs, and a guard that holds the tests to them -----------------------
+# Every test is `unit` (pure code: no process, no socket, no RETURNN or PyTorch; `pytest -m unit`
+# runs them in seconds) or names what it needs with the other markers; pyproject.toml registers them.
+NEEDS = ("processes", "sockets", "netns", "returnn", "torch")
+MARKERS = ("unit", *NEEDS)
+# What a unit test may not import, nor a module of unit tests when it is imported (tests/test_markers.py).
+HEAVY = ("returnn", "torch", "torchdata")
+# The modules a test marked `returnn` or `torch` needs: without them it is skipped.
+NEEDED_MODULES = {"returnn": ("returnn",), "torch": ("torch", "torchdata")}
+
+
+class ImpureTest(AssertionError):
+    """A test did what its markers do not admit: raised where it did it, and the test fails even if
+    the code under test caught it."""
+
+
+class _Guard:
+    """What the running test (its setup and call) may do, by its markers, and what it did that they
+    do not admit. Only what the test's own threads do counts (the main thread and threads started
+    since), not threads left by earlier tests."""
+
+    def __init__(self, item: pytest.Item):
+        names = {m.name for m in item.iter_markers()}
+        self.unit = "unit" in names
+        self.allowed = {
+            "process": "processes" in names,
+            "socket": bool(names & {"processes", "sockets"}),
+            "import": not self.unit,
+        }
+        self.main = threading.get_ident()
+        if not hasattr(item, "threads_before"):  # (at its setup: its fixtures' threads are the test's too)
+            item.threads_before = {t.ident for t in threading.enumerate()} - {self.main}  # type: ignore[attr-defined]
+        self.others = item.threads_before  # type: ignore[attr-defined]
+        self.violations: List[str] = []
+
+    def check(self, kind: str, what: str) -> None:
+        if self.allowed[kind] or threading.get_ident() in self.others:
+            return
+        if kind == "import":
+            why = f"{what} in a test marked `unit`: mark it with what it needs (`returnn`, `torch`) instead"
+        elif self.unit:
+            marker = "processes" if kind == "process" else "sockets` or `processes"
+            why = f"{what} in a test marked `unit` (pure code, no {kind}): mark it `{marker}` instead"
+        elif kind == "process":
+            why = f"{what} in a test not marked `processes`"
+        else:
+            why = f"{what} in a test marked neither `sockets` nor `processes`"
+        self.violations.append(why)
+        raise ImpureTest(why)
+
+
+_guard: Optional[_Guard] = None  # the running test's, while its setup and call run
+
+
+def _guarded(kind: str, what: str, fn: Callable) -> Callable:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if _guard is not None:
+            _guard.check(kind, what)
+        return fn(*args, **kwargs)
+
+    guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+    return guarded
+
+
+def _install_guards() -> None:
+    """Every way this process starts a process or opens a socket asks the running test's guard first."""
+    subprocess.Popen._execute_child = _guarded("process", "subprocess.Popen", subprocess.Popen._execute_child)  # type: ignore[attr-defined]
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        setattr(os, name, _guarded("process", f"os.{name}", getattr(os, name)))
+    _posixsubprocess.fork_exec = _guarded("process", "a spawned process", _posixsubprocess.fork_exec)  # multiprocessing
+    socket.socket.__init__ = _guarded("socket", "socket.socket", socket.socket.__init__)  # type: ignore[method-assign]
+    # before ZeroMQ makes the context or socket (which __init__ would be too late for)
+    zmq.Context.__new__ = _guarded("socket", "zmq.Context", zmq.Context.__new__)  # type: ignore[method-assign]
+    zmq.Socket.__new__ = _guarded("socket", "zmq.Socket", zmq.Socket.__new__)  # type: ignore[method-assign]
+
+
+_real_import, _real_import_module = builtins.__import__, importlib.import_module
+
+
+def _guarded_import(name: str, globals=None, locals=None, fromlist=(), level: int = 0):
+    if _guard is not None and level == 0 and name.partition(".")[0] in HEAVY:
+        _guard.check("import", f"import {name}")
+    return _real_import(name, globals, locals, fromlist, level)
+
+
+def _guarded_import_module(name: str, package: Optional[str] = None):
+    if _guard is not None and name.partition(".")[0] in HEAVY:
+        _guard.check("import", f"import {name}")
+    return _real_import_module(name, package)
+
+
+_install_guards()
+
+
+def _guarded_phase(item: pytest.Item):
+    global _guard
+    _guard = guard = _Guard(item)
+    if guard.unit:  # (only then: code that looks at builtins, as the config fingerprint does, sees them as they are)
+        builtins.__import__, importlib.import_module = _guarded_import, _guarded_import_module
+    try:
+        result = yield
+    except Exception as exc:
+        if guard.violations and not isinstance(exc, ImpureTest):
+            raise ImpureTest("; ".join(guard.violations)) from exc
+        raise
+    finally:
+        _guard = None
+        builtins.__import__, importlib.import_module = _real_import, _real_import_module
+    if guard.violations:  # caught by the code under test: the test fails all the same
+        raise ImpureTest("; ".join(guard.violations))
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded_phase(item))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test is `unit` or names what it needs, never both; one that needs RETURNN or PyTorch
+    is skipped where they are not installed."""
+    unmarked, mixed = [], []
+    for item in items:
+        names = {m.name for m in item.iter_markers()}
+        if not names & set(MARKERS):
+            unmarked.append(item.nodeid)
+        elif "unit" in names and names & set(NEEDS):
+            mixed.append(f"{item.nodeid} ({', '.join(sorted(names & set(MARKERS)))})")
+        for need, modules in NEEDED_MODULES.items():
+            if need in names and not have_modules(*modules):
+                item.add_marker(pytest.mark.skip(reason=f"needs {' and '.join(modules)}"))
+    problems = []
+    if unmarked:
+        problems.append(f"tests with none of the markers {', '.join(MARKERS)}:\n  " + "\n  ".join(unmarked))
+    if mixed:
+        problems.append("tests marked `unit` and with what they need:\n  " + "\n  ".join(mixed))
+    if problems:
+        raise pytest.UsageError("\n".join(problems) + "\n(see the markers in pyproject.toml)")
 
 
 def _dev_shm() -> set:
@@ -382,6 +532,49 @@ def map_seq(seq, *, rng, **kwargs):
 """
 
 
+# Mappers the tests share (config text: numpy_config's mapper_body). Each result depends on the
+# epoch's rng, so a seq mapped twice, or by the wrong worker's stream, would show.
+SCALE_MAPPER = """
+def map_seq(seq, *, rng, **kwargs):
+    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
+    return seq
+"""
+NOISY_MAPPER = """
+def map_seq(seq, *, rng, **kwargs):
+    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5) + rng.randn(*seq["data"].shape).astype("float32")
+    return seq
+"""
+# A map_seq_stream that merges pairs of seqs and drops every 5th input, so an epoch has fewer seqs
+# than the corpus, taking `delay` seconds per input in the service and none in the reference run;
+# fill in with STREAM_MAPPER.format(delay=...).
+STREAM_MAPPER = (
+    """
+import os
+import time
+import numpy as np
+def map_seq_stream(seqs, *, rng, **kwargs):
+    held = None
+    for n, seq in enumerate(seqs):
+        if {delay} and not os.environ.get("REFERENCE_RUN"):
+            time.sleep({delay})
+        if n % 5 == 4:
+            continue
+        if held is None:
+            held = seq
+            continue
+        yield {{
+            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
+            "classes": np.concatenate([held["classes"], seq["classes"]]),
+            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
+            "complete_frac": seq["complete_frac"],
+        }}
+        held = None
+    if held is not None:
+        yield held
+"""
+).replace("REFERENCE_RUN", REFERENCE_RUN)
+
+
 def reference(config: str, epoch: int, **kw) -> List[dict]:
     """The epoch computed in this process by the same definition the service implements."""
     from ppserver.config.settings import load_config
@@ -514,6 +707,100 @@ def run_worker_host(
 def read(path: str) -> str:
     with open(path) as f:
         return f.read()
+
+
+def run_cli(
+    *argv: str,
+    module: str = "ppserver",
+    timeout: float = 60.0,
+    cwd: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> subprocess.CompletedProcess:
+    """`python -m ppserver ARGV...` (or another module) run to its end, in the repository unless `cwd`
+    says otherwise, with `env` added to this process's environment; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or REPO,
+        env=None if env is None else {**os.environ, **env},
+    )
+
+
+# A RETURNN training of the tests (`python -m returnn`: PyTorch backend, 2 epochs, a DataLoader worker);
+# a part of a config to fill in with .format(model=..., log=...), its paths, as the config it is in.
+RETURNN_TRAINING = """
+backend = "torch"
+device = "cpu"
+behavior_version = 24
+task = "train"
+num_epochs = 2
+model = {model!r}
+log = [{log!r}]
+max_seqs = 3
+optimizer = {{"class": "adam"}}
+learning_rate = 1e-3
+torch_dataloader_opts = {{"num_workers": 1}}
+"""
+# Its model and step (needs torch and returnn.frontend as rf imported): a step writes a line per
+# batch to {tags}: the epoch, the sum of |data| and the seq tags (read with returnn_batches).
+RETURNN_L2_STEP = """
+
+def get_model(**_kwargs):
+    return torch.nn.Linear(8, 2)
+
+
+def train_step(*, model, extern_data, **_kwargs):
+    x = extern_data["data"].raw_tensor
+    with open({tags!r}, "a") as f:
+        tags = " ".join(str(t) for t in extern_data["seq_tag"].raw_tensor)
+        f.write("%d %.4f %s\\n" % (rf.get_run_ctx().epoch, float(x.abs().sum()), tags))
+    rf.get_run_ctx().mark_as_loss(name="l2", loss=(model(x) ** 2).mean())
+"""
+
+
+def returnn_batches(tags_path: str) -> List[tuple]:
+    """What RETURNN_L2_STEP wrote: (epoch, sum of |data|, [tags]) per batch."""
+    with open(tags_path) as f:
+        return [(int(epoch), float(total), tags) for epoch, total, *tags in (line.split() for line in f)]
+
+
+def run_returnn(config: str, cwd: str, *, timeout: float, env: Optional[Dict[str, str]] = None) -> str:
+    """`python -m returnn CONFIG` in `cwd` to its end (killed after `timeout`), which must succeed; its
+    output, stdout and stderr together. `env`: its whole environment."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "returnn", str(config)],
+        cwd=str(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def error_line(res: subprocess.CompletedProcess, code: int = 2, *, info: bool = False) -> str:
+    """The one line a refused command writes to stderr: it exited with `code` and no traceback.
+    `info`: log lines of level INFO before it are no part of the error."""
+    assert res.returncode == code, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not (info and " INFO " in ln)]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def is_shared(array) -> bool:
+    """The array is a view of shared memory (not of a message's frame)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return isinstance(array.obj if isinstance(array, memoryview) else array, mmap.mmap)
 
 
 def pytest_collection_finish(session) -> None:

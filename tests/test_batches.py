@@ -19,10 +19,14 @@ import numpy as np
 import pytest
 from conftest import (
     DATA_PATHS,
+    SCALE_MAPPER,
+    SLOW_MAPPER,
+    STREAM_MAPPER,
     assert_data_path,
     assert_same_batches,
     collect,
     collect_with,
+    is_shared,
     numpy_config,
     read,
     reference,
@@ -31,7 +35,6 @@ from conftest import (
     shard,
     wait_for,
 )
-from test_data_path import is_shared
 
 import ppclient
 from ppclient import collate, protocol
@@ -41,11 +44,7 @@ from ppserver.datasets.cut import Cutter, cut, cut_epoch
 from ppserver.scheduler import Reply, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
 
-MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 BATCHING = {"max_seqs": 6, "max_frames": 160, "bucket_window": 16, "pad": {"classes": -1}}
 
 
@@ -280,6 +279,7 @@ def pull(address: str, world: int, epoch: int, *, warm: bool = False, **kw) -> D
     return got
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "workers, world, path", [(1, 1, "direct"), (3, 1, "via-server"), (3, 3, "direct"), (1, 3, "via-server")]
 )
@@ -297,15 +297,18 @@ def test_batches_are_the_reference_epoch_cut_and_padded_for_any_workers_ranks_an
     assert "batches of max_seqs 6, max_frames 160, bucket_window 16" in read(log)
 
 
+@pytest.mark.processes
 def test_padded_batches_come_straight_through_shared_memory_and_len_is_known_up_front(corpus, tmp_path):
     want = reference_batches(corpus, 1, BATCHING)
     log = str(tmp_path / "server.log")
     with run_server(corpus, workers=2, log_path=log) as srv, srv.client(batching=BATCHING) as c:
-        # a worker's hello waits in the client's result socket until it reads an epoch: two epochs
-        # before, both workers have been welcomed
-        collect(c.epoch(2))
-        collect(c.epoch(3))
-        wait_for(lambda: read(log).count("(shared memory)") == 2, 10, "both workers to send through shared memory")
+        # epochs before the one compared, until both workers have the client's route and send through
+        # shared memory (one that had none yet sent its results of an epoch through the server)
+        wait_for(
+            lambda: collect(c.epoch(2)) and read(log).count("(shared memory)") == 2,
+            30,
+            "both workers to send through shared memory",
+        )
         it = c.epoch(1)
         assert len(it) == len(want)  # NumpyDataset knows every length: the server cut the epoch up front
         got = collect(it)
@@ -322,6 +325,7 @@ batching = {"max_frames": 200, "max_seqs": 5}
 """
 
 
+@pytest.mark.processes
 def test_a_config_batch_length_cuts_as_the_reader_reads_and_the_config_batching_is_the_default(tmp_path):
     cfg = numpy_config(tmp_path, MAPPER, n=33, extra=LENGTH_FN)
     want = reference_batches(cfg, 3, {"max_frames": 200, "max_seqs": 5})
@@ -337,9 +341,12 @@ def test_a_config_batch_length_cuts_as_the_reader_reads_and_the_config_batching_
     assert [s["seq_tag"] for s in got] == [s["seq_tag"] for s in reference(cfg, 3)]
 
 
-def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
-    want = reference_batches(corpus, 4, BATCHING)
-    with run_server(corpus, workers=2) as srv:
+@pytest.mark.processes
+def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(tmp_path):
+    # 10 ms a seq: the epoch is still being mapped when the worker is killed
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=61, ordering="laplace:.20", extra="buf_size = 3\n")
+    want = reference_batches(cfg, 4, BATCHING)
+    with run_server(cfg, workers=2) as srv:
         with srv.client(batching=BATCHING, job="resume") as c:
             it = c.epoch(4)
             first = [next(it) for _ in range(3)]
@@ -347,7 +354,10 @@ def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
         assert state["position"] == 3  # batches
         with srv.client(job="resume") as c:  # the state carries its batching
             rest = collect_with(c.epoch(state=state), {2: lambda: os.kill(srv.worker_pids()[0], signal.SIGKILL)})
+            st = c.status()
         assert_same_batches(first + rest, want)
+        # killed mid-epoch, with the seqs of a batch it had yet to send back
+        assert st["departures"].get("exited") == 1 and st["handed_back"] >= 1, st
         wait_for(lambda: len(srv.worker_pids()) == 2, 30, "the killed worker to be replaced")
         with srv.client(batching=False, job="resume") as c:
             with pytest.raises(
@@ -356,27 +366,10 @@ def test_a_resumed_iterator_and_a_killed_worker_give_the_same_batches(corpus):
                 c.epoch(state=state)
 
 
-STREAM = """
-import numpy as np
-def map_seq_stream(seqs, *, rng, **kwargs):
-    held = None
-    for seq in seqs:
-        if held is None:
-            held = seq
-            continue
-        yield {
-            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
-            "classes": np.concatenate([held["classes"], seq["classes"]]),
-            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
-            "complete_frac": seq["complete_frac"],
-        }
-        held = None
-    if held is not None:
-        yield held
-stream_partitions = 2
-"""
+STREAM = STREAM_MAPPER.format(delay=0) + "stream_partitions = 2\n"
 
 
+@pytest.mark.processes
 def test_map_seq_stream_batches_cut_the_merged_outputs_by_their_lengths(tmp_path):
     cfg = numpy_config(tmp_path, STREAM, n=50)
     batching = {"max_frames": 300, "bucket_window": 8, "pad": {"classes": -1}}
@@ -399,6 +392,7 @@ max_seq_retries = 2
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("crash", [False, True])
 def test_a_seq_that_fails_fails_its_batch_naming_the_seq(tmp_path, crash):
     cfg = numpy_config(tmp_path, FAILING, n=20)
@@ -413,6 +407,7 @@ def test_a_seq_that_fails_fails_its_batch_naming_the_seq(tmp_path, crash):
         assert "batch 1: ValueError: cannot map this one" in str(info.value)
 
 
+@pytest.mark.processes
 def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(corpus):
     with run_server(corpus, workers=1) as srv:
         with srv.client(rank=0, world_size=2, job="x", batching={"max_seqs": 4}) as c0:
@@ -429,6 +424,7 @@ def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(co
                 c.epoch(1)
 
 
+@pytest.mark.processes
 def test_a_batched_epoch_reads_on_through_a_server_restart(tmp_path):
     """kill -9 of the server after 3 batches and a new one on its address 3 s later: the client asks
     it for its epoch from batch 3, and gets the batches it would have got."""

@@ -13,6 +13,8 @@ from conftest import SLOW_MAPPER, assert_same_epoch, collect, numpy_config, refe
 import ppclient
 from ppclient import UsageError
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

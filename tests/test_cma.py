@@ -9,20 +9,27 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_same_epoch, collect, numpy_config, read, reference, run_server, sitecustomize_env
+from conftest import (
+    REPO,
+    SCALE_MAPPER,
+    assert_same_epoch,
+    collect,
+    numpy_config,
+    read,
+    reference,
+    run_server,
+    sitecustomize_env,
+)
 
 from ppclient import protocol
 from ppserver.transport import cma
 
 pytestmark = pytest.mark.skipif(cma.available() is not None, reason=str(cma.available()))
 
-MAPPER = """
-def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 
 
+@pytest.mark.unit
 def test_a_reader_copies_spans_of_a_process_into_new_arrays():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     b = np.arange(5, dtype=np.int64)
@@ -36,6 +43,7 @@ def test_a_reader_copies_spans_of_a_process_into_new_arrays():
         cma.Reader(os.getpid()).read([(a.ctypes.data, 4)], [a.dtype], [a.shape])
 
 
+@pytest.mark.processes
 def test_another_process_reads_the_token_of_an_offer():
     """The check a worker makes: its parent's token read back; a wrong token or pid is a reason."""
     token = np.frombuffer(os.urandom(32), np.uint8).copy()
@@ -56,6 +64,7 @@ def test_another_process_reads_the_token_of_an_offer():
     assert "malformed" in check({"pid": 1})
 
 
+@pytest.mark.unit
 def test_items_by_address_check_and_resolve():
     """An item naming its arrays by address: checked like any item, then read into arrays."""
     seq = {"data": np.arange(6, dtype=np.float32).reshape(2, 3), "seq_tag": "s0", "seq_idx": 0}
@@ -81,6 +90,7 @@ def test_items_by_address_check_and_resolve():
     assert protocol.to_spans([protocol.seq_to_item({"x": np.arange(4)[::2]}, 0)]) is not None  # made contiguous
 
 
+@pytest.mark.processes
 def test_local_workers_read_their_inputs_in_the_servers_memory(tmp_path):
     log_path = str(tmp_path / "server.log")
     cfg = numpy_config(tmp_path, MAPPER, n=80, extra="buf_size = 4\n")
@@ -94,6 +104,7 @@ def test_local_workers_read_their_inputs_in_the_servers_memory(tmp_path):
     assert status["lost_inputs"] == 0
 
 
+@pytest.mark.processes
 def test_where_memory_cannot_be_read_inputs_come_through_the_segment(tmp_path):
     """A worker whose check fails (as under a ptrace restriction) says why and uses its segment."""
     env = sitecustomize_env(
@@ -113,6 +124,7 @@ def test_where_memory_cannot_be_read_inputs_come_through_the_segment(tmp_path):
     assert log.count("inputs come through the server's shared memory (reading its memory: not permitted") == 2
 
 
+@pytest.mark.processes
 def test_inputs_that_cannot_be_read_are_redone_and_travel_in_messages_after(tmp_path):
     """Reads that fail mid-epoch (the server's memory gone from under a worker): the worker
     reports the tasks, the server redoes them, and that worker gets its inputs in the messages

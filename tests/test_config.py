@@ -12,10 +12,12 @@ import pytest
 from conftest import (
     REPO,
     collect,
+    error_line,
     free_port,
     numpy_config,
     read,
     reference,
+    run_cli,
     run_server,
     run_worker_host,
     write_config,
@@ -29,12 +31,6 @@ from ppserver.mappers.apply import MappingError, StreamValidator, apply_map_seq,
 IDENTITY = "dataset = {'class': 'DemoDataset', 'num_seqs': 3}\nmap_seq = lambda s, **k: s\n"
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-
-
 def serve(cfg: str) -> subprocess.CompletedProcess:
     return run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0")
 
@@ -42,15 +38,6 @@ def serve(cfg: str) -> subprocess.CompletedProcess:
 def worker(cfg: str) -> subprocess.CompletedProcess:
     # nothing listens there: a config that loads would make it wait for the server until the timeout
     return run_cli("worker", cfg, "--connect", f"tcp://127.0.0.1:{free_port()}", "--procs", "1")
-
-
-def config_error_line(res: subprocess.CompletedProcess) -> str:
-    """The one stderr line of a config error (exit 2, no traceback)."""
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    return lines[0]
 
 
 def expect_config_error(key: str, fn, *args, **kwargs) -> ConfigError:
@@ -84,6 +71,7 @@ def test_non_str_output_key_is_a_mapping_error_with_the_seq_tag():
     assert info.value.seq_tag == "t-1"
 
 
+@pytest.mark.processes
 def test_non_str_output_key_reaches_the_client_as_mapper_error(tmp_path):
     cfg = numpy_config(tmp_path, "def map_seq(seq, **kwargs):\n    return {**seq, 3: seq['data']}\n", n=5)
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
@@ -163,6 +151,7 @@ def test_outputs_are_converted_to_native_byte_order():
     assert StreamValidator({"x": templates["x"]})(seq_of(x=values))["x"].dtype.str == "<f4"
 
 
+@pytest.mark.processes
 def test_flexible_and_big_endian_map_outputs_are_served_in_native_order(tmp_path):
     body = """
     def map_seq(seq, **kwargs):
@@ -253,8 +242,9 @@ def test_helpers_are_ignored(tmp_path):
     assert c.num_workers == 2 and c.map_seq is not None
 
 
+@pytest.mark.processes
 def test_unknown_camel_case_name_stops_serve(tmp_path):
-    line = config_error_line(serve(write_config(tmp_path, IDENTITY + "numWorkers = 3\n")))
+    line = error_line(serve(write_config(tmp_path, IDENTITY + "numWorkers = 3\n")))
     assert "'numWorkers'" in line and "did you mean 'num_workers'" in line
 
 
@@ -292,6 +282,7 @@ def dataset_config(tmp_path, kind: str) -> str:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "kind, key, text",
     [
@@ -302,7 +293,7 @@ def dataset_config(tmp_path, kind: str) -> str:
     ],
 )
 def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, key, text):
-    line = config_error_line(serve(dataset_config(tmp_path, kind)))
+    line = error_line(serve(dataset_config(tmp_path, kind)))
     assert f"'{key}'" in line and text in line
     if kind == "missing":
         assert "no_such_corpus.txt" in line
@@ -311,6 +302,7 @@ def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, k
 # ---- 13c, 13d: config files that do not load ------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "stop, what",
     [
@@ -323,10 +315,11 @@ def test_failing_dataset_constructor_stops_serve_with_one_line(tmp_path, kind, k
 def test_config_that_exits_while_loading_is_a_config_error(tmp_path, stop, what):
     cfg = write_config(tmp_path, IDENTITY + stop + "\n", name="stopping_cfg.py")
     for res in (serve(cfg), worker(cfg)):
-        line = config_error_line(res)
+        line = error_line(res)
         assert "stopping_cfg.py" in line and "stopped while loading" in line and what in line
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["missing", "directory", "syntax"])
 def test_unreadable_config_file_is_a_config_error(tmp_path, kind):
     path = str(tmp_path / "the_cfg.py")
@@ -335,7 +328,7 @@ def test_unreadable_config_file_is_a_config_error(tmp_path, kind):
     elif kind == "syntax":
         write_config(tmp_path, "dataset = {\n", name="the_cfg.py")
     for res in (serve(path), worker(path)):
-        assert "the_cfg.py" in config_error_line(res)
+        assert "the_cfg.py" in error_line(res)
 
 
 # ---- 14: fingerprint ------------------------------------------------------------------------
@@ -396,6 +389,7 @@ def fresh_fingerprint(cfg: str, pre_import: str = "") -> str:
     return res.stdout.strip()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("reach", sorted(REACH))
 def test_fingerprint_covers_local_modules_not_paths(tmp_path, reach):
     a = helper_dir(str(tmp_path / "a"), reach)
@@ -407,6 +401,7 @@ def test_fingerprint_covers_local_modules_not_paths(tmp_path, reach):
     assert fresh_fingerprint(b) != fp
 
 
+@pytest.mark.processes
 def test_fingerprint_does_not_depend_on_earlier_imports(tmp_path):
     cfg = helper_dir(str(tmp_path / "a"), "module")
     fp = fresh_fingerprint(cfg)
@@ -420,6 +415,7 @@ def test_fingerprint_does_not_depend_on_earlier_imports(tmp_path):
         assert fresh_fingerprint(cfg, f"import sys\nsys.path.insert(0, {folder!r})\n{pre}") == fp, pre
 
 
+@pytest.mark.processes
 def test_remote_worker_with_an_edited_helper_module_is_refused(tmp_path):
     cfg = helper_dir(str(tmp_path / "server"), "module")
     other = os.path.join(tmp_path, "host2")
@@ -441,6 +437,7 @@ def test_remote_worker_with_an_edited_helper_module_is_refused(tmp_path):
                 assert len(collect(c.epoch(1))) == 12
 
 
+@pytest.mark.processes
 def test_fingerprint_covers_names_only_through_the_config(tmp_path):
     """A local module next to the config that the config does not use does not count."""
     cfg = helper_dir(str(tmp_path / "a"), "function")

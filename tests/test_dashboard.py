@@ -11,8 +11,8 @@ import signal
 import urllib.request
 from typing import List, Set
 
-from conftest import REPO, free_port, numpy_config, run_server
-from test_metrics import SLOW_MAPPER
+import pytest
+from conftest import REPO, SLOW_MAPPER, free_port, numpy_config, run_server
 
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "ppserver.json")
 
@@ -50,6 +50,7 @@ def exported(port: int) -> Set[str]:
     return {f.name for f in families} | {s.name for f in families for s in f.samples}
 
 
+@pytest.mark.processes
 def test_every_dashboard_query_names_exported_metrics(tmp_path):
     with open(DASHBOARD) as f:
         dashboard = json.load(f)
@@ -65,6 +66,7 @@ def test_every_dashboard_query_names_exported_metrics(tmp_path):
             if n % 10 == 9:
                 names |= exported(port)
         names |= exported(port)
+        assert c.status()["departures"].get("exited") == 1  # the kill landed while the epoch ran
     assert {"ppserver_eta_seconds", "ppserver_worker_departures_total", "ppserver_held_back"} <= names
     for expr in exprs:
         used = metric_names(expr)
@@ -72,6 +74,7 @@ def test_every_dashboard_query_names_exported_metrics(tmp_path):
         assert used <= names, f"{expr!r} names {sorted(used - names)}, which the server does not export"
 
 
+@pytest.mark.unit
 def test_dashboard_shows_what_it_is_for():
     with open(DASHBOARD) as f:
         dashboard = json.load(f)

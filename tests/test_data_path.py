@@ -3,7 +3,6 @@ through shared memory on one host, and what happens to both when processes die."
 
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 import subprocess
@@ -12,7 +11,6 @@ import textwrap
 from contextlib import contextmanager
 from typing import Iterator
 
-import numpy as np
 import pytest
 from conftest import (
     REPO,
@@ -22,6 +20,7 @@ from conftest import (
     collect,
     collect_with,
     free_port,
+    is_shared,
     mapped_segments,
     numpy_config,
     open_segments,
@@ -35,6 +34,8 @@ from conftest import (
 )
 
 import ppclient
+
+pytestmark = pytest.mark.processes
 
 
 def shm_files() -> set:
@@ -69,6 +70,8 @@ def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
         with srv.client() as c:
             kept = collect(c.epoch(1))
         want = reference(cfg, 1)
+        shared = [seq for seq in kept if is_shared(seq["data"])]
+        assert len(shared) >= len(kept) // 2, len(shared)  # (the first ones may come before the workers welcomed it)
         for seq in kept:
             seq["data"] += 0  # writable, in place
         assert_same_epoch(kept, want)
@@ -142,6 +145,8 @@ def test_killed_workers_and_client_leave_no_segment_behind(tmp_path):
             for epoch in (1, 3):
                 pids = srv.worker_pids()
                 got = collect_with(c.epoch(epoch), {40: lambda victim=pids[0]: os.kill(victim, signal.SIGKILL)})
+                st = c.status()  # killed mid-epoch (seq 40 of 200): counted gone, with seqs it held made again
+                assert st["departures"].get("exited") == (1 if epoch == 1 else 2) and st["handed_back"] >= 1, st
                 wait_for(
                     lambda gone=pids[0]: gone not in srv.worker_pids() and len(srv.worker_pids()) == 2, 30, "a respawn"
                 )
@@ -159,7 +164,8 @@ def test_killed_workers_and_client_leave_no_segment_behind(tmp_path):
         assert mapped_segments() == set()  # closed: nothing mapped any more
         # a client in another process, killed while it holds seqs in shared memory
         with client_holding(srv.address, 50, epoch=2) as proc:
-            assert mapped_segments(proc.pid)  # it maps the workers' result segments
+            assert proc.shared > 0  # type: ignore[attr-defined]  # it holds seqs in the workers' segments...
+            assert mapped_segments(proc.pid)  # ...which it maps
         # the job is free again once the client is declared gone; a new client reads epoch 2 whole
         with srv.client(timeout=60) as c2:
             again = collect(c2.epoch(2))
@@ -194,6 +200,8 @@ def test_a_client_holding_every_seq_makes_results_fall_back_to_sockets(tmp_path)
         held = collect(c.epoch(1))
     assert_same_epoch(held, reference(cfg, 1))
     assert sum(s["data"].nbytes for s in held) > 3 * (2 << 20)  # several times what both segments hold
+    shared = sum(is_shared(s["data"]) for s in held)
+    assert 0 < shared <= 2 * (1 << 20) // held[0]["data"].nbytes, shared  # the segments filled, the rest fell back
 
 
 def test_a_client_binds_its_result_socket_where_it_is_told(tmp_path):
@@ -253,6 +261,7 @@ def test_arrays_stay_valid_after_their_client_is_closed(tmp_path):
             held = collect(c.epoch(1))
         with srv.client() as c2:
             later = collect(c2.epoch(2))
+    assert any(is_shared(s["data"]) for s in held)  # arrays in the workers' segments, kept past the close
     assert_same_epoch(held, reference(cfg, 1))
     assert_same_epoch(later, reference(cfg, 2))
 
@@ -306,13 +315,6 @@ def test_without_shared_memory_results_take_sockets_and_the_log_says_why(tmp_pat
         assert log.count("no shared memory for worker") == 2  # the server's segments for their inputs
     else:
         assert "cannot map its shared memory: cannot map in this test" in caplog.text
-
-
-def is_shared(array) -> bool:
-    """The array is a view of shared memory (not of a message's frame)."""
-    while isinstance(array, np.ndarray) and array.base is not None:
-        array = array.base
-    return isinstance(array.obj if isinstance(array, memoryview) else array, mmap.mmap)
 
 
 def test_a_killed_server_leaves_nothing_mapped_and_a_client_killed_meanwhile_blocks_no_segment(tmp_path):

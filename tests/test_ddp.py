@@ -9,18 +9,14 @@ import sys
 from typing import Dict, List
 
 import pytest
-from conftest import REPO, free_port, have_modules, numpy_config, reference_batches, run_server, shard
+from conftest import REPO, SCALE_MAPPER, free_port, numpy_config, reference_batches, run_server, shard
 
 from ppserver.worker.pool import stop_process
 
 # torch runs in the ranks' processes only: this module does not import it
-pytestmark = pytest.mark.skipif(not have_modules("torch", "torchdata"), reason="needs torch and torchdata")
+pytestmark = [pytest.mark.processes, pytest.mark.torch]
 
-MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_train.py")
 
 

@@ -1,9 +1,9 @@
 """Checks for the deployment files under deploy/.
 
-Static checks (YAML structure, systemd unit layout, the Slurm script's
-behaviour with a fake ``srun``) run anywhere. Every ``ppserver`` command line
-found in deploy/ is also checked against the real CLI: the subcommand must
-exist and each ``--flag`` must appear in ``ppserver SUBCOMMAND --help``.
+Static checks (YAML structure, systemd unit layout) are `unit` tests; the Slurm script's
+behaviour with a fake ``srun`` and ``systemd-analyze`` run processes. Every ``ppserver`` command
+line found in deploy/ is also checked against the real CLI: the subcommand must exist and each
+``--flag`` must appear in ``ppserver SUBCOMMAND --help``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
-
-pytestmark = pytest.mark.unit
+from conftest import run_cli
 
 yaml = pytest.importorskip("yaml")
 
@@ -286,8 +285,7 @@ def sbatch_invocation(tmp: Path) -> Invocation:
 
 @functools.cache
 def cli_help(sub: Optional[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ppserver", *([sub] if sub else []), "--help"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return run_cli(*([sub] if sub else []), "--help")
 
 
 def cli_problems(inv: Invocation) -> List[str]:
@@ -338,6 +336,7 @@ INVOCATION_SOURCES = sorted(
 )
 
 
+@pytest.mark.unit
 def test_deploy_files_exist():
     for p in (
         SERVER_UNIT,
@@ -352,6 +351,7 @@ def test_deploy_files_exist():
         assert p.is_file(), f"missing {rel(p)}"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", INVOCATION_SOURCES, ids=rel)
 def test_invocations_match_cli(path: Path, tmp_path: Path):
     invocations = invocations_in(path, tmp_path)
@@ -368,6 +368,7 @@ def test_invocations_match_cli(path: Path, tmp_path: Path):
 # Kubernetes
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", yaml_files(), ids=rel)
 def test_yaml_documents(path: Path):
     docs = list(yaml.safe_load_all(path.read_text()))
@@ -427,6 +428,7 @@ def mounts(deploy: dict) -> Dict[str, dict]:
     return out
 
 
+@pytest.mark.unit
 def test_k8s_containers_run_ppserver_subcommands():
     seen = 0
     for path in sorted(K8S.glob("*.y*ml")):
@@ -443,6 +445,7 @@ def test_k8s_containers_run_ppserver_subcommands():
     assert seen >= 2
 
 
+@pytest.mark.unit
 def test_k8s_deployments_select_their_pods():
     for d in deployments():
         labels = d["spec"]["template"]["metadata"]["labels"]
@@ -454,6 +457,7 @@ def test_k8s_deployments_select_their_pods():
     assert len(deployments()) == 2
 
 
+@pytest.mark.unit
 def test_k8s_server():
     server = deployment_running("serve")
     assert server["spec"]["replicas"] == 1
@@ -485,6 +489,7 @@ def test_k8s_server():
         assert by_name.get(target, target) == p["port"], f"service port {p['port']} -> {target}"
 
 
+@pytest.mark.unit
 def test_k8s_workers():
     workers = deployment_running("worker")
     server = deployment_running("serve")
@@ -505,6 +510,7 @@ def test_k8s_workers():
     assert m["/etc/ppserver"]["configMap"]["name"] == mounts(server)["/etc/ppserver"]["configMap"]["name"]
 
 
+@pytest.mark.unit
 def test_dockerfile():
     ins = dockerfile_instructions()
     froms = [v.split()[0] for k, v in ins if k == "FROM"]
@@ -522,6 +528,7 @@ def test_dockerfile():
 # systemd
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", unit_files(), ids=rel)
 def test_unit_structure(path: Path):
     unit = parse_unit(path.read_text())
@@ -539,6 +546,7 @@ def test_unit_structure(path: Path):
     assert unit_values(unit, "Install", "WantedBy")
 
 
+@pytest.mark.unit
 def test_server_unit():
     unit = parse_unit(SERVER_UNIT.read_text())
     argv = exec_argv(unit_value(unit, "Service", "ExecStart"))
@@ -548,6 +556,7 @@ def test_server_unit():
     assert unit_value(unit, "Service", "Restart") == "on-failure"
 
 
+@pytest.mark.unit
 def test_worker_unit():
     unit = parse_unit(WORKER_UNIT.read_text())
     argv = exec_argv(unit_value(unit, "Service", "ExecStart"))
@@ -567,6 +576,7 @@ def _verify(analyze: str, *units: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.processes
 def test_systemd_analyze_verify(tmp_path: Path):
     analyze = shutil.which("systemd-analyze")
     if not analyze:
@@ -601,6 +611,7 @@ def script_lines() -> List[str]:
     return SBATCH.read_text().splitlines()
 
 
+@pytest.mark.processes
 def test_sbatch_syntax():
     bash = shutil.which("bash")
     if not bash:
@@ -610,6 +621,7 @@ def test_sbatch_syntax():
     assert script_lines()[0].startswith("#!") and "bash" in script_lines()[0]
 
 
+@pytest.mark.unit
 def test_sbatch_directives():
     directives = [ln.split(None, 1)[1] for ln in script_lines() if ln.startswith("#SBATCH ")]
     assert directives, "no #SBATCH lines"
@@ -620,6 +632,7 @@ def test_sbatch_directives():
     assert any(re.match(r"\s*exec\s+srun\b", ln) for ln in code), "srun must be exec'd to get the signal"
 
 
+@pytest.mark.processes
 def test_sbatch_requires_address(tmp_path: Path):
     (tmp_path / "config.py").write_text("")
     run = run_sbatch(tmp_path)
@@ -628,6 +641,7 @@ def test_sbatch_requires_address(tmp_path: Path):
     assert run.srun_args is None, "srun must not be called without an address"
 
 
+@pytest.mark.processes
 def test_sbatch_requires_config(tmp_path: Path):
     run = run_sbatch(tmp_path, PPSERVER_ADDRESS="tcp://server:5555", PPSERVER_CONFIG=str(tmp_path / "missing.py"))
     assert run.proc.returncode != 0
@@ -648,6 +662,7 @@ def check_srun_args(args: List[str], address: str, config: str) -> List[str]:
     return argv
 
 
+@pytest.mark.processes
 def test_sbatch_address_from_env(tmp_path: Path):
     (tmp_path / "config.py").write_text("")
     run = run_sbatch(tmp_path, PPSERVER_ADDRESS="tcp://server:5555")
@@ -658,6 +673,7 @@ def test_sbatch_address_from_env(tmp_path: Path):
     assert "--keys" not in argv
 
 
+@pytest.mark.processes
 def test_sbatch_address_from_argument(tmp_path: Path):
     config = tmp_path / "exp.py"
     config.write_text("")
@@ -670,6 +686,7 @@ def test_sbatch_address_from_argument(tmp_path: Path):
     assert option(argv, "--keys") == str(keys)
 
 
+@pytest.mark.processes
 def test_sbatch_rejects_bad_address(tmp_path: Path):
     (tmp_path / "config.py").write_text("")
     run = run_sbatch(tmp_path, PPSERVER_ADDRESS="server:5555")

@@ -15,7 +15,7 @@ from ppserver.datasets import make_dataset
 from ppserver.datasets.hdf import HDFDataset
 from ppserver.errors import ConfigError
 
-pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+pytestmark = [pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
 
 LABELS = [f"lab{i}" for i in range(10)]
 
@@ -127,7 +127,6 @@ def assert_same_epoch(ours, epoch, want):
 ORDERINGS = ["default", "sorted", "random", "random:2", "laplace:.10", "laplace:3", "sort_bin_shuffle:.10"]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("ordering", ORDERINGS)
 @pytest.mark.parametrize("partition_epoch", [1, 2])
 @pytest.mark.parametrize("offset", [0, 3])
@@ -141,7 +140,6 @@ def test_epochs_equal_returnn(files, ordering, partition_epoch, offset):
         assert_same_epoch(ours, epoch, returnn_epoch(theirs, epoch))
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("which", ["sparse", "strings"])
 @pytest.mark.parametrize("ordering", ["sorted_reverse", "laplace:.3", "sort_bin_shuffle_x2:2"])
 def test_other_layouts_equal_returnn(files, which, ordering):
@@ -153,7 +151,6 @@ def test_other_layouts_equal_returnn(files, which, ordering):
         assert_same_epoch(ours, epoch, returnn_epoch(theirs, epoch))
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("which", [("a",), ("a", "b"), ("sparse",), ("strings",)])
 def test_templates_equal_returnn(files, which):
     paths = [files[w] for w in which]
@@ -192,7 +189,6 @@ def test_templates_equal_returnn(files, which):
         assert templates["pos"] == {"shape": [None, 2], "dtype": "int32"}
 
 
-@pytest.mark.unit
 def test_tags_lengths_and_seq_list(files):
     paths = [files["a"], files["b"]]
     theirs = returnn_dataset(paths, seq_ordering="sorted")
@@ -212,7 +208,6 @@ def test_tags_lengths_and_seq_list(files):
     assert [s["seq_tag"] for s in ours.iterate()] == ["bseq-19", "aseq-1"]
 
 
-@pytest.mark.unit
 def test_old_one_column_seq_lengths(tmp_path):
     """Old files have one length per seq for all keys."""
     lens = [3, 1, 4]
@@ -244,7 +239,6 @@ def expect_config_error(key, fn, *args, **kwargs):
     return str(info.value)
 
 
-@pytest.mark.unit
 def test_one_line_errors(files, tmp_path, monkeypatch):
     missing = str(tmp_path / "missing.hdf")
     assert missing in expect_config_error("files", HDFDataset, files=[files["a"], missing])
@@ -270,6 +264,7 @@ def test_one_line_errors(files, tmp_path, monkeypatch):
     assert "pip install 'ppserver[hdf]'" in expect_config_error("dataset", HDFDataset, files=[files["a"]])
 
 
+@pytest.mark.processes
 def test_served_epochs_equal_returnn(files, tmp_path):
     """Through the server (built in its main thread, read in its reader thread), workers and a client."""
     paths = [files["a"], files["b"]]

@@ -7,12 +7,12 @@ first one checks only what changed.
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from typing import List
 
 import pytest
-from conftest import REPO
+from conftest import run_cli
+
+pytestmark = pytest.mark.processes
 
 TIMEOUT_S = 240  # mypy on a cold cache, on a busy machine
 
@@ -20,15 +20,8 @@ TIMEOUT_S = 240  # mypy on a cold cache, on a busy machine
 def run_tool(module: str, args: List[str]) -> None:
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed (it comes with the test extra: pip install -e '.[test]')")
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert proc.returncode == 0, f"{module} {' '.join(args)} failed:\n{proc.stdout[-6000:]}"
+    proc = run_cli(*args, module=module, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{module} {' '.join(args)} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
 
 
 def test_ruff_check():

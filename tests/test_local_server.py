@@ -20,6 +20,9 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 from conftest import (
     REPO,
+    RETURNN_L2_STEP,
+    RETURNN_TRAINING,
+    SCALE_MAPPER,
     children_of,
     collect,
     free_port,
@@ -27,6 +30,9 @@ from conftest import (
     numpy_config,
     read,
     reference_batches,
+    returnn_batches,
+    run_cli,
+    run_returnn,
     run_server,
     run_worker_host,
     shard,
@@ -38,13 +44,16 @@ from conftest import (
 from ppclient import Error, UsageError
 
 pytestmark = [
-    pytest.mark.skipif(not have_modules("returnn", "torch"), reason="needs RETURNN and torch"),
+    pytest.mark.processes,
+    pytest.mark.returnn,
+    pytest.mark.torch,
     pytest.mark.usefixtures("in_temporary_cwd"),
 ]
 
 # A RETURNN training (PyTorch backend, 2 epochs) whose step writes, per batch: the dataset's
 # name, the epoch, the sum of |data| and the seq tags. {train} and {dev}: the dataset dicts.
-TRAIN_CONFIG = '''
+TRAIN_CONFIG = (
+    '''
 #!returnn.py
 import sys
 sys.path.insert(0, {root!r})
@@ -55,19 +64,8 @@ from returnn.tensor import Dim, batch_dim
 from ppclient.returnn import ServerDataset
 from test_hdf import write_dense
 
-backend = "torch"
-device = "cpu"
-behavior_version = 24
-task = "train"
-num_epochs = 2
-model = {model!r}
-log = [{log!r}]
 log_verbosity = 4
 batch_size = 100
-max_seqs = 3
-optimizer = {{"class": "adam"}}
-learning_rate = 1e-3
-torch_dataloader_opts = {{"num_workers": 1}}
 extern_data = {{"data": {{"dims": [batch_dim, Dim(None, name="time"), Dim(8, name="in")], "dtype": "float32"}}}}
 
 
@@ -85,18 +83,10 @@ SLEEP = {sleep!r}
 train = {train}
 dev = {dev}
 
-
-def get_model(**_kwargs):
-    return torch.nn.Linear(8, 2)
-
-
-def train_step(*, model, extern_data, **_kwargs):
-    x = extern_data["data"].raw_tensor
-    with open({tags!r}, "a") as f:
-        tags = " ".join(str(t) for t in extern_data["seq_tag"].raw_tensor)
-        f.write("%d %.4f %s\\n" % (rf.get_run_ctx().epoch, float(x.abs().sum()), tags))
-    rf.get_run_ctx().mark_as_loss(name="l2", loss=(model(x) ** 2).mean())
 '''
+    + RETURNN_TRAINING
+    + RETURNN_L2_STEP
+)
 
 
 @pytest.fixture(scope="module")
@@ -156,24 +146,13 @@ class Training:
         return self.proc
 
     def run(self, timeout: float = 240) -> str:
-        proc = self.start()
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-        assert proc.returncode == 0, out[-4000:]
-        return out
+        return run_returnn(str(self.config), str(self.dir), timeout=timeout, env=dict(os.environ, TMPDIR=self.tmp))
 
     def batches(self) -> Dict[str, Dict[int, list]]:
         """{"train"|"dev": {epoch: [(sum of |data|, [tags]) per batch]}}: dev's seqs are those of b.hdf."""
         out: Dict[str, Dict[int, list]] = {"train": {1: [], 2: []}, "dev": {1: [], 2: []}}
-        with open(self.tags) as f:
-            for line in f:
-                epoch, total, *tags = line.split()
-                which = "dev" if tags[0].startswith("b-") else "train"
-                out[which][int(epoch)].append((float(total), tags))
+        for epoch, total, tags in returnn_batches(self.tags):
+            out["dev" if tags[0].startswith("b-") else "train"][epoch].append((total, tags))
         return out
 
     @property
@@ -331,6 +310,7 @@ def test_killed_trainer_leaves_no_server_socket_or_segment(hdf_files, tmp_path, 
             proc.wait(timeout=10)
             assert proc.stdout is not None
             proc.stdout.close()
+        assert proc.returncode == -signal.SIGKILL  # the kill landed while the training ran
         left = wait_gone(servers + workers, 10.0)
         took = time.monotonic() - start
         assert set(servers) <= set(adopted)
@@ -427,18 +407,11 @@ def test_bad_returnn_dataset_is_one_line_and_exit_2(hdf_files, tmp_path, args, m
     training = Training(
         tmp_path, "bad", dataset_dict("ServerDataset", spec([hdf_files["a"]])), repr(spec([hdf_files["b"]]))
     )
-    argv = [sys.executable, "-m", "ppserver", "serve", "--returnn-config", str(training.config)]
+    argv = ["serve", "--returnn-config", str(training.config)]
     argv += [str(training.config) if a == "CONFIG" else a for a in args]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=str(training.dir))
+    res = run_cli(*argv, timeout=120, cwd=str(training.dir))
     lines = [line for line in res.stderr.splitlines() if "error:" in line]
     assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr[-2000:]
-
-
-DDP_MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
 
 
 @pytest.mark.skipif(not have_modules("torchdata"), reason="needs torchdata")
@@ -446,7 +419,7 @@ def test_ddp_ranks_on_one_node_share_one_local_server(tmp_path):
     """torchrun with two gloo ranks, each making ServerDataset(config=...) (and a DataLoader worker
     each): one server starts, both ranks read their shards of one epoch from it, and it is gone
     when torchrun returns."""
-    cfg = numpy_config(tmp_path, DDP_MAPPER, n=41, ordering="random", extra="num_workers = 2\nbuf_size = 2\n")
+    cfg = numpy_config(tmp_path, SCALE_MAPPER, n=41, ordering="random", extra="num_workers = 2\nbuf_size = 2\n")
     want = reference_batches(cfg, 1, {"max_frames": 80, "max_seqs": 2})  # as ddp_local.py batches
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -9,27 +9,31 @@ import os
 import resource
 import selectors
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from typing import Callable, Dict, List, Tuple
 
 import pytest
 import zmq
-from conftest import REPO, collect, free_port, numpy_config, read, run_server, wait_for, write_config
+from conftest import (
+    SLOW_MAPPER,
+    collect,
+    error_line,
+    free_port,
+    numpy_config,
+    read,
+    run_cli,
+    run_server,
+    wait_for,
+    write_config,
+)
 
 from ppserver.observe.metrics import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from ppserver.observe.stages import STAGES
 
-SLOW_MAPPER = """
-import time
-def map_seq(seq, **kwargs):
-    time.sleep({delay})
-    return seq
-"""
+pytestmark = pytest.mark.processes
 
-STREAM_MAPPER = """
+IDENTITY_STREAM = """
 def map_seq_stream(seqs, **kwargs):
     for seq in seqs:
         yield seq
@@ -129,7 +133,7 @@ def test_metrics_scraped_during_and_after_an_epoch(tmp_path):
 
 
 def test_metrics_in_stream_mode(tmp_path):
-    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=30)
+    cfg = numpy_config(tmp_path, IDENTITY_STREAM, n=30)
     port = free_port()
     with run_server(cfg, workers=2, extra=["--metrics", f":{port}"]) as srv, srv.client() as c:
         assert len(collect(c.epoch(1))) == 30
@@ -146,16 +150,7 @@ def test_metrics_in_stream_mode(tmp_path):
 @pytest.mark.parametrize("addr", ["9100", "127.0.0.1:99999", "tcp://127.0.0.1:9100", "no such host:1"])
 def test_bad_metrics_address_exits_2_with_one_line(tmp_path, addr):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0", "--metrics", addr],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    assert res.returncode == 2, res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "'--metrics'" in lines[0], res.stderr
+    assert "'--metrics'" in error_line(run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--metrics", addr))
 
 
 def test_metrics_port_in_use_is_one_line_and_exit_1(tmp_path):
@@ -164,14 +159,7 @@ def test_metrics_port_in_use_is_one_line_and_exit_1(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        res = subprocess.run(
-            [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0"]
-            + ["--metrics", f"127.0.0.1:{port}"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-        )
+        res = run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0", "--metrics", f"127.0.0.1:{port}")
     assert res.returncode == 1, res.stderr
     errors = [ln for ln in res.stderr.splitlines() if "error" in ln]
     assert len(errors) == 1 and "cannot serve metrics" in errors[0], res.stderr
@@ -208,9 +196,7 @@ def test_status_shows_rate_eta_and_the_side_that_holds_the_epoch_back(tmp_path, 
             n += 1
             time.sleep(pause)
         st = c.status()
-        res = subprocess.run(
-            [sys.executable, "-m", "ppserver", "status", srv.address], capture_output=True, text=True, timeout=30
-        )
+        res = run_cli("status", srv.address, timeout=30)
         rest = collect(it)
     assert n + len(rest) == 200
     assert st["held_back_by"] == side, json.dumps({k: st[k] for k in ("stage_ms", "waiting_for", "queues")})

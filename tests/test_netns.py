@@ -26,7 +26,7 @@ import pytest
 from conftest import assert_same_epoch, mapped_segments, numpy_config, reference
 from netns import Lab, NetnsUnavailable, Proc, ServerHandle, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.processes, pytest.mark.netns, pytest.mark.timeout(180)]
 
 MAPPER = """
 import os
@@ -252,6 +252,8 @@ def test_link_down_then_up(net, tmp_path, data_path):
     assert events["up_at"] < n, events
     for pid in a_pids:
         assert lost_lines(srv, pid), f"worker {pid} of host A was not declared lost"
+    st = srv.status()  # both counted lost, and what they held was made again elsewhere
+    assert st["departures"].get("lost", 0) >= 2 and st["handed_back"] >= 1, st
 
     # host A's workers (the same processes) register again within a few seconds
     start = time.monotonic()

@@ -9,7 +9,7 @@ from returnn.datasets.generating import StaticDataset
 from ppserver.datasets import DemoDataset, NumpyDataset, epoch_random_seed, make_dataset
 from ppserver.errors import ConfigError
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.returnn  # compared with RETURNN, in this process
 
 ORDERINGS = [
     "default",

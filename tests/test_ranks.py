@@ -20,14 +20,17 @@ from typing import Dict, List
 import pytest
 from conftest import (
     DATA_PATHS,
+    NOISY_MAPPER,
     REPO,
     SLOW_MAPPER,
+    STREAM_MAPPER,
     assert_data_path,
     assert_same_epoch,
     collect,
     numpy_config,
     read,
     reference,
+    run_cli,
     run_server,
     shard,
     wait_for,
@@ -36,32 +39,10 @@ from conftest import (
 import ppclient
 from ppserver.scheduler import MAX_READERS
 
-MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5) + rng.randn(*seq["data"].shape).astype("float32")
-    return seq
-"""
+pytestmark = pytest.mark.processes
 
-STREAM_MAPPER = """
-import numpy as np
-def map_seq_stream(seqs, *, epoch, rng, **kwargs):
-    held = None
-    for n, seq in enumerate(seqs):
-        if n % 5 == 4:
-            continue
-        if held is None:
-            held = seq
-            continue
-        yield {
-            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
-            "classes": np.concatenate([held["classes"], seq["classes"]]),
-            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
-            "complete_frac": seq["complete_frac"],
-        }
-        held = None
-    if held is not None:
-        yield held
-"""
+MAPPER = NOISY_MAPPER
+STREAM = STREAM_MAPPER.format(delay=0)  # merges pairs, drops every 5th input
 
 
 def pull_ranks(address: str, world: int, epoch: int, **client_kw) -> Dict[int, List[dict]]:
@@ -131,7 +112,7 @@ def test_uneven_shards_without_drop_last_deliver_every_seq(tmp_path):
 
 
 def test_ranks_in_stream_mode_get_the_merged_outputs_by_position(tmp_path):
-    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
+    cfg = numpy_config(tmp_path, STREAM, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
     want = reference(cfg, 1)
     with run_server(cfg, workers=2) as srv:
         got = pull_ranks(srv.address, 2, 1)
@@ -315,6 +296,8 @@ def test_a_killed_rank_resumes_its_shard_while_the_other_runs(tmp_path, how, pat
     log = read(slog)
     assert_data_path(log, path)
     assert (f"sending results directly to consumer {successor}" in log) == (path == "direct")
+    # the successor asked for the rest of the shard: from the killed rank's position, mid-epoch
+    assert re.search(r"rank 1 of job 'train' reads epoch 1 \(run \d+\) from seq 11 of its shard", log), log[-3000:]
     assert_same_epoch(other["got"], shard(want, 0, 2))
     mine = shard(want, 1, 2)
     got = []
@@ -325,9 +308,10 @@ def test_a_killed_rank_resumes_its_shard_while_the_other_runs(tmp_path, how, pat
 
 
 def test_resume_in_stream_mode_replays_and_skips(tmp_path):
-    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
+    cfg = numpy_config(tmp_path, STREAM, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
     want = reference(cfg, 3)
-    with run_server(cfg, workers=2) as srv:
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv:
         with srv.client() as c:
             it = c.epoch(3)
             first = [next(it) for _ in range(7)]
@@ -336,12 +320,15 @@ def test_resume_in_stream_mode_replays_and_skips(tmp_path):
             rest = collect(c.epoch(state=state))
     assert state["position"] == 7
     assert_same_epoch(first + rest, want)
+    # the server was asked for the epoch from seq 7: it replayed the stream and skipped what was read
+    assert re.search(r"reads epoch 3 \(run \d+\) from seq 7 of its shard", read(slog)), read(slog)[-3000:]
 
 
 def test_a_rank_resumes_in_stream_mode_while_the_other_runs(tmp_path):
-    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=120, extra="stream_partitions = 3\nbuf_size = 2\n")
+    cfg = numpy_config(tmp_path, STREAM, n=120, extra="stream_partitions = 3\nbuf_size = 2\n")
     want = reference(cfg, 1)
-    with run_server(cfg, workers=2) as srv:
+    slog = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=slog) as srv:
         a = ppclient.Client(srv.address, rank=0, world_size=2, job="train", window=4)
         b = ppclient.Client(srv.address, rank=1, world_size=2, job="train", window=4)
         try:
@@ -375,6 +362,7 @@ def test_a_rank_resumes_in_stream_mode_while_the_other_runs(tmp_path):
     assert state["position"] == 5
     assert_same_epoch(got0, shard(want, 0, 2))
     assert_same_epoch(got1 + rest["got"], shard(want, 1, 2))
+    assert re.search(r"rank 1 of job 'train' reads epoch 1 \(run \d+\) from seq 5 of its shard", read(slog))
 
 
 def test_a_state_without_its_fingerprint_is_refused_by_client_and_server(tmp_path):
@@ -467,13 +455,7 @@ def test_status_shows_the_job_and_its_ranks(tmp_path):
             ita, itb = a.epoch(1), b.epoch(1)
             [next(ita) for _ in range(3)]
             [next(itb) for _ in range(2)]
-            res = subprocess.run(
-                [sys.executable, "-m", "ppserver", "status", srv.address],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                cwd=REPO,
-            )
+            res = run_cli("status", srv.address, timeout=30)
     assert res.returncode == 0, res.stderr
     assert re.search(r"^job +'train' +world_size 2 +drop_last True +2 live clients +epochs 1$", res.stdout, re.M)
     # position: the index in the shard up to which seqs were sent (the client buffers its window);

@@ -16,16 +16,17 @@ import pytest
 import zmq
 from conftest import (
     DATA_PATHS,
-    REPO,
     SLOW_MAPPER,
     assert_data_path,
     assert_same_epoch,
     collect,
     collect_with,
+    error_line,
     free_port,
     numpy_config,
     read,
     reference,
+    run_cli,
     run_server,
     run_worker_host,
     wait_for,
@@ -33,6 +34,8 @@ from conftest import (
 
 import ppclient
 from ppclient import keyfiles, protocol, wire
+
+pytestmark = pytest.mark.processes
 
 FAST_HB = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.5\n"
 
@@ -58,9 +61,12 @@ def test_worker_host_joins_mid_epoch_and_leaves_on_sigterm(tmp_path):
                     assert time.monotonic() - start < 5
                     break
             got.extend(collect(it))
-        assert c.status()["workers_alive"] == 1
+        st = c.status()
+        assert st["workers_alive"] == 1
     assert_same_epoch(got, reference(cfg, 1))
-    assert read(slog).count("departed") >= 2 or "lost" in read(slog)
+    # both of the host's workers left mid-epoch (seq 120 of 240), each counted gone
+    departures = st["departures"]
+    assert departures.get("departed", 0) + departures.get("lost", 0) == 2, departures
     done = [w for w in read(slog).splitlines() if "joined" in w]
     assert len(done) >= 3
 
@@ -132,6 +138,8 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size, path):
             collect(c.epoch(1))
         assert info.value.seq_tag == "seq-5"
         assert "3 workers" in str(info.value)
+        st = c.status()
+        assert st["departures"].get("exited") == 3 and st["local_worker_respawns"] >= 3, st  # each crash counted
         srv.wait_workers(2)
         assert len(collect(c.epoch(2))) == 20
     assert_data_path(read(slog), path)
@@ -140,9 +148,7 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size, path):
 def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
     good, bad = str(tmp_path / "keys"), str(tmp_path / "other")
     for d in (good, bad):
-        res = subprocess.run(
-            [sys.executable, "-m", "ppserver", "keygen", d], capture_output=True, text=True, timeout=30
-        )
+        res = keygen(d)
         assert res.returncode == 0, res.stderr
     # the stranger knows the server's public key, but its own key is not authorised
     shutil.copy(os.path.join(good, "server.key"), os.path.join(bad, "server.key"))
@@ -179,18 +185,14 @@ KEY_FILES = ["server.key", "server.key_secret", "client.key", "client.key_secret
 
 
 def keygen(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ppserver", "keygen", *argv], capture_output=True, text=True, timeout=30, cwd=REPO
-    )
+    return run_cli("keygen", *argv, timeout=30)
 
 
-def error_line(res: subprocess.CompletedProcess) -> str:
+def keygen_error(res: subprocess.CompletedProcess) -> str:
     """The one stderr line of a refused keygen (exit 2, no traceback)."""
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    assert lines[0].startswith("ppserver keygen: error: "), lines[0]
-    return lines[0]
+    line = error_line(res)
+    assert line.startswith("ppserver keygen: error: "), line
+    return line
 
 
 def key_bytes(directory: str) -> dict:
@@ -201,7 +203,7 @@ def test_keygen_keeps_existing_keys_unless_forced(tmp_path):
     d = str(tmp_path / "keys")
     assert keygen(d).returncode == 0
     before = key_bytes(d)
-    line = error_line(keygen(d))
+    line = keygen_error(keygen(d))
     assert all(name in line for name in KEY_FILES) and "--force" in line, line
     assert key_bytes(d) == before
     assert "--force" in keygen("--help").stdout
@@ -217,7 +219,7 @@ def test_keygen_names_the_one_key_a_directory_already_holds(tmp_path):
     d = tmp_path / "flat"
     d.mkdir()
     (d / "client.key").write_text("a key of a deployed client\n")
-    line = error_line(keygen(str(d)))
+    line = keygen_error(keygen(str(d)))
     assert "client.key" in line and "server.key" not in line, line
     assert sorted(os.listdir(d)) == ["client.key"]
 
@@ -227,21 +229,14 @@ def test_keygen_into_a_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_
     a_file = tmp_path / "file"
     a_file.write_text("not a directory\n")
     d = {"under a file": str(a_file / "keys"), "under /proc": "/proc/ppserver-keys", "a file": str(a_file)}[where]
-    assert d in error_line(keygen(d))
+    assert d in keygen_error(keygen(d))
     assert a_file.read_text() == "not a directory\n"
 
 
 def test_non_loopback_bind_needs_keys_or_insecure(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=6)
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://0.0.0.0:0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    assert res.returncode == 2
-    assert "'--bind'" in res.stderr and "--insecure" in res.stderr
+    line = error_line(run_cli("serve", cfg, "--bind", "tcp://0.0.0.0:0"))
+    assert "'--bind'" in line and "--insecure" in line
     slog = str(tmp_path / "server.log")
     with run_server(
         cfg, workers=1, bind="tcp://0.0.0.0:0", extra=["--insecure"], log_path=slog, wait_workers=False
@@ -381,7 +376,7 @@ def test_fuzzed_frames_never_break_the_server(tmp_path):
 def test_curve_keys_in_flat_directories(tmp_path):
     """Per-side key directories without authorized/ (as a Kubernetes Secret mounts them)."""
     made = str(tmp_path / "made")
-    subprocess.run([sys.executable, "-m", "ppserver", "keygen", made], check=True, capture_output=True, timeout=30)
+    assert keygen(made).returncode == 0
     server_dir, worker_dir = tmp_path / "server-keys", tmp_path / "worker-keys"
     server_dir.mkdir()
     worker_dir.mkdir()
@@ -482,9 +477,15 @@ def test_reset_worker_connection_loses_nothing(tmp_path, path):
         worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(str(tmp_path / "w.log"), "w"))
         try:
             srv.wait_workers(1)
+            resets = []
             with srv.client(timeout=20) as c:
-                got = collect_with(c.epoch(1), {50: fwd.reset_all, 120: fwd.reset_all})
+                reset = lambda: resets.append(fwd.reset_all())
+                got = collect_with(c.epoch(1), {50: reset, 120: reset})
+                st = c.status()
             assert_same_epoch(got, reference(cfg, 1))
+            assert len(resets) == 2 and all(resets), resets  # each reset cut live connections mid-epoch
+            # the worker registered afresh, and what it held was made again
+            assert st["departures"].get("reconnected", 0) >= 1 and st["handed_back"] >= 1, st
             assert "reconnected" in read(slog)
             assert_data_path(read(str(tmp_path / "w.log")), path)
         finally:

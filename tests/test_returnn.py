@@ -16,7 +16,18 @@ from typing import List, Optional
 
 import numpy as np
 import pytest
-from conftest import children_of, collect, collect_with, read, run_server, run_worker_host
+from conftest import (
+    RETURNN_L2_STEP,
+    RETURNN_TRAINING,
+    children_of,
+    collect,
+    collect_with,
+    read,
+    returnn_batches,
+    run_returnn,
+    run_server,
+    run_worker_host,
+)
 from returnn.datasets.basic import DatasetSeq, init_dataset
 from returnn.datasets.cached2 import CachedDataset2
 from returnn.util.basic import OptionalNotImplementedError
@@ -26,7 +37,7 @@ from ppclient import DatasetError, Error, MapperError
 from ppclient.returnn import ServerDataset
 from ppserver.datasets.returnn import ReturnnDataset
 
-pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+pytestmark = [pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
 
 MAPPERS = '''
 import numpy as np
@@ -314,6 +325,7 @@ def assert_like_returnn(got, want, *, stream=False):
         assert seq.get("complete_frac") == frac, (tag, seq.get("complete_frac"), frac)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "name, workers",
     [("hdf-random", 2), ("hdf-laplace", 2), ("meta-random", 2), ("meta-laplace", 1), ("oggzip-text-laplace", 2),
@@ -364,6 +376,7 @@ def hdf_server(corpus, in_temporary_cwd, tmp_path_factory):
         yield srv, spec
 
 
+@pytest.mark.processes
 def test_tensor_dicts_carry_sparse_dims_and_vocab(hdf_server):
     import tdmappers
 
@@ -374,6 +387,7 @@ def test_tensor_dicts_carry_sparse_dims_and_vocab(hdf_server):
     assert_like_returnn(got, pp_epoch(spec, 1, map_seq=tdmappers.scale_checked))
 
 
+@pytest.mark.processes
 def test_class_indices_past_sparse_dim_fail_naming_the_seq(hdf_server):
     srv, spec = hdf_server
     ds = init_dataset(spec)
@@ -385,6 +399,7 @@ def test_class_indices_past_sparse_dim_fail_naming_the_seq(hdf_server):
     assert info.value.seq_tag == tag and repr(tag) in str(info.value)
 
 
+@pytest.mark.processes
 def test_a_returnn_hdf_dataset_is_cut_into_batches_up_front_from_its_lengths(hdf_server):
     """RETURNN's HDFDataset knows every seq's length once the epoch is set up: the server cuts the
     epoch's batches at once (len() is known) from those lengths, and each batch holds the mapped
@@ -417,6 +432,7 @@ SEQ_LIST = ["b-1", "a-0", "a-22", "a-0"]  # from both files, one tag twice; a se
 SEQ_ORDER = [33, 0, 5, 5, 20]
 
 
+@pytest.mark.processes
 def test_seq_list_and_seq_order_as_returnn(hdf_server):
     """Through the client and through ServerDataset, the same seqs as PostprocessingDataset."""
     import tdmappers
@@ -450,6 +466,7 @@ def test_seq_list_and_seq_order_as_returnn(hdf_server):
         ds.finish_epoch(free_resources=True)
 
 
+@pytest.mark.processes
 def test_unknown_tag_or_seq_order_past_the_corpus_is_refused_and_the_running_epoch_goes_on(hdf_server):
     import tdmappers
 
@@ -465,6 +482,7 @@ def test_unknown_tag_or_seq_order_past_the_corpus_is_refused_and_the_running_epo
     assert_like_returnn(got, pp_epoch(spec, 6, map_seq=tdmappers.scale_checked))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("partitions", [1, 2])
 def test_map_seq_stream_with_rng_equals_returnn(corpus, tmp_path, partitions):
     """The rng of a partition is that of PostprocessingDataset's worker of the same index (one
@@ -501,6 +519,7 @@ os.write(1, b"the config writes to descriptor 1\\n")
 """
 
 
+@pytest.mark.processes
 def test_remote_worker_host_runs_returnn_mappers_and_stdout_carries_only_ready(corpus, tmp_path):
     """`ppserver worker` on a config and mapper module in a folder of its own runs the TensorDict
     mapper as a local worker does (the seqs RETURNN gives); the config and RETURNN print, but
@@ -536,6 +555,7 @@ def test_remote_worker_host_runs_returnn_mappers_and_stdout_carries_only_ready(c
     assert "the config prints" in worker_log and "the config writes to descriptor 1" in worker_log
 
 
+@pytest.mark.processes
 def test_tensor_dict_mapper_without_mapper_api_returnn_gets_a_hint(corpus, tmp_path):
     """The most likely first mistake: the mapper gets seq dicts, and fails reaching for `.data`."""
     cfg = _cfg(
@@ -554,6 +574,7 @@ def test_tensor_dict_mapper_without_mapper_api_returnn_gets_a_hint(corpus, tmp_p
     assert info.value.seq_tag == "a-0"
 
 
+@pytest.mark.processes
 def test_unknown_count_served_with_its_own_complete_frac(corpus, tmp_path):
     """A dataset that learns its count by reading (a PostprocessingDataset dropping seqs)."""
     import tdmappers
@@ -576,6 +597,7 @@ def test_unknown_count_served_with_its_own_complete_frac(corpus, tmp_path):
     assert_like_returnn(got, want)
 
 
+@pytest.mark.processes
 def test_forward_only_dataset_replays_after_a_killed_worker(corpus, tmp_path):
     """MetaDataset reads forward only; a stream partition restarted elsewhere re-reads its inputs
     from the adapter's cache or by reading the epoch again: the epoch is still exactly RETURNN's."""
@@ -607,6 +629,9 @@ def test_forward_only_dataset_replays_after_a_killed_worker(corpus, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
         got = collect_with(it, {8: kill_owner})
+        st = c.status()
+    # killed mid-epoch, holding the partition, which another worker played again
+    assert st["departures"].get("exited") == 1 and st["handed_back"] >= 1, st
     want = pp_epoch(spec, 1, map_seq_stream=Sequential(LaplaceOrdering(3), tdmappers.noisy))
     assert_like_returnn(got, want, stream=True)
     # the restarted partition started from seq 0, which the one forward pass had passed
@@ -615,6 +640,7 @@ def test_forward_only_dataset_replays_after_a_killed_worker(corpus, tmp_path):
     )
 
 
+@pytest.mark.processes
 def test_dataset_error_reaches_the_client_with_its_traceback(corpus, tmp_path):
     cfg = _cfg(
         corpus,
@@ -633,6 +659,7 @@ def test_dataset_error_reaches_the_client_with_its_traceback(corpus, tmp_path):
     assert "disk on fire at seq 5" in log and "Traceback" in log
 
 
+@pytest.mark.processes
 def test_map_outputs_in_returnn_form_checked(corpus, tmp_path):
     """map_outputs as RETURNN Tensor arguments: a mapper stacking frame pairs passes; one whose
     output does not fit fails naming the key."""
@@ -671,6 +698,7 @@ def test_map_outputs_in_returnn_form_checked(corpus, tmp_path):
 # ---- the adapter alone -------------------------------------------------------------------------
 
 
+@pytest.mark.returnn
 @pytest.mark.parametrize("cache_mb", [0, 256])
 def test_adapter_answers_any_access_pattern_from_one_forward_pass(corpus, cache_mb):
     """Backward and forward jumps on a forward-only dataset give the seqs of a plain pass."""
@@ -718,6 +746,7 @@ class Counting(CachedDataset2):
         return DatasetSeq(seq_idx, features={"data": np.full((3, 2), seq_idx, "float32")}, seq_tag=f"c{seq_idx}")
 
 
+@pytest.mark.returnn
 def test_rewind_keeps_the_cached_seqs():
     """A jump back past the cache re-reads the prefix once; the seqs cached before it are still
     served from the cache afterwards, not by a second re-read of the forward-only dataset."""
@@ -731,6 +760,7 @@ def test_rewind_keeps_the_cached_seqs():
     assert ds.rewinds == 1
 
 
+@pytest.mark.returnn
 def test_adapter_unknown_count(corpus):
     import tdmappers
 
@@ -745,7 +775,6 @@ def test_adapter_unknown_count(corpus):
         ds.get_seq(23)
 
 
-@pytest.mark.unit
 def test_what_makes_a_failing_dict_api_mapper_look_written_for_tensor_dicts():
     import functools
 
@@ -787,7 +816,8 @@ def test_what_makes_a_failing_dict_api_mapper_look_written_for_tensor_dicts():
 
 # ---- a RETURNN training ------------------------------------------------------------------------
 
-TRAIN_CONFIG = """
+TRAIN_CONFIG = (
+    """
 #!returnn.py
 import sys
 sys.path.insert(0, {root!r})
@@ -797,34 +827,14 @@ from returnn.tensor import Dim, batch_dim
 from ppclient.returnn import ServerDataset
 import tdmappers
 
-backend = "torch"
-device = "cpu"
-behavior_version = 24
-task = "train"
-num_epochs = 2
-model = {model!r}
-log = [{log!r}]
 log_verbosity = 3
 batch_size = 100
-max_seqs = 3
-optimizer = {{"class": "adam"}}
-learning_rate = 1e-3
-torch_dataloader_opts = {{"num_workers": 1}}
 extern_data = {{"data": {{"dims": [batch_dim, Dim(None, name="time"), Dim(8, name="in")], "dtype": "float32"}}}}
 train = {train}
-
-
-def get_model(**_kwargs):
-    return torch.nn.Linear(8, 2)
-
-
-def train_step(*, model, extern_data, **_kwargs):
-    x = extern_data["data"].raw_tensor
-    with open({tags!r}, "a") as f:
-        tags = " ".join(str(t) for t in extern_data["seq_tag"].raw_tensor)
-        f.write("%d %.4f %s\\n" % (rf.get_run_ctx().epoch, float(x.abs().sum()), tags))
-    rf.get_run_ctx().mark_as_loss(name="l2", loss=(model(x) ** 2).mean())
 """
+    + RETURNN_TRAINING
+    + RETURNN_L2_STEP
+)
 
 
 def _train(tmp_path, corpus, name, train):
@@ -842,28 +852,15 @@ def _train(tmp_path, corpus, name, train):
             tags=tags_path,
         )
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "returnn", str(config)],
-        cwd=str(out_dir),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 0, out[-4000:]
+    run_returnn(str(config), str(out_dir), timeout=180)
     batches: dict = {1: [], 2: []}
-    with open(tags_path) as f:
-        for line in f:
-            epoch, total, *tags = line.split()
-            batches[int(epoch)].append((float(total), tags))
+    for epoch, total, tags in returnn_batches(tags_path):
+        batches[epoch].append((total, tags))
     return batches
 
 
+@pytest.mark.processes
+@pytest.mark.torch
 def test_returnn_trains_from_the_server_as_from_postprocessing_dataset(corpus, tmp_path):
     """The same HDF file and TensorDict mapper: RETURNN's training sees the same batches of the
     same seqs (tags and data) from ppserver as from its own PostprocessingDataset."""

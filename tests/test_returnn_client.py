@@ -5,20 +5,20 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import subprocess
-import sys
 import threading
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import pytest
 from conftest import (
+    RETURNN_TRAINING,
     assert_same_epoch,
     children_of,
     free_port,
     read,
     reference,
     restartable,
+    run_returnn,
     run_server,
     wait_gone,
     write_config,
@@ -29,7 +29,7 @@ from returnn.util.basic import OptionalNotImplementedError
 import ppclient
 from ppclient.returnn import ServerDataset
 
-pytestmark = pytest.mark.usefixtures("in_temporary_cwd")
+pytestmark = [pytest.mark.processes, pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
 
 # Frame-wise classes with a sparse_dim declared in map_outputs; epoch 9 fails at its 4th seq.
 CONFIG = """
@@ -104,8 +104,11 @@ def dataset(address: str, **kwargs: Any) -> ServerDataset:
     return ds
 
 
-def read_epoch(ds: ServerDataset, epoch: int) -> List[Dict[str, Any]]:
-    """One epoch through RETURNN's dataset API, as its engines read it."""
+def read_epoch(
+    ds: ServerDataset, epoch: int, actions: Optional[Dict[int, Callable[[], None]]] = None
+) -> List[Dict[str, Any]]:
+    """One epoch through RETURNN's dataset API, as its engines read it; actions[n]() right after the
+    n-th seq was read (faults mid-epoch)."""
     ds.init_seq_order(epoch=epoch)
     got = []
     i = 0
@@ -116,6 +119,8 @@ def read_epoch(ds: ServerDataset, epoch: int) -> List[Dict[str, Any]]:
         seq["complete_frac"] = ds.get_complete_frac(i, allow_only_lr_suitable=True)
         got.append(seq)
         i += 1
+        if actions and i in actions:
+            actions[i]()
     return got
 
 
@@ -259,6 +264,7 @@ def unbatch(batches: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return seqs
 
 
+@pytest.mark.torch
 def test_returnns_torch_data_loader_reads_epochs_in_a_spawned_worker(server):
     srv, cfg = server
     got = batches_by_epoch(dataset(srv.address, job="f"), [1, 2], num_workers=1)
@@ -268,6 +274,7 @@ def test_returnns_torch_data_loader_reads_epochs_in_a_spawned_worker(server):
         assert all(int(b["epoch"]) == epoch and int(b["num_seqs"]) == 23 for b in got[epoch])
 
 
+@pytest.mark.torch
 def test_data_loader_workers_read_as_shards_of_one_job(server):
     srv, cfg = server
     got = unbatch(batches_by_epoch(dataset(srv.address, job="g"), [5], num_workers=2)[5])
@@ -306,26 +313,16 @@ def test_two_shards_are_two_ranks_of_one_job(server):
     assert len(set(tags)) == len(tags) == 22
 
 
-TRAIN_CONFIG = """
+TRAIN_CONFIG = (
+    """
 #!returnn.py
 import torch
 import returnn.frontend as rf
 from returnn.tensor import Dim, batch_dim
 from ppclient.returnn import ServerDataset
 
-backend = "torch"
-device = "cpu"
-behavior_version = 24
-task = "train"
-num_epochs = 2
-model = {model!r}
-log = [{log!r}]
 log_verbosity = 3
 batch_size = 60
-max_seqs = 3
-optimizer = {{"class": "adam"}}
-learning_rate = 1e-3
-torch_dataloader_opts = {{"num_workers": 1}}
 
 time_dim = Dim(None, name="time")
 extern_data = {{
@@ -348,8 +345,11 @@ def train_step(*, model, extern_data, **_kwargs):
     loss = torch.nn.functional.cross_entropy(model(x)[mask], extern_data["classes"].raw_tensor.long()[mask])
     rf.get_run_ctx().mark_as_loss(name="ce", loss=loss)
 """
+    + RETURNN_TRAINING
+)
 
 
+@pytest.mark.torch
 def test_a_returnn_training_reads_its_epochs_from_the_server(server, tmp_path):
     srv, cfg = server
     tags_path = str(tmp_path / "tags.txt")
@@ -360,20 +360,7 @@ def test_a_returnn_training_reads_its_epochs_from_the_server(server, tmp_path):
         ),
         name="train.config",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "returnn", config],
-        cwd=str(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 0, out[-4000:]
+    out = run_returnn(config, str(tmp_path), timeout=120)
     batches: Dict[int, List[List[str]]] = {1: [], 2: []}
     with open(tags_path) as f:
         for line in f:
@@ -398,17 +385,7 @@ def test_the_dataset_reads_on_through_a_server_restart(tmp_path):
     with restartable(cfg, tmp_path) as service:
         ds = dataset(service.address, timeout=30)
         try:
-            ds.init_seq_order(epoch=1)
-            got, i = [], 0
-            while ds.is_less_than_num_seqs(i):
-                ds.load_seqs(i, i + 1)
-                seq: Dict[str, Any] = {k: ds.get_data(i, k) for k in ds.get_data_keys()}
-                seq["seq_tag"] = ds.get_tag(i)
-                seq["complete_frac"] = ds.get_complete_frac(i, allow_only_lr_suitable=True)
-                got.append(seq)
-                i += 1
-                if i == 6:
-                    service.restart_after()
+            got = read_epoch(ds, 1, {6: service.restart_after})
             service.join()
         finally:
             ds.finish_epoch(free_resources=True)

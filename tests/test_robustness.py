@@ -30,9 +30,11 @@ from conftest import (
     assert_same_epoch,
     children_of,
     collect,
+    error_line,
     numpy_config,
     read,
     reference,
+    run_cli,
     run_server,
     sitecustomize_env,
     wait_for,
@@ -94,6 +96,7 @@ def rss_kib(pid: int) -> int:
 
 
 # ---- 1. a dataset read that never returns ----------------------------------------------------
+@pytest.mark.processes
 def test_stuck_dataset_is_an_error_and_the_server_stays_responsive(tmp_path):
     cfg = corpus_config(tmp_path, '"stuck_at": 5')
     with run_server(cfg, workers=1) as srv:
@@ -126,6 +129,7 @@ def test_stuck_dataset_is_an_error_and_the_server_stays_responsive(tmp_path):
 
 
 # ---- 2. slow epoch set-up ----------------------------------------------------------------------
+@pytest.mark.processes
 def test_slow_epoch_setup_keeps_workers_alive(tmp_path):
     # 30 lengths x 0.1 s: 3 s inside init_seq_order, 5 heartbeat timeouts
     cfg = corpus_config(
@@ -133,14 +137,20 @@ def test_slow_epoch_setup_keeps_workers_alive(tmp_path):
     )
     slog = str(tmp_path / "server.log")
     with run_server(cfg, workers=2, log_path=slog) as srv, srv.client(timeout=20) as c:
-        got = collect(c.epoch(1))
+        began = time.monotonic()
+        it = c.epoch(1)
+        first = next(it)
+        setup_s = time.monotonic() - began
+        got = [dict(first)] + collect(it)
         st = c.status()
+    assert setup_s > 4 * 0.6, setup_s  # the set-up did outlast several heartbeat timeouts
     assert_same_epoch(got, reference(cfg, 1))
     assert st["departures"] == {} and st["workers_alive"] == 2
     assert len(re.findall(r"worker \S+ joined", read(slog))) == 2 and " lost" not in read(slog)
 
 
 # ---- 3. a result larger than max_message_bytes -------------------------------------------------
+@pytest.mark.processes
 def test_oversized_result_is_a_mapper_error_not_a_reconnect_loop(tmp_path):
     body = """
     import numpy as np
@@ -179,6 +189,7 @@ HUGE_TAG = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", sorted(HUGE_TAG))
 def test_result_with_a_huge_header_is_a_mapper_error_naming_the_seq(tmp_path, mode):
     cfg = numpy_config(tmp_path, HUGE_TAG[mode], n=6)
@@ -190,6 +201,7 @@ def test_result_with_a_huge_header_is_a_mapper_error_naming_the_seq(tmp_path, mo
         assert st["malformed_messages"] == 0 and st["departures"] == {}
 
 
+@pytest.mark.processes
 def test_results_with_large_headers_travel_in_several_messages(tmp_path):
     # 200 KB tags: a worker's batch of them, or the server's delivery of several, would exceed
     # the 1 MiB header cap if they were not split
@@ -256,6 +268,7 @@ def assert_server_goes_on(c, cfg: str, mode: str, error: str) -> None:
 HUGE = r"'x+\.\.\. \(2000000 characters\)'"  # the tag, shortened
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", sorted(IDENTITY))
 def test_input_with_a_huge_header_fails_at_once_as_a_dataset_error_naming_the_seq(tmp_path, mode):
     """A 2 MB seq_tag: the server does not send the seq, and the epoch fails at once (not after the
@@ -275,6 +288,7 @@ def test_input_with_a_huge_header_fails_at_once_as_a_dataset_error_naming_the_se
         assert_server_goes_on(c, cfg, mode, error)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", sorted(IDENTITY))
 def test_a_message_a_worker_cannot_take_is_reported_and_its_seq_fails(tmp_path, mode):
     """The same seq from a server that does not refuse it: each worker that gets it drops the
@@ -301,6 +315,7 @@ def test_a_message_a_worker_cannot_take_is_reported_and_its_seq_fails(tmp_path, 
 
 
 # ---- 4. a refused epoch request leaves the running epoch alone ---------------------------------------
+@pytest.mark.processes
 def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=60)
     with run_server(cfg, workers=2) as srv, srv.client(timeout=20) as a, srv.client(timeout=20) as b:
@@ -318,6 +333,7 @@ def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
 
 
 # ---- 5. bad addresses and key directories: one line, exit 2, never a hang --------------------------
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "argv",
     [
@@ -332,28 +348,18 @@ def test_refused_epoch_request_does_not_stall_the_running_epoch(tmp_path):
 def test_bad_address_or_keys_is_one_line_and_exit_2(tmp_path, argv):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
     argv = [cfg if a == "CONFIG" else a for a in argv]
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", *argv], capture_output=True, text=True, timeout=30, cwd=REPO
-    )
-    assert res.returncode == 2, res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and " INFO " not in ln]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    assert ("nonexistent-keys" in lines[0]) == ("--keys" in argv)
+    line = error_line(run_cli(*argv, timeout=30), info=True)
+    assert ("nonexistent-keys" in line) == ("--keys" in argv)
 
 
+@pytest.mark.processes
 def test_worker_process_with_a_bad_address_exits_2(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=3)
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver.worker", cfg, "--connect", "garbage"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-    )
+    res = run_cli(cfg, "--connect", "garbage", module="ppserver.worker", timeout=30)
     assert res.returncode == 2 and "'--connect'" in res.stderr
 
 
+@pytest.mark.unit
 def test_client_refuses_bad_address_and_keys_at_once():
     for address in ("127.0.0.1:5555", "garbage", "tcp://host", "tcp://h:99999", None):
         with pytest.raises(ppclient.UsageError):
@@ -440,6 +446,7 @@ def fake_worker(srv, c, cfg: str, workers: int, breaks=FakeWorker.BREAKS) -> Ite
         fake.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path, path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.005), n=60, extra="buf_size = 2\n" + DATA_PATHS[path])
@@ -454,6 +461,7 @@ def test_malformed_results_are_dropped_counted_and_redone_elsewhere(tmp_path, pa
     assert_data_path(read(slog), path)
 
 
+@pytest.mark.processes
 def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=10, extra="max_seq_retries = 3\n")
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
@@ -463,6 +471,7 @@ def test_seq_with_only_malformed_results_fails_naming_it(tmp_path):
             assert info.value.seq_tag == "seq-0"
 
 
+@pytest.mark.processes
 def test_undecodable_results_are_redone_elsewhere(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.005), n=40, extra="buf_size = 2\n")
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
@@ -475,6 +484,7 @@ def test_undecodable_results_are_redone_elsewhere(tmp_path):
     assert st["departures"] == {}  # redone because they were charged, not because a worker was lost
 
 
+@pytest.mark.processes
 def test_seq_with_only_undecodable_results_fails_naming_it(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=10, extra="max_seq_retries = 3\n")
     with run_server(cfg, workers=0, wait_workers=False) as srv, srv.client(timeout=20) as c:
@@ -520,6 +530,7 @@ class FakeServer:
         self.ctx.term()
 
 
+@pytest.mark.processes
 def test_a_worker_reports_every_message_it_drops(tmp_path):
     """A real worker that gets a task message of a run it has not opened, one with a bad item, one
     whose header is over 1 MiB, or stream inputs of a run not open tells the server what each
@@ -575,6 +586,7 @@ def test_a_worker_reports_every_message_it_drops(tmp_path):
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------
+@pytest.mark.processes
 def test_control_junk_of_many_frames_does_not_grow_the_server(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=8)
     with run_server(cfg, workers=1) as srv, srv.client(timeout=20) as c:
@@ -610,6 +622,7 @@ def test_control_junk_of_many_frames_does_not_grow_the_server(tmp_path):
 
 
 # ---- 8. a server killed while the client waits on a slow seq ---------------------------------------
+@pytest.mark.processes
 def test_server_killed_during_a_slow_seq_is_unavailable_not_stuck(tmp_path):
     body = """
     import time
@@ -636,6 +649,7 @@ def test_server_killed_during_a_slow_seq_is_unavailable_not_stuck(tmp_path):
 
 
 # ---- 9. superseded by another client's request --------------------------------------------------------
+@pytest.mark.processes
 def test_superseded_epoch_raises_at_once(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.02), n=200)
     with run_server(cfg, workers=2) as srv, srv.client(timeout=30) as a, srv.client(timeout=30) as b:
@@ -651,6 +665,7 @@ def test_superseded_epoch_raises_at_once(tmp_path):
 
 
 # ---- 10. a MapperError stays raised ----------------------------------------------------------------------
+@pytest.mark.processes
 def test_mapper_error_is_raised_on_every_later_next(tmp_path):
     body = """
     def map_seq(seq, **kwargs):
@@ -672,6 +687,7 @@ def test_mapper_error_is_raised_on_every_later_next(tmp_path):
             assert again.value is first.value
 
 
+@pytest.mark.processes
 def test_dataset_that_fails_to_describe_its_data_is_one_line_and_exit_2(tmp_path):
     write_config(
         tmp_path,
@@ -693,13 +709,5 @@ class Broken(Corpus):
         return seq
     """,
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.returncode == 2 and len(lines) == 1, res.stderr
-    assert "'dataset'" in lines[0] and "index file is corrupt" in lines[0]
+    line = error_line(run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0"))
+    assert "'dataset'" in line and "index file is corrupt" in line

@@ -18,8 +18,8 @@ from typing import Dict, List
 import pytest
 from conftest import (
     DATA_PATHS,
-    REFERENCE_RUN,
     SLOW_MAPPER,
+    STREAM_MAPPER,
     assert_data_path,
     assert_same_epoch,
     children_of,
@@ -38,31 +38,12 @@ from test_robustness import corpus_config
 
 import ppclient
 
+pytestmark = pytest.mark.processes
+
 HEARTBEATS = "heartbeat_interval = 0.2\nheartbeat_timeout = 1.0\nbuf_size = 2\n"
 
 # A stream mapper that merges pairs of seqs and takes a while per input in the service.
-SLOW_STREAM = f"""
-import os
-import time
-import numpy as np
-def map_seq_stream(seqs, *, rng, **kwargs):
-    held = None
-    for seq in seqs:
-        if not os.environ.get("{REFERENCE_RUN}"):
-            time.sleep(0.03)
-        if held is None:
-            held = seq
-            continue
-        yield {{
-            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
-            "classes": np.concatenate([held["classes"], seq["classes"]]),
-            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
-            "complete_frac": seq["complete_frac"],
-        }}
-        held = None
-    if held is not None:
-        yield held
-"""
+SLOW_STREAM = STREAM_MAPPER.format(delay=0.03)
 
 
 def slow_config(tmp_path, path: str = "direct", n: int = 60, name: str = "config.py", extra: str = "") -> str:
@@ -226,7 +207,11 @@ def test_a_request_made_while_the_server_is_down_is_answered_by_the_restarted_on
     cfg = slow_config(tmp_path, n=10)
     with restartable(cfg, tmp_path) as service, ppclient.Client(service.address, timeout=30) as c:
         service.restart_after(3.0)
+        killed = time.monotonic()
         assert c.info()["num_seqs"] == 10  # asked again on a new connection until the new server answers
+        # (and answered by the restarted server, up for less time than has passed since the kill)
+        assert c.status()["uptime_s"] < time.monotonic() - killed
         got = collect(c.epoch(1))
         service.join()
+        assert service.starts == 2
     assert_same_epoch(got, reference(cfg, 1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,17 +13,20 @@ import pytest
 import zmq
 from conftest import (
     DATA_PATHS,
-    REFERENCE_RUN,
+    NOISY_MAPPER,
     REPO,
     SLOW_MAPPER,
+    STREAM_MAPPER,
     assert_data_path,
     assert_same_epoch,
     children_of,
     collect,
     collect_with,
+    error_line,
     numpy_config,
     read,
     reference,
+    run_cli,
     run_server,
     wait_for,
     wait_gone,
@@ -34,37 +38,13 @@ from ppclient import protocol, wire
 from ppserver.scheduler import Settings
 from ppserver.server.reader import MAX_BATCH
 
-NOISY_MAP_SEQ = """
-def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
-    seq["data"] = seq["data"] * 2 + rng.randn(*seq["data"].shape).astype("float32")
-    return seq
-"""
-
-# Concatenates pairs of seqs and drops every 5th input: changes the number of seqs.
-STREAM_MAPPER = """
-import numpy as np
-def map_seq_stream(seqs, *, epoch, rng, **kwargs):
-    held = None
-    for n, seq in enumerate(seqs):
-        if n % 5 == 4:
-            continue
-        if held is None:
-            held = seq
-            continue
-        yield {
-            "data": np.concatenate([held["data"], seq["data"]]) * rng.uniform(0.5, 1.5),
-            "classes": np.concatenate([held["classes"], seq["classes"]]),
-            "seq_tag": held["seq_tag"] + "+" + seq["seq_tag"],
-            "complete_frac": seq["complete_frac"],
-        }
-        held = None
-    if held is not None:
-        yield held
-"""
+# Merges pairs of seqs and drops every 5th input: changes the number of seqs.
+STREAM = STREAM_MAPPER.format(delay=0)
 
 
+@pytest.mark.processes
 def test_epoch_in_order_matches_reference(tmp_path):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=60, extra="buf_size = 3\n")
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=60, extra="buf_size = 3\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         info = c.info()
         assert info["protocol"] == ppclient.PROTOCOL
@@ -81,8 +61,9 @@ def test_epoch_in_order_matches_reference(tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
 
 
+@pytest.mark.processes
 def test_back_to_back_epochs_and_random_ordering(tmp_path):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=30, ordering="random")
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=30, ordering="random")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         epochs = {e: collect(c.epoch(e)) for e in (1, 2, 3)}
         again = collect(c.epoch(1))
@@ -92,9 +73,10 @@ def test_back_to_back_epochs_and_random_ordering(tmp_path):
     assert_same_epoch(again, epochs[1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ordering", ["default", "reverse", "sorted", "sorted_reverse", "random", "laplace:.7"])
 def test_every_seq_ordering(tmp_path, ordering):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=25, ordering=ordering)
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=25, ordering=ordering)
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         got = collect(c.epoch(4))
     want = reference(cfg, 4)
@@ -106,8 +88,9 @@ def test_every_seq_ordering(tmp_path, ordering):
         assert lens == sorted(lens, reverse=True)
 
 
+@pytest.mark.processes
 def test_seq_list_and_seq_order(tmp_path):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=20)
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=20)
     tags = ["seq-7", "seq-3", "seq-19", "seq-0"]
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         by_tag = collect(c.epoch(2, seq_list=tags))
@@ -121,6 +104,7 @@ def test_seq_list_and_seq_order(tmp_path):
     assert_same_epoch(by_idx, reference(cfg, 2, seq_order=[5, 1, 1, 12]))
 
 
+@pytest.mark.processes
 def test_new_epoch_cancels_old_feeder(tmp_path):
     # 200 seqs x 50 ms on 2 workers: finishing the old epoch would take 5 s.
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=200, extra="buf_size = 8\n")
@@ -143,8 +127,9 @@ def test_new_epoch_cancels_old_feeder(tmp_path):
     assert status["epoch"] == 2 and status["state"] == "done"
 
 
+@pytest.mark.processes
 def test_map_seq_stream_matches_reference(tmp_path):
-    cfg = numpy_config(tmp_path, STREAM_MAPPER, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
+    cfg = numpy_config(tmp_path, STREAM, n=47, extra="stream_partitions = 3\nbuf_size = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         info = c.info()
         assert info["num_seqs"] is None
@@ -160,6 +145,7 @@ def test_map_seq_stream_matches_reference(tmp_path):
     assert_same_epoch(got2, reference(cfg, 2))
 
 
+@pytest.mark.processes
 def test_laplace_ordering_stream_mapper(tmp_path):
     body = """
     from ppserver.mappers.compose import LaplaceOrdering, Sequential
@@ -181,13 +167,14 @@ def test_laplace_ordering_stream_mapper(tmp_path):
     assert fracs == sorted(fracs)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["map_seq", "map_seq_stream"])
 def test_outputs_identical_for_1_2_3_workers(tmp_path, mode):
     if mode == "map_seq":
         body = "from ppserver.mappers.builtin import spec_augment as map_seq\n"
         extra = "buf_size = 2\n"
     else:
-        body = STREAM_MAPPER
+        body = STREAM
         extra = "buf_size = 2\nnum_workers = 2\n"
     cfg = numpy_config(tmp_path, body, n=40, ordering="random", extra=extra)
     runs = []
@@ -199,6 +186,7 @@ def test_outputs_identical_for_1_2_3_workers(tmp_path, mode):
     assert_same_epoch(runs[0], reference(cfg, 5))
 
 
+@pytest.mark.processes
 def test_mapper_exception_reaches_client_and_server_stays_up(tmp_path):
     body = """
     def map_seq(seq, *, epoch, **kwargs):
@@ -217,6 +205,7 @@ def test_mapper_exception_reaches_client_and_server_stays_up(tmp_path):
         assert len(collect(c.epoch(2))) == 30
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "ret, match",
     [
@@ -234,6 +223,7 @@ def test_output_validation_names_the_key(tmp_path, ret, match):
             collect(c.epoch(1))
 
 
+@pytest.mark.processes
 def test_map_outputs_template_and_dropped_meta(tmp_path):
     body = """
     import numpy as np
@@ -249,6 +239,7 @@ def test_map_outputs_template_and_dropped_meta(tmp_path):
     assert all(set(s) == {"feat", "seq_tag", "seq_idx", "complete_frac"} for s in got)
 
 
+@pytest.mark.processes
 def test_mapper_must_accept_kwargs(tmp_path):
     cfg = numpy_config(tmp_path, "def map_seq(seq, *, epoch, seq_idx, rng):\n    return seq\n", n=3)
     with run_server(cfg, workers=1) as srv, srv.client() as c:
@@ -256,6 +247,7 @@ def test_mapper_must_accept_kwargs(tmp_path):
             collect(c.epoch(1))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.01), n=150, extra="buf_size = 4\n" + DATA_PATHS[path])
@@ -265,6 +257,8 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
         got = collect_with(c.epoch(1), {30: lambda: os.kill(pids[0], signal.SIGKILL)})
         status = c.status()
         assert status["local_worker_respawns"] >= 1
+        # killed mid-epoch: the server counted it gone with seqs it had yet to send back
+        assert status["departures"].get("exited") == 1 and status["handed_back"] >= 1, status
         srv.wait_workers(2)
         assert pids[0] not in srv.worker_pids()
         again = collect(c.epoch(2))
@@ -273,21 +267,23 @@ def test_killed_worker_is_respawned_and_its_seqs_redone(tmp_path, path):
     assert_data_path(read(slog), path)
 
 
-SLOW_STREAM_MAPPER = "import os\n" + STREAM_MAPPER.replace(
-    "for n, seq in enumerate(seqs):",
-    f"for n, seq in enumerate(seqs):\n        if not os.environ.get('{REFERENCE_RUN}'):\n"
-    "            __import__('time').sleep(0.01)",
-)
+SLOW_STREAM_MAPPER = STREAM_MAPPER.format(delay=0.01)
 
 
+@pytest.mark.processes
 def test_killed_worker_in_stream_mode_is_replayed(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_STREAM_MAPPER, n=120, extra="buf_size = 2\nstream_partitions = 2\n")
     with run_server(cfg, workers=2) as srv, srv.client() as c:
         pids = srv.worker_pids()
         got = collect_with(c.epoch(1), {15: lambda: os.kill(pids[1], signal.SIGKILL)})
+        status = c.status()
     assert_same_epoch(got, reference(cfg, 1))
+    # killed while it held its partition, which another worker played again from its start
+    assert status["departures"].get("exited") == 1 and status["handed_back"] >= 1, status
+    assert status["local_worker_respawns"] >= 1
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", ["direct", "via-server"])
 def test_server_killed_client_raises_unavailable(tmp_path, path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=200, extra=DATA_PATHS[path])
@@ -314,6 +310,7 @@ def test_server_killed_client_raises_unavailable(tmp_path, path):
     assert_data_path(read(slog), path)
 
 
+@pytest.mark.processes
 def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.05), n=100)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -329,6 +326,7 @@ def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
             assert wait_gone(kids, 1.0) == []
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "body, key",
     [
@@ -350,22 +348,12 @@ def test_sigterm_shuts_down_cleanly_without_children(tmp_path):
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, body, key):
     cfg = write_config(tmp_path, body)
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "serve", cfg, "--bind", "tcp://127.0.0.1:0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    assert res.returncode == 2, res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    assert f"'{key}'" in lines[0]
-    assert "Traceback" not in res.stderr
+    assert f"'{key}'" in error_line(run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0"))
 
 
+@pytest.mark.processes
 def test_protocol_mismatch_is_a_clear_error(tmp_path):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=5)
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=5)
     with run_server(cfg, workers=1) as srv:
         ctx = zmq.Context()
         req = ctx.socket(zmq.REQ)
@@ -382,47 +370,29 @@ def test_protocol_mismatch_is_a_clear_error(tmp_path):
             assert len(collect(c.epoch(1))) == 5
 
 
+@pytest.mark.processes
 def test_status_cli_and_json(tmp_path):
-    import json
-
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=12)
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=12)
     with run_server(cfg, workers=2) as srv:
         with srv.client() as c:
             collect(c.epoch(3))
             st = c.status()
-        res = subprocess.run(
-            [sys.executable, "-m", "ppserver", "status", srv.address, "--json"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        res = run_cli("status", srv.address, "--json", timeout=30)
         assert res.returncode == 0, res.stderr
         js = json.loads(res.stdout)
         assert js["epoch"] == 3 and js["seqs_delivered"] == 12 and js["workers_alive"] == 2
         assert set(js) == set(st)
-        res = subprocess.run(
-            [sys.executable, "-m", "ppserver", "status", srv.address], capture_output=True, text=True, timeout=30
-        )
+        res = run_cli("status", srv.address, timeout=30)
         assert res.returncode == 0
         assert "epoch       3" in res.stdout and "2 alive" in res.stdout
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "status", srv.address, "--timeout", "1"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    res = run_cli("status", srv.address, "--timeout", "1", timeout=30)
     assert res.returncode == 1 and "no answer" in res.stderr
 
 
+@pytest.mark.processes
 def test_demo_runs_two_epochs_and_exits_0(tmp_path):
     log_path = str(tmp_path / "demo.log")
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "demo", "--log", log_path],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    res = run_cli("demo", "--log", log_path, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "epoch 1: 400 seqs" in res.stdout and "epoch 2: 400 seqs" in res.stdout
     assert "seqs/s" in res.stdout and "MB/s" in res.stdout
@@ -433,6 +403,7 @@ def test_demo_runs_two_epochs_and_exits_0(tmp_path):
     assert "serving" in read(log_path) and "registered with" in read(log_path)
 
 
+@pytest.mark.processes
 def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
     import pty
     import select
@@ -468,6 +439,7 @@ def test_demo_on_a_terminal_rewrites_its_progress_line_without_log_lines():
     assert not os.path.exists(log_path)  # a clean exit leaves no temporary log behind
 
 
+@pytest.mark.processes
 def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
     body = """
     dataset = {"class": "DemoDataset", "num_seqs": 3000, "seed": 3, "min_frames": 5, "max_frames": 20}
@@ -489,12 +461,14 @@ def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
         assert sum(1 for _ in it) == 2999
 
 
+@pytest.mark.processes
 def test_client_package_does_not_import_the_server():
     code = "import sys, ppclient; bad = [m for m in sys.modules if m.startswith('ppserver')]; assert not bad, bad"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.sockets
 def test_client_reports_a_server_with_another_protocol():
     ctx = zmq.Context()
     fake = ctx.socket(zmq.ROUTER)
@@ -519,6 +493,7 @@ def test_client_reports_a_server_with_another_protocol():
         ctx.term()
 
 
+@pytest.mark.processes
 def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
     body = """
     import numpy as np
@@ -556,6 +531,7 @@ def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
     assert "disk gone" in read(slog) and "Traceback" in read(slog)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "argv, key",
     [
@@ -565,23 +541,20 @@ def test_dataset_failure_mid_epoch_is_an_error_not_a_hang(tmp_path):
     ],
 )
 def test_bad_command_line_exits_2_with_one_line(tmp_path, argv, key):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=3)
-    res = subprocess.run(
-        [sys.executable, "-m", "ppserver", "serve", cfg, *argv], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-    assert res.returncode == 2
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and f"'{key}'" in lines[0], res.stderr
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=3)
+    assert f"'{key}'" in error_line(run_cli("serve", cfg, *argv))
 
 
+@pytest.mark.processes
 def test_empty_epoch_ends_cleanly_every_time(tmp_path):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=5)
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=5)
     with run_server(cfg, workers=1) as srv:
         for e in range(20):
             with srv.client(timeout=10) as c:  # a fresh data socket each time
                 assert collect(c.epoch(e, seq_order=[])) == []
 
 
+@pytest.mark.processes
 def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
     body = """
     import time
@@ -603,6 +576,7 @@ def test_stuck_mapper_is_an_error_within_the_timeout(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.processes
 def test_stream_partition_survives_repeated_kills(tmp_path):
     cfg = numpy_config(
         tmp_path, SLOW_STREAM_MAPPER, n=150, extra="buf_size = 2\nstream_partitions = 1\nmax_seq_retries = 3\n"
@@ -616,11 +590,15 @@ def test_stream_partition_survives_repeated_kills(tmp_path):
 
         # more crashes than max_seq_retries, with progress between them
         got = collect_with(c.epoch(1), {n: crash for n in (10, 25, 40, 55)})
+        status = c.status()
     assert_same_epoch(got, reference(cfg, 1))
+    # each crash took the partition with it, and it was played again
+    assert status["departures"].get("exited") == 4 and status["handed_back"] >= 4, status
 
 
+@pytest.mark.processes
 def test_serves_on_a_unix_socket(tmp_path):
-    cfg = numpy_config(tmp_path, NOISY_MAP_SEQ, n=12)
+    cfg = numpy_config(tmp_path, NOISY_MAPPER, n=12)
     address = f"ipc://{tmp_path}/ppserver.sock"
     with run_server(cfg, workers=2, bind=address) as srv, srv.client() as c:
         assert srv.address == address

@@ -694,6 +694,7 @@ def test_close_unmaps_once_the_arrays_are_gone():
 # --- two processes -----------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_producer_in_a_child(children):
     before = dev_shm()
     producer = children(PRODUCER)
@@ -717,6 +718,7 @@ def test_producer_in_a_child(children):
     assert_nothing_new_in_dev_shm(before)
 
 
+@pytest.mark.processes
 def test_consumer_in_a_child(children):
     with shm.Segment(1 << 20) as segment:
         consumer = children(CONSUMER)
@@ -740,6 +742,7 @@ def test_consumer_in_a_child(children):
         assert consumer.proc.returncode == 0, consumer.stderr()
 
 
+@pytest.mark.processes
 def test_kill9_of_the_producer_leaves_the_consumer_valid_data(children):
     before = dev_shm()
     producer = children(PRODUCER)
@@ -759,6 +762,7 @@ def test_kill9_of_the_producer_leaves_the_consumer_valid_data(children):
     assert_nothing_new_in_dev_shm(before)
 
 
+@pytest.mark.processes
 def test_kill9_of_the_consumer_leaves_the_producer_running(children):
     before = dev_shm()
     segment = shm.Segment(1 << 20)
@@ -784,6 +788,7 @@ def test_kill9_of_the_consumer_leaves_the_producer_running(children):
     assert_nothing_new_in_dev_shm(before)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the consumer as another user")
 def test_another_user_may_not_open_the_segment(children):
     with shm.Segment(8192) as segment:
@@ -795,6 +800,7 @@ def test_another_user_may_not_open_the_segment(children):
         assert "no permission" in answer.get("error", ""), answer
 
 
+@pytest.mark.processes
 def test_a_forked_child_neither_allocates_nor_releases(children):
     with shm.Segment(1 << 16) as segment:
         block, specs = put(segment, make(1))

@@ -13,10 +13,10 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 from conftest import (
+    SCALE_MAPPER,
     assert_same_batches,
     assert_same_epoch,
     collect_with,
-    have_modules,
     numpy_config,
     read,
     reference,
@@ -33,7 +33,7 @@ from ppclient.client import EpochIterator
 from ppclient.errors import Superseded, UsageError
 
 # torch loads when a test first uses it, so collecting this module (e.g. for `-m unit`) stays cheap
-pytestmark = pytest.mark.skipif(not have_modules("torch", "torchdata"), reason="needs torch and torchdata")
+pytestmark = pytest.mark.torch
 
 
 class _Lazy:
@@ -54,11 +54,7 @@ data = _Lazy("torch.utils.data")
 pptorch = _Lazy("ppclient.torch")
 
 
-MAPPER = """
-def map_seq(seq, *, rng, **kwargs):
-    seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
-    return seq
-"""
+MAPPER = SCALE_MAPPER
 
 
 def as_numpy(seq: Dict[str, Any]) -> Dict[str, Any]:
@@ -123,6 +119,7 @@ def server(tmp_path_factory):
         yield srv, cfg
 
 
+@pytest.mark.processes
 def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
     srv, cfg = server
     received: List[Dict[str, Any]] = []
@@ -146,6 +143,7 @@ def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
             assert arrays[key].flags.writeable and seq[key].data_ptr() == arrays[key].ctypes.data, key
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world, workers", [(1, 2), (1, 3), (2, 2)])
 def test_loader_workers_take_subshards_and_the_loader_yields_epoch_order(server, world, workers):
     srv, cfg = server
@@ -169,6 +167,7 @@ def batches_of(cfg: str, epoch: int, bucket: int = 1) -> List[Dict[str, Any]]:
     return reference_batches(cfg, epoch, {"max_frames": 200, "max_seqs": 6, "bucket_window": bucket})
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("bucket", [1, 5])
 def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
@@ -189,6 +188,7 @@ def test_stateful_dataloader_resumes_exactly(server, workers, bucket):
     assert_same_batches(first + list(resumed), want)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, workers):
     srv, cfg = server
@@ -232,6 +232,7 @@ def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, w
     assert_same_epoch([as_numpy(s) for s in ld], want[3])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", ["DataLoader", "StatefulDataLoader"])
 def test_set_epoch_reaches_persistent_workers(server, name):
     cls = data.DataLoader if name == "DataLoader" else stateful.StatefulDataLoader
@@ -245,6 +246,7 @@ def test_set_epoch_reaches_persistent_workers(server, name):
     gc.collect()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world, workers, bucket", [(2, 0, 1), (2, 2, 5), (1, 3, 1)])
 def test_ranks_and_loader_workers_get_the_servers_batches_in_epoch_order(server, world, workers, bucket):
     srv, cfg = server
@@ -264,6 +266,7 @@ def test_ranks_and_loader_workers_get_the_servers_batches_in_epoch_order(server,
     assert len({len(got[rank]) for rank in range(world)}) == 1  # equal steps
 
 
+@pytest.mark.processes
 def test_batches_are_tensors_padded_on_the_workers_without_a_copy(server, monkeypatch):
     srv, cfg = server
     received: List[Dict[str, Any]] = []
@@ -287,6 +290,7 @@ def test_batches_are_tensors_padded_on_the_workers_without_a_copy(server, monkey
             assert b[key].data_ptr() == arrays[key].ctypes.data, key
 
 
+@pytest.mark.processes
 def test_pin_memory_pins_in_the_main_process_only(server, monkeypatch):
     srv, cfg = server
     pinned_here: List[str] = []
@@ -326,6 +330,7 @@ def map_seq(seq, **kwargs):
 """
 
 
+@pytest.mark.processes
 def test_string_keys_come_as_str_or_lists_of_str_also_in_batches(tmp_path):
     cfg = write_config(tmp_path, STRINGS)
     with run_server(cfg, workers=1) as srv:
@@ -347,6 +352,7 @@ def test_collate_padded_pads_tensors_as_the_workers_do():
     assert batch["seq_tag"] == ["a", "b"] and not batch["data"][0, 2:].any()
 
 
+@pytest.mark.processes
 def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
     srv, _ = server
     assert len(data.DataLoader(pptorch.ServerDataset(srv.address), batch_size=None)) == 37  # e.g. for an LR schedule
@@ -356,6 +362,7 @@ def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
         len(data.DataLoader(pptorch.ServerDataset(srv.address, max_seqs=4), batch_size=None))
 
 
+@pytest.mark.processes
 def test_rank_and_world_come_from_the_environment(monkeypatch, server):
     srv, _ = server
     monkeypatch.setenv("RANK", "1")
@@ -370,6 +377,7 @@ def job_clients(srv: Any) -> int:
         return c.status()["job"]["clients"]
 
 
+@pytest.mark.processes
 def test_a_state_from_an_epochs_end_without_set_epoch_reads_that_epoch_again(server):
     srv, cfg = server
     ds = pptorch.ServerDataset(srv.address, job="t17")
@@ -385,6 +393,7 @@ def test_a_state_from_an_epochs_end_without_set_epoch_reads_that_epoch_again(ser
         assert ds.epoch == 4
 
 
+@pytest.mark.processes
 def test_a_dataset_whose_rank_changes_closes_its_client_of_the_old_rank(server, monkeypatch):
     srv, _ = server
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -403,6 +412,7 @@ def test_a_dataset_whose_rank_changes_closes_its_client_of_the_old_rank(server, 
     ds.close()
 
 
+@pytest.mark.processes
 def test_a_stream_that_fails_closes_its_client(server):
     srv, cfg = server
     ds = pptorch.ServerDataset(srv.address, job="t19", epoch=2)
@@ -419,6 +429,7 @@ def test_a_stream_that_fails_closes_its_client(server):
         next(it)  # and the error stays
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", ["DataLoader", "StatefulDataLoader"])
 def test_a_loader_reads_on_through_a_server_restart(tmp_path, name):
     """kill -9 of the server mid-epoch and a new one on its address 3 s later: each of the loader's

@@ -7,9 +7,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import pytest
-from conftest import collect, have_modules, numpy_config, run_server, run_worker_host
+from conftest import collect, numpy_config, run_server, run_worker_host
 
-pytestmark = pytest.mark.skipif(not have_modules("torch"), reason="needs torch")
+pytestmark = [pytest.mark.processes, pytest.mark.torch]
 
 MAPPER = """
 import os
