@@ -138,9 +138,9 @@ def test_poison_seq_fails_epoch_after_max_retries(tmp_path, buf_size, path):
             collect(c.epoch(1))
         assert info.value.seq_tag == "seq-5"
         assert "3 workers" in str(info.value)
-        st = c.status()
-        assert st["departures"].get("exited") == 3 and st["local_worker_respawns"] >= 3, st  # each crash counted
+        assert c.status()["departures"].get("exited") == 3  # each crash counted
         srv.wait_workers(2)
+        assert c.status()["local_worker_respawns"] >= 3  # and each dead worker started again
         assert len(collect(c.epoch(2))) == 20
     assert_data_path(read(slog), path)
 
