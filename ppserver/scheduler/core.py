@@ -154,7 +154,8 @@ class Scheduler:
 
     def lanes(self, run_id: int) -> Dict[int, str]:
         """The lanes of a live run that have state of their own, and what each is: "reading",
-        "done", "gone" or "awaited" (its reader has not come, or has left without a successor)."""
+        "done", "gone" or "awaited" (no reader yet). A lane gets state when its reader comes or
+        leaves (jobs.py), so a job's world_size costs nothing by itself."""
         run = self.runs.get(run_id)
         if run is None:
             return {}

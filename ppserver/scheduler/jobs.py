@@ -63,7 +63,9 @@ _LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow
 @dataclass
 class Lane:
     """The lane at `index` of a run (index = rank + subshard * world_size): positions index,
-    index + lanes, ... from index `start` of the lane on."""
+    index + lanes, ... from index `start` of the lane on. Its consumer has taken (`consumed`) no
+    more than it was sent (`delivered`), which is no more than it granted nor than was released
+    from `start` on; between events nothing waits in `ready`."""
 
     index: int
     start: int = 0  # index in the lane of the first seq delivered (the ones before are dropped)
@@ -109,7 +111,8 @@ class Lane:
 
 @dataclass
 class Run:
-    """One epoch of a job (or, `solo`, one rank's resume of it behind the job's main run)."""
+    """One epoch of a job (or, `solo`, one rank's resume of it behind the job's main run). It has a
+    dispatch once the reader set the epoch up (RUNNING), and holds nothing once it ended."""
 
     run: int
     job: Job

@@ -49,7 +49,7 @@ class Partition:
     in_credit: int = 0
     replay_until: int = 0  # inputs j < replay_until come from a replay, not the queue
     replay: Deque[Item] = field(default_factory=deque)  # replayed inputs not yet sent
-    replay_ticket: int = 0  # the replay request whose answer is awaited (0: none)
+    replay_ticket: Optional[int] = None  # the replay request whose answer is awaited, if one is
     eof_sent: bool = False
     outputs: Deque[Tuple[Item, bytes]] = field(default_factory=deque)  # (output, the worker that made it)
     received: int = 0  # outputs received, across restarts
@@ -82,7 +82,7 @@ class Partition:
         self.wid = None
         self.replay_until = self.fed - len(self.queue)
         self.replay.clear()
-        self.replay_ticket = 0
+        self.replay_ticket = None
         self.sent = 0
         self.in_credit = 0
         self.eof_sent = False
@@ -96,7 +96,7 @@ class Partition:
     def replayed(self, ticket: int, items: List[Item]) -> None:
         """Inputs read again, for the replay asked for with `ticket` (else for an earlier owner's)."""
         if ticket == self.replay_ticket and self.wid is not None:
-            self.replay_ticket = 0
+            self.replay_ticket = None
             self.replay.extend(items)
 
     def receive(self, items: List[Item], wid: bytes) -> Tuple[int, bool]:
@@ -116,7 +116,7 @@ class Partition:
     def to_replay(self, partitions: int, buf_size: int) -> List[int]:
         """The positions to read again next, if a replay is due and none is asked for: a chunk
         of what its credit takes (`buf_size` at least)."""
-        if not self.replaying() or self.replay or self.replay_ticket != 0:
+        if not self.replaying() or self.replay or self.replay_ticket is not None:
             return []
         first = self.sent
         count = min(self.replay_until - first, max(self.in_credit, buf_size))
@@ -147,7 +147,7 @@ class Partition:
         if self.done:
             assert self.wid is None and not self.queue and not self.replay, f"{where}: done, yet fed"
         elif self.wid is None:
-            assert self.replay_ticket == 0 and self.in_credit == 0, f"{where}: unowned, yet fed"
+            assert self.replay_ticket is None and self.in_credit == 0, f"{where}: unowned, yet fed"
         else:
             w = workers.get(self.wid)
             assert w is not None and (run, self.index) in w.partitions, f"{where}: not in its owner's set"
@@ -166,7 +166,7 @@ class StreamDispatch(Dispatch):
         self.rr = 0  # the partition whose output the merge takes next
         self.released = 0
         self.complete_frac = 0.0  # the largest released so far: the merge's never decreases
-        self.tickets = 0
+        self.tickets = 0  # replay requests so far (each one's ticket is its number)
         self.read_upto = 0  # positions asked of the reader
         self.late: List[Item] = []  # (stream outputs are never sent directly: none is ever lost)
 

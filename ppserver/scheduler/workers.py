@@ -62,6 +62,9 @@ class InputPath:
 
 @dataclass
 class WorkerState:
+    """A registered worker: it holds at most `capacity` (buf_size) map_seq tasks, and a suspect
+    alone (`isolating`); each task and stream partition it holds is its run's dispatch's too."""
+
     wid: bytes
     host: str
     pid: int
