@@ -146,11 +146,12 @@ def padded(pos: int, n: int) -> protocol.Item:
 
 
 class BatchSim:
-    """A scheduler serving one job that batches; the shorthands of tests/test_scheduler.py."""
+    """A scheduler serving one job that batches; the shorthands of tests/test_scheduler.py (strict,
+    its invariants checked after every event)."""
 
     def __init__(self, world: int = 1, stream: bool = False, buf_size: int = 2):
         settings = Settings(buf_size=buf_size, stream=stream, partitions=1, direct=False)
-        self.s = Scheduler(settings)
+        self.s = Scheduler(settings, strict=True)
         self.now = 0.0
         self.b = Batching(max_seqs=2)
         self.world = world
@@ -158,6 +159,7 @@ class BatchSim:
 
     def __call__(self, event_type, *args, **kw) -> List[Any]:
         out = self.s.handle(event_type(self.now, *args, **kw))
+        self.s.validate()
         self.out += out
         return out
 
@@ -190,7 +192,9 @@ def test_a_batch_travels_as_its_seqs_naming_it_and_batch_j_goes_to_rank_j_mod_wo
     prepares = [i for i in sim.out if type(i).__name__ == "Prepare"]
     assert prepares[0].batching == sim.b  # the reader cuts: positions are batches
     sim(ev.WorkerJoined, b"w", "host", 1)
-    out = sim(ev.InputsRead, run, [batch_input(j, [2 * j, 2 * j + 1]) for j in range(5)])
+    asked = [p for i in sim.out if type(i).__name__ == "Read" for p in i.positions]
+    assert asked == [0, 1, 2, 3]  # the last batch (4) goes to no one (drop_last with 2 ranks): never read
+    out = sim(ev.InputsRead, run, [batch_input(j, [2 * j, 2 * j + 1]) for j in asked])
     tasks = to_workers(out)
     assert [(it.pos, it.batch, it.size) for t in tasks for it in t.items] == [
         (0, 0, 2),
@@ -203,7 +207,7 @@ def test_a_batch_travels_as_its_seqs_naming_it_and_batch_j_goes_to_rank_j_mod_wo
     out = sim(ev.ResultsReceived, b"w", run, [padded(0, 2), padded(1, 2)], [])
     got = {c.consumer: [it.pos for it in c.items] for c in to_clients(out)}
     assert got == {b"r0": [0], b"r1": [1]}
-    for j in (2, 3):  # the last batch (4) goes to no one: drop_last with 2 ranks
+    for j in (2, 3):
         sim(ev.ResultsReceived, b"w", run, [padded(j, 2)], [])
     ends = to_clients(sim.out, protocol.End)
     assert sorted((e.consumer, e.msg.count) for e in ends) == [(b"r0", 2), (b"r1", 2)]  # equal steps

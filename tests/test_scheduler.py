@@ -10,7 +10,7 @@ order, with the bytes the mapper produced.
 from __future__ import annotations
 
 from itertools import zip_longest
-from typing import Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ from ppclient.protocol import BadItem, Item
 from ppserver.scheduler import (
     MAX_READERS,
     Departure,
+    InputPath,
     Instruction,
     Prepare,
     Read,
@@ -83,19 +84,32 @@ def reads(out: Sequence[Instruction]) -> List[int]:
     return [p for i in out if isinstance(i, Read) for p in i.positions]
 
 
+def status(sim: Sim) -> Dict[str, Any]:
+    return sim.s.status(sim.now)
+
+
+def in_flight(sim: Sim) -> Dict[str, int]:
+    """The workers, by name, and the tasks (and stream partitions) each holds, as status says."""
+    return {w["id"]: w["in_flight"] for w in status(sim)["workers"]}
+
+
 class Sim:
-    """A scheduler with a clock and shorthands for the events tests send."""
+    """A scheduler with a clock and shorthands for the events tests send. Strict: every seq's move
+    is checked against its table, and every invariant after every event."""
 
     def __init__(self, **settings_kw):
         self.s = Scheduler(
-            Settings(**{"buf_size": 2, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0, **settings_kw})
+            Settings(**{"buf_size": 2, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0, **settings_kw}),
+            strict=True,
         )
         self.now = 0.0
         self.run = 0
         self.out: List[Instruction] = []
+        self.fed: Set[Tuple[int, int]] = set()  # (run, pos) read
 
     def __call__(self, event_type, *args, **kw) -> List[Instruction]:
         out = self.s.handle(event_type(self.now, *args, **kw))
+        self.s.validate()
         self.out.extend(out)
         return out
 
@@ -122,7 +136,9 @@ class Sim:
         return out
 
     def feed(self, positions, run: Optional[int] = None) -> List[Instruction]:
-        return self(ev.InputsRead, run or self.run, [item(p) for p in positions])
+        run = run or self.run
+        self.fed.update((run, p) for p in positions)
+        return self(ev.InputsRead, run, [item(p) for p in positions])
 
     def results(
         self, wid: bytes, positions, run: Optional[int] = None, bad: Sequence[BadItem] = ()
@@ -159,8 +175,8 @@ def test_heartbeats_and_expiry():
     sim(ev.HeartbeatReceived, b"w1")
     sim.now = 3.5
     sim(ev.Tick)
-    assert set(sim.s.workers) == {b"w1"}  # w2 silent for 3.5 s > 3 s
-    assert sim.s.departures[Departure.LOST] == 1
+    assert set(in_flight(sim)) == {"w1"}  # w2 silent for 3.5 s > 3 s
+    assert status(sim)["departures"] == {Departure.LOST.value: 1}
 
 
 def test_local_worker_exit_is_matched_by_index_and_pid():
@@ -169,10 +185,10 @@ def test_local_worker_exit_is_matched_by_index_and_pid():
     sim.join(b"b", pid=12, local_index=1)
     sim.join(b"remote", pid=11)  # same pid on another host, not ours
     sim(ev.LocalWorkerExited, 0, 99, -9)  # a pid the index no longer has: nothing
-    assert set(sim.s.workers) == {b"a", b"b", b"remote"}
+    assert set(in_flight(sim)) == {"a", "b", "remote"}
     sim(ev.LocalWorkerExited, 0, 11, -9)
-    assert set(sim.s.workers) == {b"b", b"remote"}
-    assert sim.s.departures[Departure.EXITED] == 1
+    assert set(in_flight(sim)) == {"b", "remote"}
+    assert status(sim)["departures"] == {Departure.EXITED.value: 1}
 
 
 def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
@@ -182,10 +198,10 @@ def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
     sim.feed(range(4))
     assert sorted(tasks(sim.out, b"old")) == [0, 1]
     out = sim.join(b"new", pid=7, replaces=b"old")
-    assert set(sim.s.workers) == {b"new"}
-    assert sim.s.departures[Departure.RECONNECTED] == 1
-    assert sorted(tasks(out, b"new")) == [0, 1]  # not suspect: a reset is not a crash
-    assert sim.s.runs[1].dispatch.deaths == {}
+    assert in_flight(sim) == {"new": 2}
+    assert status(sim)["departures"] == {Departure.RECONNECTED.value: 1}
+    assert sorted(tasks(out, b"new")) == [0, 1]  # both at once: not suspects (a reset is not a crash)
+    assert status(sim)["queues"]["suspects"] == 0
 
 
 # ---- map_seq: credits, order, late results ------------------------------------------------------------
@@ -220,7 +236,8 @@ def test_results_leave_in_order_whatever_order_they_arrive_in():
     out = sim.results(second, by_worker[second])
     assert delivered(out) == list(range(8))
     assert client_msgs(out, protocol.End)[0].msg == protocol.End(run=1, count=8)
-    assert StopReading(1) in sim.out and 1 not in sim.s.runs
+    assert StopReading(1) in sim.out and ToWorker(b"w1", protocol.RunClose(run=1)) in out
+    assert status(sim)["state"] == "done"
 
 
 def direct_sim(num_seqs: int) -> Sim:
@@ -243,10 +260,14 @@ def test_direct_results_are_counted_not_sent_and_their_inputs_kept_until_taken()
     assert all(t.msg.to == [CONSUMER] * len(t.items) for t in sent(sim.out, protocol.Tasks))
     out = completed(sim, b"w1", [0, 1, 2, 3])
     assert delivered(out) == []  # the client has them already
-    d = sim.s.runs[sim.run].dispatch
-    assert sorted(d.kept) == [0, 1, 2, 3]
+    assert tasks(out, b"w1") == [4, 5]
+    assert sim.s.held_inputs(sim.run) == [0, 1, 2, 3, 4, 5]  # 4 and 5 in flight, the rest kept
     sim(ev.CreditGranted, CONSUMER, sim.run, 100, 3)  # it took 3
-    assert sorted(d.kept) == [3]
+    assert sim.s.held_inputs(sim.run) == [3, 4, 5]
+    assert sim(ev.MissingReported, CONSUMER, sim.run, 1) == []  # taken: nothing to make again
+    out = sim(ev.MissingReported, CONSUMER, sim.run, 3)
+    (redo,) = sent(out, protocol.Tasks, b"w1")
+    assert [it.pos for it in redo.items] == [3] and redo.msg.to == []  # kept: made again, through the server
 
 
 def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
@@ -255,7 +276,7 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     out = completed(sim, b"w1", [0, 1, 2, 3])
     assert client_msgs(out, protocol.End)[0].msg == protocol.End(run=sim.run, count=4)
     run = sim.run
-    assert run in sim.s.runs  # every seq released, not yet taken: one may still be lost
+    assert sent(sim.out, protocol.RunClose) == []  # every seq released, not yet taken: one may still be lost
     sim(ev.CreditGranted, CONSUMER, run, 100, 2)  # took 0 and 1; 2 never came
     out = sim(ev.MissingReported, CONSUMER, run, 2)
     assert tasks(out, b"w1") == [2]
@@ -267,8 +288,7 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     beat = sim(ev.Tick)
     assert client_msgs(beat, protocol.Keepalive)  # the client still hears the run live
     out = sim(ev.CreditGranted, CONSUMER, run, 100, 4)  # all taken: the run ends
-    assert run not in sim.s.runs
-    assert sent(out, protocol.RunClose, b"w1")
+    assert sent(out, protocol.RunClose, b"w1") and status(sim)["state"] == "done"
 
 
 def test_workers_hear_whether_a_direct_consumer_closed_or_went_silent():
@@ -303,7 +323,7 @@ def test_late_and_duplicate_results_are_dropped():
     assert delivered(out) == [0] and tasks(out, b"fast") == [1]
     out = sim.results(b"fast", [0, 1])  # a late duplicate of 0 with the result of 1
     assert delivered(out) == [1]
-    assert sim.s.last_run.lanes[0].delivered == 2
+    assert delivered(sim.out) == [0, 1] and status(sim)["seqs_delivered"] == 2
 
 
 def test_a_mapper_failure_fails_the_run_only_from_the_task_owner():
@@ -314,7 +334,7 @@ def test_a_mapper_failure_fails_the_run_only_from_the_task_owner():
     sim.feed(range(2))
     owner = {p: w for w in (b"w1", b"w2") for p in tasks(sim.out, w)}
     other = b"w1" if owner[0] == b"w2" else b"w2"
-    assert sim(ev.TaskFailed, other, 1, 0, "s0", "boom", "tb") == [] or 1 in sim.s.runs
+    assert client_msgs(sim(ev.TaskFailed, other, 1, 0, "s0", "boom", "tb"), protocol.RunFailed) == []
     out = sim(ev.TaskFailed, owner[0], 1, 0, "s0", "boom", "tb")
     failed = client_msgs(out, protocol.RunFailed)
     assert [f.msg.seq_tag for f in failed] == ["s0"] and failed[0].msg.failure == "mapper"
@@ -330,11 +350,12 @@ def test_crash_makes_seqs_suspect_and_suspects_run_alone():
     sim.feed(range(8))
     lost = tasks(sim.out, b"w1")
     out = sim(ev.LocalWorkerExited, 0, 1, -9)
-    assert set(sim.s.runs[1].dispatch.deaths) == set(lost)
+    assert status(sim)["queues"]["suspects"] == len(lost) == 4
     assert tasks(out) == []  # w2 is busy: suspects wait for an idle worker
     out = sim.results(b"w2", tasks(sim.out, b"w2"))
-    assert len(tasks(out, b"w2")) == 1  # one suspect, alone
-    assert sim.s.workers[b"w2"].isolating
+    assert tasks(out, b"w2") == lost[:1]  # one suspect, alone
+    out = sim.results(b"w2", lost[:1])
+    assert tasks(out, b"w2") == lost[1:2]  # and the next one, alone again
 
 
 def test_a_seq_that_kills_max_seq_retries_workers_fails_the_run_naming_it():
@@ -356,7 +377,7 @@ def test_departure_is_not_blamed():
     sim.start(2)
     sim.feed(range(2))
     sim(ev.WorkerLeft, b"w1")
-    assert 1 in sim.s.runs and sim.s.runs[1].dispatch.deaths == {}
+    assert status(sim)["state"] == "running" and status(sim)["queues"]["suspects"] == 0
     out = sim.join(b"w2")
     assert tasks(out, b"w2") == [0]
 
@@ -373,7 +394,7 @@ def test_malformed_result_is_redone_on_another_worker_then_fails_after_retries()
     assert tasks(out) == []  # "good" is busy; 0 waits for it rather than going back to "bad"
     out = sim.results(b"good", [1])
     assert tasks(out, b"good") == [0]
-    assert sim.s.malformed_results == 1
+    assert status(sim)["malformed_results"] == 1
     out = sim.results(b"good", [], bad=[BadItem(0, "bytes do not fit")])
     assert client_msgs(out, protocol.RunFailed)[0].msg.message.startswith("seq 's0': 2 malformed results")
 
@@ -386,8 +407,8 @@ def test_undecodable_message_charges_every_seq_its_worker_holds():
     sim.join(b"good")
     assert sorted(tasks(sim.out, b"bad")) == [0, 1] and sorted(tasks(sim.out, b"good")) == [2, 3]
     out = sim(ev.WorkerMessageMalformed, b"bad", "header of 2000122 bytes exceeds 1048576")
-    assert tasks(out) == [] and sim.s.malformed_results == 1  # "good" is busy: 0 and 1 wait for it
-    assert sim.s.workers[b"bad"].tasks == set()
+    assert tasks(out) == [] and status(sim)["malformed_results"] == 1  # "good" is busy: 0 and 1 wait for it
+    assert in_flight(sim)["bad"] == 0
     out = sim.results(b"good", [2, 3])
     assert sorted(tasks(out, b"good")) == [0, 1]
     out = sim.results(b"bad", [0])  # a late result of a seq handed over: dropped
@@ -395,7 +416,8 @@ def test_undecodable_message_charges_every_seq_its_worker_holds():
     out = sim.results(b"good", [0, 1])
     assert delivered(sim.out) == [0, 1, 2, 3]
     assert client_msgs(out, protocol.End)[0].msg.count == 4
-    assert sim(ev.WorkerMessageMalformed, b"good", "junk") == [] and sim.s.malformed_results == 1  # held nothing
+    assert sim(ev.WorkerMessageMalformed, b"good", "junk") == []  # it held nothing
+    assert status(sim)["malformed_results"] == 1
 
 
 def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
@@ -414,14 +436,13 @@ def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_nami
     sim = Sim(buf_size=2, max_seq_retries=3)
     sim.join(b"a")
     sim.start(4)
-    sim.feed([0, 1, 2, 3])
     huge = "x" * 100_000
-    sim.s.runs[sim.run].dispatch.pending[1] = item(1, tag=huge)  # as the reader handed it over
+    sim(ev.InputsRead, sim.run, [item(0), item(1, tag=huge), item(2), item(3)])
     sim.join(b"b")
     assert sorted(tasks(sim.out, b"a")) == [0, 1] and sorted(tasks(sim.out, b"b")) == [2, 3]
     why = "header of 2000076 bytes exceeds 1048576"
     out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
-    assert tasks(out) == [] and sim.s.dropped_by_workers == 1  # "b" is busy: 1 waits for it, not for "a"
+    assert tasks(out) == [] and status(sim)["dropped_by_workers"] == 1  # "b" is busy: 1 waits for it, not "a"
     out = sim.results(b"b", [2, 3])
     assert tasks(out, b"b") == [1]
     out = sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [1], why)
@@ -444,13 +465,13 @@ def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without
     for what in ("route", "consumer_gone", "run_close"):  # they carried no work: nothing to redo
         assert sim(ev.MessageDropped, b"a", what, None, None, [], "junk") == []
     assert sim(ev.MessageDropped, b"a", "tasks", sim.run + 7, None, [0], "junk") == []  # not a live run
-    assert sim.out == before and sim.s.dropped_by_workers == 4
+    assert sim.out == before and status(sim)["dropped_by_workers"] == 4
     sim(ev.MessageDropped, b"a", "", None, None, [], "undecodable header")  # which? everything of "a"
-    assert sim.s.workers[b"a"].tasks == set()
+    assert in_flight(sim)["a"] == 0
     out = sim.results(b"b", [2, 3])
     assert sorted(tasks(out, b"b")) == [0, 1]  # redone on "b"
     sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [], "an item without a position")  # every task of the run
-    assert sim.s.workers[b"b"].tasks == set()
+    assert in_flight(sim)["b"] == 0
     assert sorted(tasks(sim.out, b"a")[-2:]) == [0, 1]
 
 
@@ -491,13 +512,13 @@ def test_new_run_supersedes_the_old_one_once_checked_not_at_request():
     sim.start(10, epoch=1)
     sim.feed(range(4))
     run2, out = sim.request(2, consumer=b"client-2")
-    assert Prepare(run2, 2) in out and 1 in sim.s.runs  # still running while run 2 is checked
+    assert Prepare(run2, 2) in out and StopReading(1) not in sim.out  # still running while run 2 is checked
     sim(ev.CreditGranted, b"client-2", run2, 32)
     out = sim(ev.RunChecked, run2)
     sup = client_msgs(out, protocol.Superseded)
     assert [(s.consumer, s.msg) for s in sup] == [(CONSUMER, protocol.Superseded(run=1, epoch=2))]
     assert StopReading(1) in out and ToWorker(b"w1", protocol.RunClose(run=1)) in out
-    assert sim.s.workers[b"w1"].tasks == set()  # run 1's slots are free for run 2
+    assert in_flight(sim) == {"w1": 0}  # run 1's slots are free for run 2
     out = sim(ev.RunStarted, run2, 2, 5)
     assert client_msgs(out, protocol.Started)[0].msg == protocol.Started(run=run2, num_seqs=5)
     out = sim.results(b"w1", [0, 1], run=1)
@@ -511,7 +532,7 @@ def test_a_refused_request_leaves_the_running_epoch_alone():
     sim.feed(range(4))
     run2, _ = sim.request(2, consumer=b"client-2")
     out = sim(ev.RunRejected, run2, "unknown seq tag 'nope'")
-    assert client_msgs(out, protocol.Superseded) == [] and 1 in sim.s.runs
+    assert client_msgs(out, protocol.Superseded) == [] and StopReading(1) not in sim.out
     assert delivered(sim.results(b"w1", [0, 1], run=1)) == [0, 1]
 
 
@@ -561,15 +582,15 @@ def ranks_sim(
     return sim
 
 
-def finish(sim: Sim, run: int) -> None:
-    """Workers answer every task of `run` and the reader reads its positions, until nothing changes."""
-    fed = sim.__dict__.setdefault("_fed", set())
+def finish(sim: Sim, run: int, count: Optional[int] = None) -> None:
+    """Workers answer every task of `run` and the reader reads its positions (those below `count`,
+    the epoch's inputs, when it said so), until nothing changes."""
     done = sim.__dict__.setdefault("_done", set())
     for _ in range(1000):
         before = len(sim.out)
-        todo = [p for i in sim.out if isinstance(i, Read) and i.run == run for p in i.positions if (run, p) not in fed]
+        asked = [p for i in sim.out if isinstance(i, Read) and i.run == run for p in i.positions]
+        todo = [p for p in asked if (run, p) not in sim.fed and (count is None or p < count)]
         if todo:
-            fed.update((run, p) for p in todo)
             sim.feed(todo, run=run)
         for wid in (b"w1", b"w2"):
             mine = [it.pos for i in sent(sim.out, protocol.Tasks, wid) if i.msg.run == run for it in i.items]
@@ -627,7 +648,7 @@ def test_another_job_is_refused_while_a_client_of_this_one_lives():
     sim.now = 100.0  # r1 went silent long ago (its timeout is 30 s)
     sim(ev.Tick)
     run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
-    assert run is not None and sim.s.job.name == "eval"
+    assert run is not None and status(sim)["job"]["name"] == "eval"
 
 
 def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running_epoch_goes_on():
@@ -637,7 +658,7 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
         run, out = sim.request(1, consumer=b"big", job="big", world_size=world, subshards=parts)
         assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="job"))]
         assert f"above the {MAX_READERS}" in refusal(out) and f"{world * parts} " in refusal(out) + " "
-        assert sim.s.job is None  # nothing was made for it
+        assert status(sim)["job"] is None  # nothing was made for it
     sim.start(8)
     sim.feed(range(4))
     assert delivered(sim.results(b"w1", [0, 1])) == [0, 1]
@@ -645,7 +666,8 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
     run, out = sim.request(1, consumer=b"big", world_size=MAX_READERS * 2)
     assert run is None and len(out) == 1 and f"world_size {MAX_READERS * 2} is above the" in refusal(out)
     assert delivered(sim.results(b"w1", [2, 3])) == [2, 3]
-    assert sim.s.job is not None and sim.s.job.world == 1 and list(sim.s.job.clients) == [CONSUMER]
+    job = status(sim)["job"]
+    assert job["world_size"] == 1 and job["clients"] == 1 and status(sim)["ranks"][0]["rank"] == 0
 
 
 def test_a_job_of_max_readers_has_state_only_for_the_readers_that_came():
@@ -672,20 +694,19 @@ def test_a_job_of_max_readers_has_state_only_for_the_readers_that_came():
     # there, and the reader read a window ahead, not the epoch
     assert delivered(sim.out, b"r0-s0") == [0] and delivered(sim.out, b"r1-s0") == [1]
     assert max(reads(sim.out)) < 64
-    lanes = sim.s.runs[run].lanes
-    assert sorted(lanes) == [0, 1]
+    assert sim.s.lanes(run) == {0: "reading", 1: "reading"}
     sim.now = 1.0
     alive = keepalive_to(sim(ev.Tick), b"r0-s0")
     assert "rank(s) 2, 3, 4, 5, 6, 7, 8, 9 of job 'big' to connect" in alive.waiting_for
     # the last reader of the last rank comes; its lane is the only one more with state
     last = come(world - 1, parts - 1)
-    assert last == run and sorted(lanes) == [0, 1, MAX_READERS - 1]
+    assert last == run and sim.s.lanes(run) == {0: "reading", 1: "reading", MAX_READERS - 1: "reading"}
     # the readers leave: the job's state goes with them, and a job of one reader runs at once
     for consumer in (b"r0-s0", b"r1-s0", b"r%d-s%d" % (world - 1, parts - 1)):
         sim(ev.ConsumerClosed, consumer)
-    assert sorted(lanes) == [0, 1, MAX_READERS - 1] and all(lanes[i].gone for i in lanes)
+    assert sim.s.lanes(run) == {0: "gone", 1: "gone", MAX_READERS - 1: "gone"}
     out = sim.start(4, consumer=b"small", job="small")
-    assert client_msgs(out, protocol.Superseded) == [] and sim.s.job is not None and sim.s.job.name == "small"
+    assert client_msgs(out, protocol.Superseded) == [] and status(sim)["job"]["name"] == "small"
     finish(sim, sim.run)
     assert delivered(sim.out, b"small") == [0, 1, 2, 3]
 
@@ -723,10 +744,10 @@ def test_keepalives_keep_a_busy_client_alive():
         sim.now = float(t)
         sim(ev.ConsumerAlive, b"r0")
         sim(ev.Tick)
-    assert b"r0" in sim.s.job.clients
+    assert status(sim)["job"]["clients"] == 1
     sim.now = 12.5
-    sim(ev.Tick)
-    assert b"r0" not in sim.s.job.clients and sim.s.runs == {}
+    out = sim(ev.Tick)
+    assert status(sim)["job"]["clients"] == 0 and StopReading(1) in out and status(sim)["state"] == "superseded"
 
 
 def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
@@ -737,7 +758,7 @@ def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
     assert delivered(sim.out, b"r0") == [0, 2, 4, 6] and delivered(sim.out, b"r1") == [1, 3, 5]
     assert [i.consumer for i in client_msgs(sim.out, protocol.End)] == [b"r0"]
     run2, out = sim.request(2, consumer=b"r0", job="train", rank=0, world_size=2)
-    assert Prepare(run2, 2) in out and 1 in sim.s.runs  # epoch 1 lives on for rank 1
+    assert Prepare(run2, 2) in out and sim.s.lanes(1) == {0: "done", 1: "reading"}  # epoch 1 lives on for rank 1
     out = sim(ev.RunChecked, run2)
     assert client_msgs(out, protocol.Superseded) == []  # rank 0 had finished epoch 1
     assert StopReading(1) in sim.out  # epoch 1 is read: the reader may set up epoch 2
@@ -747,7 +768,7 @@ def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
     assert "epoch 0 is over" in refusal(out)
     sim(ev.CreditGranted, b"r1", 1, 10)
     finish(sim, 1)
-    assert delivered(sim.out, b"r1") == [1, 3, 5, 7] and 1 not in sim.s.runs
+    assert delivered(sim.out, b"r1") == [1, 3, 5, 7] and ToWorker(b"w1", protocol.RunClose(run=1)) in sim.out
 
 
 def test_resume_at_or_ahead_of_what_was_released_takes_the_lane_over():
@@ -906,7 +927,7 @@ def test_stream_undecodable_message_restarts_the_workers_partitions_elsewhere():
         protocol.StreamClose(run=1, partition=1),
     }
     assert sorted(i.msg.partition for i in sent(out, protocol.StreamOpen, b"good")) == [0, 1]
-    assert sim.s.malformed_results == 1
+    assert status(sim)["malformed_results"] == 1
 
 
 # ---- the property: exactly once, in order ------------------------------------------------------------
@@ -1367,13 +1388,13 @@ def test_an_epoch_whose_count_is_learnt_by_reading(world, drop_last):
     sim.feed(range(7), run=run)
     sim(ev.InputsEnded, run, 7)  # the dataset has 7 seqs
     sim(ev.InputsEnded, run, 9)  # a late, contradicting answer changes nothing: the first end stands
-    finish(sim, run)
+    finish(sim, run, count=7)
     end = 6 if drop_last and world == 2 else 7
     for rank in range(world):
         assert delivered(sim.out, b"r%d" % rank) == list(range(rank, end, world))
     ends = {i.consumer: i.msg.count for i in client_msgs(sim.out, protocol.End)}
     assert ends == {b"r%d" % r: len(range(r, end, world)) for r in range(world)}
-    assert run not in sim.s.runs
+    assert status(sim)["state"] == "done"
 
 
 def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
@@ -1384,10 +1405,10 @@ def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
     assert tasks(sim.out, b"w1") == [0, 1]
     out = sim(ev.InputsLost, b"w1", sim.run, [0, 1], "gone")
     assert tasks(out, b"w1") == [0, 1]  # its slots are free again, the seqs still wanted
-    assert sim.s.lost_inputs == 2
+    assert status(sim)["lost_inputs"] == 2
     assert sim(ev.InputsLost, b"w1", sim.run, [3], "late") == []  # not a task it holds: nothing
     out = sim.results(b"w1", [0, 1])
-    assert delivered(out) == [0, 1] and sim.s.lost_inputs == 2
+    assert delivered(out) == [0, 1] and status(sim)["lost_inputs"] == 2
 
 
 def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_are_ignored():
@@ -1397,27 +1418,27 @@ def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_a
     sim = ranks_sim(2, 8, buf_size=2)
     sim.feed(range(4))
     held = {wid: tasks(sim.out, wid) for wid in (b"w1", b"w2")}
-    d = sim.s.runs[sim.run].dispatch
     rank1 = [p for ps in held.values() for p in ps if p % 2 == 1]
     assert rank1, held
     sim(ev.ConsumerClosed, b"r1")  # rank 1 leaves: its seqs are dropped while in flight
     sim.results(b"w1", [p for p in held.get(b"w1", []) if p % 2 == 0])
     sim.results(b"w2", [p for p in held.get(b"w2", []) if p % 2 == 0])
-    assert set(d.orphans) == set(rank1)  # no rank wants them, but a worker may still read them
+    sim(ev.CreditGranted, b"r0", sim.run, 100, 2)  # rank 0 took its two: their inputs go
+    assert sim.s.held_inputs(sim.run) == sorted(rank1)  # no rank wants them, but a worker may still read them
     pos = rank1[0]
     wid = b"w1" if pos in held.get(b"w1", []) else b"w2"
     out = sim(ev.TaskFailed, wid, sim.run, pos, f"s{pos}", "garbage in", "")
     assert not client_msgs(out, protocol.RunFailed)  # a dropped seq fails nothing
-    assert pos not in d.orphans and sim.s.workers[wid].tasks == {(sim.run, p) for p in rank1[1:] if p in held[wid]}
+    assert sim.s.held_inputs(sim.run) == sorted(rank1[1:])
+    assert in_flight(sim)[wid.decode()] == len([p for p in rank1[1:] if p in held[wid]])
     # the run ends (superseded) with tasks in flight: their inputs stay with their workers
     left = {(w, p) for w, ps in held.items() for p in ps if p in rank1[1:]}
-    sim(ev.ConsumerClosed, b"r0")
-    assert sim.run not in sim.s.runs
-    kept = {(w, it.pos) for w, ws in sim.s.workers.items() for it in ws.retained.get(sim.run, [])}
-    assert kept == left
-    for w in sim.s.workers:
+    out = sim(ev.ConsumerClosed, b"r0")
+    assert StopReading(sim.run) in out and status(sim)["state"] == "superseded"
+    assert sim.s.held_inputs(sim.run) == sorted(p for _, p in left)
+    for w in (b"w1", b"w2"):
         sim(ev.RunDropped, w, sim.run)
-    assert all(not ws.retained for ws in sim.s.workers.values())
+        assert sim.s.held_inputs(sim.run) == sorted(p for v, p in left if v > w)  # the others' still
 
 
 def test_a_seq_whose_input_cannot_be_read_fails_after_max_seq_retries():
@@ -1441,12 +1462,12 @@ def test_how_a_worker_gets_its_inputs_caps_its_batches():
     sim.start(24)
     sim.feed(range(24))
     assert [len(i.items) for i in sent(sim.out, protocol.Tasks)] == [2, 2, 2, 2]  # cut at 16 bytes
-    sim(ev.InputsShared, b"w1", 24)
+    sim(ev.InputsShared, b"w1", InputPath.shared_memory(24))
     out = sim.results(b"w1", [0, 1, 2, 3])
     assert [len(i.items) for i in sent(out, protocol.Tasks)] == [3, 1]  # 24 bytes a message
-    sim(ev.InputsShared, b"w1", float("inf"))
+    sim(ev.InputsShared, b"w1", InputPath.by_address())
     out = sim.results(b"w1", [4, 5, 6, 7])
     assert [len(i.items) for i in sent(out, protocol.Tasks)] == [4]  # half the credit, as always
-    sim(ev.InputsShared, b"w1", None)
+    sim(ev.InputsShared, b"w1", InputPath.message())
     out = sim.results(b"w1", [8, 9, 10, 11])
     assert [len(i.items) for i in sent(out, protocol.Tasks)] == [2, 2]

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ppserver.observe.progress import Sample, Window, progress_line, status_fields
 from ppserver.observe.stages import StageClock
-from ppserver.scheduler import Scheduler
+from ppserver.scheduler import RunState, Scheduler
 
 log = logging.getLogger("ppserver.progress")
 
@@ -49,7 +49,7 @@ class Monitor:
             self.exporter = None
 
     def _running(self) -> Dict[int, int]:
-        return {r.run: r.epoch for r in self.sched.runs.values() if r.state == "running"}
+        return {r.run: r.epoch for r in self.sched.runs.values() if r.state is RunState.RUNNING}
 
     def tick(self, now: float, status: Callable[[], Dict[str, Any]]) -> None:
         """Called by the loop's housekeeping; samples about once a second, logs every interval.

@@ -103,7 +103,7 @@ class Window:
 
 
 def side_of(waiting_for: Optional[str]) -> Optional[str]:
-    """The side a scheduler's holdup word (see Scheduler._holdup) blames."""
+    """The side a scheduler's holdup word (see scheduler.status.holdup) blames."""
     if not waiting_for:
         return None
     if waiting_for.startswith("the dataset"):

@@ -210,7 +210,7 @@ class StageClock:
             found = self._lane(e.run, e.consumer)
             if found is None or not found.direct:
                 return
-            lane = self.taken[key] = DirectLane(found.start, found.rank, self.sched.runs[e.run].width, 0, e.now)
+            lane = self.taken[key] = DirectLane(found.start, found.index, self.sched.runs[e.run].width, 0, e.now)
         since, taken = lane.since, lane.taken
         lane.since = e.now
         consumed = min(e.consumed, taken + RING)  # a client's count is not trusted with memory
@@ -275,7 +275,7 @@ class StageClock:
         if job is None or client is None:
             label = ("", "")
         else:
-            label = (job.name, str(client.rank % job.world))
+            label = (job.name, str(client.lane % job.world))
         if label not in self.delivered and len(self.delivered) >= MAX_SERIES:
             label = ("other", "other")
         slot = self.delivered.setdefault(label, [0, 0])

@@ -1,21 +1,25 @@
 """The scheduler, a pure state machine: `Scheduler.handle(event) -> instructions`.
 
-`events` lists what can happen, `instructions` what the server is asked to do, `core` holds
-workers, the job and delivery, `jobs` the job's runs and their per-rank lanes, `seqs` and
-`streams` the dispatch of the two mapper styles.
+`events` lists what can happen, `instructions` what the server is asked to do. `core` holds the
+event table and the workers; `requests` the job and who reads which run, `runs` a run's life,
+`delivery` the release into the lanes, `status` what it tells, `invariants` what `validate`
+checks. `jobs` holds the job's runs and their per-rank lanes; `dispatch` the one interface of
+the two mapper styles' dispatch, `seqs` (with its states in `seqstates`) and `streams`.
 """
 
 from ppserver.scheduler import events
 from ppserver.scheduler.core import MAX_READERS, Scheduler
+from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
-from ppserver.scheduler.jobs import Job, Lane, Run
+from ppserver.scheduler.jobs import Job, Lane, Run, RunState
 from ppserver.scheduler.settings import Failure, Settings
-from ppserver.scheduler.workers import Departure, WorkerState
+from ppserver.scheduler.workers import Departure, InputPath, InputWay, WorkerState
 
 __all__ = [
     "events",
     "MAX_READERS",
     "Scheduler",
+    "Dispatch",
     "Instruction",
     "Prepare",
     "Read",
@@ -27,8 +31,11 @@ __all__ = [
     "Job",
     "Lane",
     "Run",
+    "RunState",
     "Failure",
     "Settings",
     "Departure",
+    "InputPath",
+    "InputWay",
     "WorkerState",
 ]

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import BadItem, Batch, Item
+from ppserver.scheduler.workers import InputPath
 
 
 @dataclass(slots=True)
@@ -47,11 +48,10 @@ class HeartbeatReceived(WorkerEvent):
 
 @dataclass(slots=True)
 class InputsShared(WorkerEvent):
-    """How the worker gets its inputs changed: `max_bytes` of inputs per task message (None: they
-    travel in the messages again, cut at dispatch_bytes; shared memory: what its segment holds
-    well; reading the server's memory: inf)."""
+    """How the worker gets its inputs changed (in the messages again, in shared memory, or by
+    address in the server's memory): it bounds the input bytes of its task messages."""
 
-    max_bytes: Optional[float] = None
+    path: InputPath = field(default_factory=InputPath)
 
 
 @dataclass(slots=True)

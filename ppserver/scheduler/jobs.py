@@ -23,25 +23,51 @@ not what its world_size says.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import Batch, ConsumerRoute, Item
-from ppserver.datasets.cut import Cutter
+from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import ToClient
-from ppserver.scheduler.seqs import SeqDispatch
-from ppserver.scheduler.streams import StreamDispatch
 
-Dispatch = Union[SeqDispatch, StreamDispatch]
+if TYPE_CHECKING:
+    from ppserver.scheduler.delivery import StreamCut
+
+
+class RunState(enum.Enum):
+    """A run's life (docs/protocol.md, run states): live while preparing or running."""
+
+    PREPARING = "preparing"  # the reader checks the request and sets the epoch up
+    RUNNING = "running"
+    DONE = "done"  # every lane ended (or left, once one had ended)
+    FAILED = "failed"
+    SUPERSEDED = "superseded"  # newer runs took its lanes over, or its readers all left
+
+
+# The moves a run's state may make; an ended run is never live again.
+RUN_MOVES: Dict[RunState, Tuple[RunState, ...]] = {
+    RunState.PREPARING: (RunState.RUNNING, RunState.FAILED, RunState.SUPERSEDED),
+    RunState.RUNNING: (RunState.DONE, RunState.FAILED, RunState.SUPERSEDED),
+    RunState.DONE: (),
+    RunState.FAILED: (),
+    RunState.SUPERSEDED: (),
+}
+
+
+_LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow on the hot path)
 
 
 @dataclass
 class Lane:
-    """Rank `rank`'s part of a run: positions rank, rank + W, ... from index `start` on."""
+    """The lane at `index` of a run (index = rank + subshard * world_size): positions index,
+    index + lanes, ... from index `start` of the lane on. Its consumer has taken (`consumed`) no
+    more than it was sent (`delivered`), which is no more than it granted nor than was released
+    from `start` on; between events nothing waits in `ready`."""
 
-    rank: int  # the lane's index: rank + subshard * world_size
+    index: int
     start: int = 0  # index in the lane of the first seq delivered (the ones before are dropped)
     consumer: Optional[bytes] = None  # the client's data socket; None: the rank has not come (or left)
     gone: bool = False  # the rank left this run (another epoch, a resume elsewhere, dead): drop its seqs
@@ -85,7 +111,8 @@ class Lane:
 
 @dataclass
 class Run:
-    """One epoch of a job (or, `solo`, one rank's resume of it behind the job's main run)."""
+    """One epoch of a job (or, `solo`, one rank's resume of it behind the job's main run). It has a
+    dispatch once the reader set the epoch up (RUNNING), and holds nothing once it ended."""
 
     run: int
     job: Job
@@ -93,7 +120,7 @@ class Run:
     requested: float
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
-    solo: Optional[int] = None  # the rank a solo run serves
+    solo: Optional[int] = None  # the lane a solo run serves
     lanes: Dict[int, Lane] = field(default_factory=dict)  # the lanes with state of their own, by index
     base: int = 0  # where a lane without state of its own is expected to start
     dispatch: Optional[Dispatch] = None  # None while the reader prepares the epoch
@@ -101,15 +128,11 @@ class Run:
     checked: bool = False  # the reader accepted the request
     started: Optional[float] = None
     ended: Optional[float] = None
-    state: str = "preparing"  # preparing, running, done, failed, superseded
+    state: RunState = RunState.PREPARING
     error: Optional[str] = None
     reading_stopped: bool = False
-    complete_frac: float = 0.0  # stream mode: the largest released so far (never decreases)
     group: List[Union[Item, Batch]] = field(default_factory=list)  # stream, drop_last: a group of W not complete
-    cutter: Optional[Cutter] = None  # stream mode, batching: cuts the merged outputs into batches
-    cut: Deque[Batch] = field(default_factory=deque)  # such batches, cut and not yet released
-    uncut: Dict[int, Item] = field(default_factory=dict)  # outputs the cutter holds (a bucket window at most)
-    batches_cut: int = 0
+    cutting: Optional[StreamCut] = None  # stream mode, batching: the merged outputs cut into batches
     total: Optional[int] = None  # outputs of the whole epoch, once known
     held_by: Optional[int] = None  # the lane without room for the next output to release, if one is
 
@@ -120,7 +143,13 @@ class Run:
 
     @property
     def live(self) -> bool:
-        return self.state in ("preparing", "running")
+        return self.state in _LIVE
+
+    def to(self, state: RunState) -> None:
+        """Move the run to `state` (only along RUN_MOVES: an ended run stays ended)."""
+        if state not in RUN_MOVES[self.state]:
+            raise AssertionError(f"run {self.run}: {self.state.value} -> {state.value} is not a move of a run")
+        self.state = state
 
     @property
     def absent_gone(self) -> bool:
@@ -130,7 +159,7 @@ class Run:
     def view(self, index: int) -> Lane:
         """The lane's state; for a lane without state of its own, made up and not kept."""
         lane = self.lanes.get(index)
-        return lane if lane is not None else Lane(rank=index, start=self.base, gone=self.absent_gone)
+        return lane if lane is not None else Lane(index=index, start=self.base, gone=self.absent_gone)
 
     def lane(self, index: int) -> Lane:
         """The lane's state, kept from now on (its reader comes, or it leaves the run)."""
@@ -197,17 +226,21 @@ class Run:
 
     def end(self) -> Optional[int]:
         """The first position no rank gets: with drop_last, the remainder of world_size."""
-        if self.total is None:
+        return self.end_of(self.total)
+
+    def end_of(self, total: Optional[int]) -> Optional[int]:
+        """The first position no rank gets in an epoch of `total` outputs."""
+        if total is None:
             return None
         w = self.job.world
-        return self.total // w * w if self.job.drop_last else self.total
+        return total // w * w if self.job.drop_last else total
 
 
 @dataclass
 class Client:
-    """A client of the job (one data socket, one rank): alive while its keepalives come."""
+    """A client of the job (one data socket, one lane): alive while its keepalives come."""
 
-    rank: int
+    lane: int  # the lane it reads: rank + subshard * world_size
     timeout: float
     alive_at: float
     route: Optional[ConsumerRoute] = None  # how workers reach its direct ROUTER (None: through the server)
@@ -222,10 +255,10 @@ class Job:
     batching: Optional[Batching] = None  # the cut of its epochs (None: seq by seq)
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
-    finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> ranks that finished it (recent ones)
+    finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> lanes that finished it (recent ones)
 
-    def finish(self, epoch: int, rank: int) -> None:
-        self.finished.setdefault(epoch, set()).add(rank)
+    def finish(self, epoch: int, lane: int) -> None:
+        self.finished.setdefault(epoch, set()).add(lane)
         for old in [e for e in self.finished if e < epoch - 2]:
             del self.finished[old]
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from ppclient.protocol import (
     BadItem,
+    Batch,
     FailureKind,
     Item,
     StreamClose,
@@ -26,8 +27,10 @@ from ppclient.protocol import (
     StreamEnd,
     StreamInputs,
     StreamOpen,
+    Tasks,
     short_tag,
 )
+from ppserver.scheduler.dispatch import Dispatch, Room, Workers
 from ppserver.scheduler.instructions import Instruction, Replay, ToWorker
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.workers import WorkerState
@@ -35,6 +38,9 @@ from ppserver.scheduler.workers import WorkerState
 
 @dataclass
 class Partition:
+    """One stream: unowned (no `wid`), owned (inputs go to `wid`, replayed first if it ran
+    elsewhere before), or done."""
+
     index: int
     wid: Optional[bytes] = None  # the owner
     queue: Deque[Item] = field(default_factory=deque)  # new inputs not yet sent
@@ -43,7 +49,7 @@ class Partition:
     in_credit: int = 0
     replay_until: int = 0  # inputs j < replay_until come from a replay, not the queue
     replay: Deque[Item] = field(default_factory=deque)  # replayed inputs not yet sent
-    replay_ticket: int = 0  # the replay request whose answer is awaited (0: none)
+    replay_ticket: Optional[int] = None  # the replay request whose answer is awaited, if one is
     eof_sent: bool = False
     outputs: Deque[Tuple[Item, bytes]] = field(default_factory=deque)  # (output, the worker that made it)
     received: int = 0  # outputs received, across restarts
@@ -56,8 +62,99 @@ class Partition:
     def replaying(self) -> bool:
         return self.sent < self.replay_until
 
+    def open(self, wid: bytes, credit: int) -> None:
+        """Start (again) on `wid`, from the partition's first input."""
+        self.wid = wid
+        self.incarnation += 1
+        self.in_credit = credit
 
-class StreamDispatch:
+    def charge(self) -> int:
+        """A failure charged to the partition (a crash, a malformed output, an input its worker could
+        not take); progress since the last one means that one was not its fault. Returns the count."""
+        if self.received > self.received_at_death:
+            self.deaths = 0
+        self.deaths += 1
+        self.received_at_death = self.received
+        return self.deaths
+
+    def disown(self) -> None:
+        """Its owner is gone or let it down: unowned, to replay what was sent once it runs again."""
+        self.wid = None
+        self.replay_until = self.fed - len(self.queue)
+        self.replay.clear()
+        self.replay_ticket = None
+        self.sent = 0
+        self.in_credit = 0
+        self.eof_sent = False
+
+    def finish(self) -> None:
+        self.done = True
+        self.wid = None
+        self.queue.clear()
+        self.replay.clear()
+
+    def replayed(self, ticket: int, items: List[Item]) -> None:
+        """Inputs read again, for the replay asked for with `ticket` (else for an earlier owner's)."""
+        if ticket == self.replay_ticket and self.wid is not None:
+            self.replay_ticket = None
+            self.replay.extend(items)
+
+    def receive(self, items: List[Item], wid: bytes) -> Tuple[int, bool]:
+        """Outputs of its owner `wid`, in stream order: how many were new, and whether one was
+        missing (a gap: something in between was lost). Duplicates are dropped."""
+        taken = 0
+        for item in items:
+            if item.pos < self.received:
+                continue  # a duplicate of an output already taken
+            if item.pos > self.received:
+                return taken, True
+            self.outputs.append((item, wid))
+            self.received += 1
+            taken += 1
+        return taken, False
+
+    def to_replay(self, partitions: int, buf_size: int) -> List[int]:
+        """The positions to read again next, if a replay is due and none is asked for: a chunk
+        of what its credit takes (`buf_size` at least)."""
+        if not self.replaying() or self.replay or self.replay_ticket is not None:
+            return []
+        first = self.sent
+        count = min(self.replay_until - first, max(self.in_credit, buf_size))
+        return [self.index + j * partitions for j in range(first, first + count)]
+
+    def take(self) -> List[Item]:
+        """The inputs its owner's credit allows: replayed ones first, then new ones."""
+        batch: List[Item] = []
+        while self.in_credit > 0:
+            if self.replaying():
+                if not self.replay:
+                    break
+                item = self.replay.popleft()
+            elif self.queue:
+                item = self.queue.popleft()
+            else:
+                break
+            self.last_tag = item.seq_tag
+            batch.append(item)
+            self.sent += 1
+            self.in_credit -= 1
+        return batch
+
+    def validate(self, run: int, workers: Dict[bytes, WorkerState]) -> None:
+        """Done: no owner, nothing queued. Unowned: fed nothing. Owned: in its owner's set, sent
+        no more than it was fed."""
+        where = f"run {run}, stream partition {self.index}"
+        if self.done:
+            assert self.wid is None and not self.queue and not self.replay, f"{where}: done, yet fed"
+        elif self.wid is None:
+            assert self.replay_ticket is None and self.in_credit == 0, f"{where}: unowned, yet fed"
+        else:
+            w = workers.get(self.wid)
+            assert w is not None and (run, self.index) in w.partitions, f"{where}: not in its owner's set"
+            assert self.sent <= self.fed and self.in_credit >= 0, f"{where}: {self.sent} of {self.fed} sent"
+
+
+class StreamDispatch(Dispatch):
     def __init__(self, run: int, epoch: int, num_seqs: Optional[int], settings: Settings):
         self.run = run
         self.epoch = epoch
@@ -68,13 +165,19 @@ class StreamDispatch:
         self.feed_done = num_seqs == 0
         self.rr = 0  # the partition whose output the merge takes next
         self.released = 0
-        self.tickets = 0
+        self.complete_frac = 0.0  # the largest released so far: the merge's never decreases
+        self.tickets = 0  # replay requests so far (each one's ticket is its number)
         self.read_upto = 0  # positions asked of the reader
+        self.late: List[Item] = []  # (stream outputs are never sent directly: none is ever lost)
+
+    @property
+    def one_output_per_input(self) -> bool:
+        return self.settings.preserves_num_seqs
 
     # ---- inputs ---------------------------------------------------------------------------
-    def add_inputs(self, items: List[Item]) -> None:
+    def add_inputs(self, items: Sequence[Union[Item, Batch]]) -> None:
         n = len(self.parts)
-        for item in items:
+        for item in cast(List[Item], items):  # (never Batches: a stream run's reader does not cut)
             self.fed = max(self.fed, item.pos + 1)
             part = self.parts[item.pos % n]
             part.fed += 1
@@ -82,7 +185,7 @@ class StreamDispatch:
                 part.queue.append(item)
         self.feed_done = self.num_seqs is not None and self.fed >= self.num_seqs
 
-    def inputs_ended(self, count: int) -> None:
+    def inputs_ended(self, count: int, end: Optional[int]) -> None:
         self.num_seqs = count
         self.feed_done = self.fed >= count
 
@@ -116,20 +219,10 @@ class StreamDispatch:
         return all(part.done for part in self.parts)
 
     def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
-        part = self.parts[partition]
-        if ticket != part.replay_ticket or part.wid is None:
-            return  # answers a request of an earlier owner
-        part.replay_ticket = 0
-        part.replay.extend(items)
+        self.parts[partition].replayed(ticket, items)
 
     # ---- workers --------------------------------------------------------------------------
-    def assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
-        """Partitions without an owner go to the workers running the fewest streams."""
-        self._assign(workers, out)
-
-    def worker_lost(
-        self, w: WorkerState, crashed: bool, workers: Dict[bytes, WorkerState], out: List[Instruction]
-    ) -> Optional[Failure]:
+    def worker_lost(self, w: WorkerState, crashed: bool, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
         """`workers` no longer holds `w`; its partitions restart elsewhere."""
         for run, p in sorted(w.partitions):
             if run != self.run or self.parts[p].wid != w.wid:
@@ -148,24 +241,16 @@ class StreamDispatch:
         input the worker could not take), failing the run as `kind` once it has cost too many;
         `what` says what it cost, "{n}" standing for how many times."""
         if counts:
-            if part.received > part.received_at_death:
-                part.deaths = 0  # progress since the last failure: that one was not its fault
-            part.deaths += 1
-            part.received_at_death = part.received
-            if part.deaths >= self.settings.max_seq_retries:
+            n = part.charge()
+            if n >= self.settings.max_seq_retries:
                 tag = short_tag(part.last_tag) or f"partition {part.index}"
-                cost = what.replace("{n}", str(part.deaths))
+                cost = what.replace("{n}", str(n))
                 return Failure(kind, f"stream partition {part.index} (last input {tag!r}) {cost}", seq_tag=tag)
-        part.wid = None
-        part.replay_until = part.fed - len(part.queue)
-        part.replay.clear()
-        part.replay_ticket = 0
-        part.sent = 0
-        part.in_credit = 0
-        part.eof_sent = False
+        part.disown()
         return None
 
-    def _assign(self, workers: Dict[bytes, WorkerState], out: List[Instruction], avoid: Optional[bytes] = None) -> None:
+    def _assign(self, workers: Workers, out: List[Instruction], avoid: Optional[bytes] = None) -> None:
+        """Partitions without an owner go to the workers running the fewest streams."""
         if not workers:
             return
         for part in self.parts:
@@ -173,10 +258,8 @@ class StreamDispatch:
                 continue
             choices = [w for w in workers.values() if w.wid != avoid] or list(workers.values())
             w = min(choices, key=lambda w: (len(w.partitions), w.joined))
-            part.wid = w.wid
-            part.incarnation += 1
+            part.open(w.wid, self.settings.buf_size)
             w.partitions.add((self.run, part.index))
-            part.in_credit = self.settings.buf_size
             out.append(
                 ToWorker(
                     w.wid,
@@ -197,37 +280,30 @@ class StreamDispatch:
         part = self.parts[partition]
         return part if part.wid == w.wid and part.incarnation == incarnation else None
 
-    def acked(self, w: WorkerState, partition: int, incarnation: int, n: int) -> None:
+    def stream_acked(self, w: WorkerState, partition: int, incarnation: int, n: int) -> None:
         part = self.owned(w, partition, incarnation)
         if part is not None:
             part.in_credit += n
 
-    def outputs_received(
+    def stream_outputs(
         self,
         w: WorkerState,
         partition: int,
         incarnation: int,
         items: List[Item],
         bad: List[BadItem],
-        workers: Dict[bytes, WorkerState],
+        workers: Workers,
         out: List[Instruction],
     ) -> Optional[Failure]:
         """Outputs arrive in stream order; a malformed one (or a gap) restarts the partition elsewhere."""
         part = self.owned(w, partition, incarnation)
         if part is None:
             return None
-        broken = bool(bad)
-        for item in items:
-            if item.pos < part.received:
-                continue  # a duplicate of an output already taken
-            if item.pos > part.received or broken:
-                broken = True  # a gap: something in between was lost
-                break
-            part.outputs.append((item, w.wid))
-            part.received += 1
-            w.done += 1
-        if not broken:
-            return None
+        if not bad:  # (a malformed one: none of the message is taken)
+            taken, gap = part.receive(items, w.wid)
+            w.done += taken
+            if not gap:
+                return None
         return self._take_back(w, part, "sent malformed outputs from {n} workers", workers, out)
 
     def _take_back(
@@ -235,7 +311,7 @@ class StreamDispatch:
         w: WorkerState,
         part: Partition,
         what: str,
-        workers: Dict[bytes, WorkerState],
+        workers: Workers,
         out: List[Instruction],
         kind: FailureKind = FailureKind.MAPPER,
     ) -> Optional[Failure]:
@@ -251,81 +327,67 @@ class StreamDispatch:
     def dropped(
         self,
         w: WorkerState,
+        what: str,
+        positions: List[int],
         partition: Optional[int],
         reason: str,
-        workers: Dict[bytes, WorkerState],
+        workers: Workers,
         out: List[Instruction],
     ) -> Optional[Failure]:
         """`w` dropped a message of the partition unread (None: of a partition of this run it runs):
         its stream misses what it carried, so it restarts elsewhere, charged; `max_seq_retries`
         such restarts without progress fail the run naming its last input."""
+        if what == Tasks.kind:
+            return None  # map_seq tasks: nothing of this run
         mine = [p for run, p in sorted(w.partitions) if run == self.run]
         for p in mine if partition is None else [partition]:
             part = self.parts[p] if 0 <= p < len(self.parts) else None
             if part is None or part.wid != w.wid:
                 continue  # not (or no longer) its partition
-            what = f"could not be taken by {{n}} workers ({reason})"
-            failure = self._take_back(w, part, what, workers, out, FailureKind.DATASET)
+            cost = f"could not be taken by {{n}} workers ({reason})"
+            failure = self._take_back(w, part, cost, workers, out, FailureKind.DATASET)
             if failure is not None:
                 return failure
         return None
 
     def malformed_message(
-        self, w: WorkerState, reason: str, workers: Dict[bytes, WorkerState], out: List[Instruction]
+        self, w: WorkerState, reason: str, workers: Workers, out: List[Instruction]
     ) -> Optional[Failure]:
         """A message from `w` did not decode: every partition it runs restarts elsewhere, charged."""
         for run, p in sorted(w.partitions):
             part = self.parts[p] if run == self.run else None
             if part is not None and part.wid == w.wid:
-                failure = self.outputs_received(w, p, part.incarnation, [], [BadItem(None, reason)], workers, out)
+                failure = self.stream_outputs(w, p, part.incarnation, [], [BadItem(None, reason)], workers, out)
                 if failure is not None:
                     return failure
         return None
 
-    def finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
+    def stream_finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
         part = self.owned(w, partition, incarnation)
-        if part is None:
-            return
-        part.done = True
-        part.wid = None
-        part.queue.clear()
-        part.replay.clear()
-        w.partitions.discard((self.run, partition))
+        if part is not None:
+            part.finish()
+            w.partitions.discard((self.run, partition))
+
+    def stream_failed(self, w: WorkerState, partition: int, incarnation: int) -> bool:
+        """A mapper failure fails the run if it comes from the partition's current start."""
+        return self.owned(w, partition, incarnation) is not None
 
     # ---- dispatch -------------------------------------------------------------------------
-    def dispatch(self, workers: Dict[bytes, WorkerState], out: List[Instruction]) -> None:
+    def dispatch(self, workers: Workers, out: List[Instruction]) -> None:
+        """Partitions without an owner get one; owners get the inputs their credit allows, replayed
+        ones first (asked of the reader in chunks), and the end of their stream once all is sent."""
+        self._assign(workers, out)
         n = len(self.parts)
         buf = self.settings.buf_size
         for part in self.parts:
             if part.wid is None:
                 continue
-            if part.replaying() and not part.replay and part.replay_ticket == 0:
-                first = part.sent
-                count = min(part.replay_until - first, max(part.in_credit, buf))
+            replay = part.to_replay(n, buf)
+            if replay:
                 self.tickets += 1
                 part.replay_ticket = self.tickets
-                out.append(
-                    Replay(
-                        self.run,
-                        part.index,
-                        [part.index + j * n for j in range(first, first + count)],
-                        ticket=self.tickets,
-                    )
-                )
-            batch: List[Item] = []
-            while part.in_credit > 0:
-                if part.replaying():
-                    if not part.replay:
-                        break
-                    item = part.replay.popleft()
-                elif part.queue:
-                    item = part.queue.popleft()
-                else:
-                    break
-                part.last_tag = item.seq_tag
-                batch.append(item)
-                part.sent += 1
-                part.in_credit -= 1
+                out.append(Replay(self.run, part.index, replay, ticket=self.tickets))
+            batch = part.take()
             if batch:
                 out.append(ToWorker(part.wid, StreamInputs(run=self.run, partition=part.index), batch))
             if self.feed_done and not part.eof_sent and part.sent >= part.fed and not part.queue:
@@ -333,9 +395,9 @@ class StreamDispatch:
                 out.append(ToWorker(part.wid, StreamEnd(run=self.run, partition=part.index)))
 
     # ---- delivery -------------------------------------------------------------------------
-    def pop_next(self, out: List[Instruction], room: Callable[[int], bool]) -> Optional[Item]:
+    def pop_next(self, out: List[Instruction], room: Room) -> Optional[Item]:
         """The next output of the round-robin merge, once it is known and its rank has room;
-        `item.pos` becomes its position in the epoch."""
+        `item.pos` becomes its position in the epoch, and its complete_frac never goes back."""
         n = len(self.parts)
         for _ in range(n):
             part = self.parts[self.rr]
@@ -344,6 +406,7 @@ class StreamDispatch:
                     return None
                 item, producer = part.outputs.popleft()
                 item.pos = self.released
+                self._clamp(item)
                 if part.wid is not None and producer == part.wid:  # credit only for the owner's outputs
                     out.append(ToWorker(part.wid, StreamCredit(run=self.run, partition=part.index, n=1)))
                 self.rr = (self.rr + 1) % n
@@ -354,12 +417,20 @@ class StreamDispatch:
             self.rr = (self.rr + 1) % n
         return None
 
+    def _clamp(self, item: Item) -> None:
+        cf = item.meta.get("complete_frac")
+        if cf is not None:
+            if cf > self.complete_frac:
+                self.complete_frac = cf
+            elif cf < self.complete_frac:
+                item.meta = {**item.meta, "complete_frac": self.complete_frac}
+
     def total(self) -> Optional[int]:
         if all(part.done and not part.outputs for part in self.parts):
             return self.released
         return None
 
-    def close(self, workers: Dict[bytes, WorkerState]) -> None:
+    def close(self, workers: Workers) -> None:
         for part in self.parts:
             if part.wid is not None and part.wid in workers:
                 workers[part.wid].partitions.discard((self.run, part.index))
@@ -376,3 +447,16 @@ class StreamDispatch:
             "reorder_buffer": sum(len(p.outputs) for p in self.parts),
             "partitions_done": sum(1 for p in self.parts if p.done),
         }
+
+    def holds(self) -> List[int]:
+        return sorted(item.pos for part in self.parts for item in (*part.queue, *part.replay))
+
+    def validate(self, workers: Workers) -> None:
+        """Each partition by itself (Partition.validate); a worker's set holds only partitions of
+        this run it owns."""
+        for part in self.parts:
+            part.validate(self.run, workers)
+        for w in workers.values():
+            for run, p in w.partitions:
+                owner = self.parts[p].wid
+                assert run != self.run or owner == w.wid, f"run {run}: {w.name} holds partition {p}, owned by {owner!r}"

@@ -1,8 +1,9 @@
-"""The scheduler's view of one worker, and why workers leave."""
+"""The scheduler's view of one worker, how it gets its inputs, and why workers leave."""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -21,8 +22,49 @@ class Departure(enum.Enum):
         return self in (Departure.EXITED, Departure.LOST)
 
 
+class InputWay(enum.Enum):
+    """How a worker gets the inputs of its tasks."""
+
+    MESSAGE = "in the message"  # the bytes travel in the task message
+    SHARED_MEMORY = "in shared memory"  # in a block of the worker's segment
+    ADDRESS = "by address"  # the worker reads them in the server's memory
+
+
+@dataclass(frozen=True)
+class InputPath:
+    """How a worker gets its inputs, and so how many input bytes one task message may carry: in
+    the message, `dispatch_bytes` (large seqs gain nothing from batching); in shared memory,
+    what one block of its segment holds well; by address, no bound but the worker's credit."""
+
+    way: InputWay = InputWay.MESSAGE
+    block_bytes: int = 0  # SHARED_MEMORY: the input bytes of one message's block
+
+    @classmethod
+    def message(cls) -> InputPath:
+        return cls(InputWay.MESSAGE)
+
+    @classmethod
+    def shared_memory(cls, block_bytes: int) -> InputPath:
+        return cls(InputWay.SHARED_MEMORY, block_bytes)
+
+    @classmethod
+    def by_address(cls) -> InputPath:
+        return cls(InputWay.ADDRESS)
+
+    def message_bytes(self, dispatch_bytes: int) -> float:
+        """The input bytes of one task message (a message holds at least one task, whatever its size)."""
+        if self.way is InputWay.MESSAGE:
+            return dispatch_bytes
+        if self.way is InputWay.SHARED_MEMORY:
+            return self.block_bytes
+        return math.inf
+
+
 @dataclass
 class WorkerState:
+    """A registered worker: it holds at most `capacity` (buf_size) map_seq tasks, and a suspect
+    alone (`isolating`); each task and stream partition it holds is its run's dispatch's too."""
+
     wid: bytes
     host: str
     pid: int
@@ -34,10 +76,7 @@ class WorkerState:
     partitions: Set[Tuple[int, int]] = field(default_factory=set)  # (run, partition) of streams run here
     done: int = 0
     isolating: bool = False  # runs one suspect seq (or batch) alone, so that a crash names the right seq
-    # bytes of inputs per task message: None, dispatch_bytes (the inputs travel in the message);
-    # else what its way of getting them allows (shared memory: a part of the segment; reading the
-    # server's memory: no limit)
-    input_bytes: Optional[float] = None
+    inputs: InputPath = field(default_factory=InputPath)  # how it gets its inputs
     # inputs of tasks in flight when their run ended, by run: kept until the worker drops the run
     retained: Dict[int, List[Any]] = field(default_factory=dict)
     mapping: Optional[Tuple[int, int, Optional[str]]] = None  # (run, pos, seq_tag) its suspect batch maps now

@@ -37,6 +37,7 @@ from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
+    InputPath,
     Instruction,
     Prepare,
     Read,
@@ -531,7 +532,7 @@ class Server:
                 log.warning("worker %s gets its inputs over the socket from now on", wid.decode(errors="replace"))
                 self.cma_ready.discard(wid)
                 self._drop_segment(wid)
-                self.handle(ev.InputsShared(now, wid, None))
+                self.handle(ev.InputsShared(now, wid, InputPath.message()))
             return ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:500])
         if kind is protocol.RunDropped:
             return ev.RunDropped(now, wid, msg.run)
@@ -590,9 +591,9 @@ class Server:
         )
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
 
-    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> Optional[float]:
-        """How the worker gets its inputs from now on, as bytes per task message (see
-        ev.InputsShared); the segment is kept only where it is of use."""
+    def _on_shm_mapped(self, wid: bytes, msg: protocol.ShmMapped) -> InputPath:
+        """How the worker gets its inputs from now on (see ev.InputsShared); the segment is kept
+        only where it is of use."""
         name = wid.decode(errors="replace")
         segment = self.segments.get(wid)
         if msg.cma:
@@ -600,14 +601,15 @@ class Server:
             log.info("worker %s reads its inputs in the server's memory", name)
             if not self.cfg.is_stream:
                 self._drop_segment(wid)  # tasks name their inputs by address: the segment would sit unused
-                return float("inf")
+                return InputPath.by_address()
         if msg.ok and segment is not None:
             self.shm_ready.add(wid)
-            return float("inf") if msg.cma else segment.capacity / 4  # blocks of a quarter of it fit well
+            # blocks of a quarter of the segment fit well
+            return InputPath.by_address() if msg.cma else InputPath.shared_memory(segment.capacity // 4)
         if segment is not None:
             log.warning("worker %s gets its inputs over the socket: %s", name, msg.reason)
             self._drop_segment(wid)
-        return float("inf") if msg.cma else None
+        return InputPath.by_address() if msg.cma else InputPath.message()
 
     def _drop_segment(self, wid: bytes) -> None:
         self.shm_ready.discard(wid)

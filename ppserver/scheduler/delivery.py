@@ -1,0 +1,300 @@
+"""Delivery: outputs released in epoch order into their lanes, within each rank's credit.
+
+Position i goes to lane i % lanes. The release goes on in epoch order while the next output's
+lane has credit for it (an output no one wants is passed over); a lane without room holds the
+epoch there (`held_by`, which keepalives name). With drop_last and the epoch's count not known
+yet, outputs go out in groups of world_size, so the remainder can still be dropped. A lane's
+released outputs leave at once (`flush`, in messages of max_delivery_batch), a lane whose shard
+is all released ends (`End`), and a run whose lanes have all settled ends too.
+
+map_seq_stream with batching: the merged outputs are cut into batches here (`StreamCut`), one
+bucket window ahead of the lanes' credit at most; the client pads each batch's seqs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple, Union
+
+from ppclient.protocol import Batch, End, Item, Message, Seqs, Started
+from ppserver.datasets.cut import Cutter
+from ppserver.scheduler import events as ev
+from ppserver.scheduler.dispatch import Room
+from ppserver.scheduler.instructions import Instruction, ToClient
+from ppserver.scheduler.jobs import Lane, Run
+
+if TYPE_CHECKING:
+    from ppserver.scheduler.core import Scheduler
+
+log = logging.getLogger("ppserver.scheduler")
+
+MAX_GRANT_AHEAD = 1 << 20  # a client cannot make the server hold more than this many seqs
+
+
+class Delivery:
+    """Releasing, sending and ending, and the credit and word of each lane's client."""
+
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+
+    def deliver(self, run: Run, out: List[Instruction]) -> None:
+        """What the run's outputs allow now: late results, the release, the lanes' messages and ends."""
+        d = run.dispatch
+        assert d is not None
+        if d.late:  # lost direct results made again: they were released
+            for item in d.late:
+                lane = run.lane_of(item.pos)
+                if lane is not None and lane.consumer is not None and not lane.gone:
+                    out.append(ToClient(lane.consumer, Seqs(run=run.run), [item]))
+            d.late.clear()
+        self._release(run, out)
+        batch = self.s.settings.max_delivery_batch
+        for lane in run.lanes.values():
+            if lane.ready:
+                self.s.total_delivered += flush(run.run, lane, batch, out)
+        self._finish_lanes(run, out)
+
+    def started(self, run: Run, lane: Lane) -> Started:
+        size = run.shard_size(lane.index)
+        batching = run.job.batching
+        return Started(
+            run=run.run,
+            num_seqs=None if size is None else max(size - lane.start, 0),
+            fingerprint=self.s.settings.fingerprint,
+            batching=None if batching is None else batching.to_dict(),
+        )
+
+    # ---- the release ------------------------------------------------------------------------
+    @staticmethod
+    def _room(run: Run) -> Room:
+        """Whether the output at a position may be released now (outputs no one wants always may:
+        they are dropped)."""
+        width = run.width
+        lanes = run.lanes
+        group = run.group
+        absent_gone, base = run.absent_gone, run.base
+
+        def room(pos: int) -> bool:
+            lane = lanes.get(pos % width)
+            if lane is None:  # its reader has not come
+                if absent_gone or pos // width < base:
+                    return True
+                run.held_by = pos % width
+                return False
+            if lane.gone or pos // width < lane.start:
+                return True
+            run.held_by = lane.index  # (until it has room: then the release goes on past it)
+            if lane.consumer is None:
+                return False  # the rank has not come yet: its seqs wait (and so does the epoch)
+            waiting = len(lane.ready)
+            if group:
+                waiting += sum(1 for it in group if it.pos % width == lane.index)
+            if lane.credit - waiting > 0:
+                run.held_by = None
+                return True
+            return False
+
+        return room
+
+    def _release(self, run: Run, out: List[Instruction]) -> None:
+        """Move outputs in epoch order into their ranks' lanes, as far as their credit allows."""
+        d = run.dispatch
+        assert d is not None
+        room = self._room(run)
+        run.held_by = None
+        world = run.job.world  # drop_last works in groups of the ranks
+        # with drop_last and the count not known yet, a group of W goes out only once complete
+        hold = run.job.drop_last and world > 1 and run.total is None
+        end = run.end()
+        while True:
+            item: Optional[Union[Item, Batch]]
+            if run.cutting is not None:
+                item = self._pop_batch(run, out, room)
+            else:
+                item = d.pop_next(out, room)
+            if item is None:
+                break
+            if hold:
+                run.group.append(item)
+                if len(run.group) == world:
+                    for it in run.group:
+                        _to_ready(run, it, end)
+                    run.group.clear()
+            else:
+                _to_ready(run, item, end)
+        if run.total is None and run.cutting is None:
+            run.total = d.total()
+        if run.total is not None and run.group:
+            end = run.end()
+            for it in run.group:  # the epoch's count is known: the group is in end() or dropped
+                _to_ready(run, it, end)
+            run.group.clear()
+
+    @staticmethod
+    def _pop_batch(run: Run, out: List[Instruction], room: Room) -> Optional[Batch]:
+        """The next batch cut from the merged outputs, if its lane has room. Outputs are taken (in
+        merged order) only while no cut batch waits, so the run holds at most one bucket window
+        of them beyond what the lanes' credit allows."""
+        d, cutting = run.dispatch, run.cutting
+        assert d is not None and cutting is not None
+        while not cutting.cut:
+            item = d.pop_next(out, lambda pos: True)
+            if item is None:
+                if run.total is None and d.total() is not None:  # every output is out: cut the rest
+                    run.total = cutting.finish()
+                    continue
+                return None
+            cutting.add(item)
+        if not room(cutting.cut[0].pos):
+            return None
+        return cutting.cut.popleft()
+
+    # ---- the lanes ----------------------------------------------------------------------------
+    def _finish_lanes(self, run: Run, out: List[Instruction]) -> None:
+        job = run.job
+        for lane in run.lanes.values():
+            if lane.done or lane.gone or lane.consumer is None:
+                continue
+            size = run.shard_size(lane.index)
+            if size is not None and not lane.ready and max(lane.released, lane.start) >= size:
+                lane.done = True
+                job.finish(run.epoch, lane.index)
+                to_lane(lane, End(run=run.run, count=lane.delivered), out)
+                unit = "batches" if job.batching is not None else "seqs"
+                who = job.who(lane.index)
+                log.info(
+                    "%s of job %r finished epoch %d (run %d): %d %s",
+                    who,
+                    job.name,
+                    run.epoch,
+                    run.run,
+                    lane.delivered,
+                    unit,
+                )
+        self.s.lifecycle.check_finished(run, out)
+
+    def lane_of(self, consumer: bytes, run_id: int) -> Optional[Tuple[Run, Lane]]:
+        """The consumer's lane in the run (live, or ended with last words it has not heard yet)."""
+        run = self.s.runs.get(run_id)
+        if run is not None:
+            for lane in run.lanes.values():
+                if lane.consumer == consumer:
+                    return run, lane
+        return self.s.unheard.pop((run_id, consumer), None)  # keyed by consumer: a stranger pops nothing
+
+    def credit(self, e: ev.CreditGranted, out: List[Instruction]) -> None:
+        found = self.lane_of(e.consumer, e.run)
+        if found is None:
+            return
+        run, lane = found
+        self.s.requests.alive(ev.ConsumerAlive(e.now, e.consumer), out)
+        lane.granted = max(lane.granted, min(e.total, lane.delivered + MAX_GRANT_AHEAD))
+        if e.consumed > lane.consumed:
+            lane.consumed = min(e.consumed, lane.delivered)
+            if run.dispatch is not None:
+                run.dispatch.forget(lane.index, lane.start + lane.consumed)
+            if lane.done:
+                self.s.lifecycle.check_finished(run, out)
+        if not lane.connected:
+            lane.connected = True
+            out.extend(lane.held)
+            lane.held.clear()
+
+    def missing(self, e: ev.MissingReported, out: List[Instruction]) -> None:
+        found = self.lane_of(e.consumer, e.run)
+        if found is None:
+            return
+        run, lane = found
+        if run.lane_of(e.pos) is lane and run.dispatch is not None and run.dispatch.redo_lost(e.pos):
+            self.s.lost_direct += 1
+            log.warning(
+                "%s of job %r did not get seq %d of epoch %d sent to it directly: made again, sent by the server",
+                run.job.who(lane.index),
+                run.job.name,
+                e.pos,
+                run.epoch,
+            )
+
+
+def to_lane(lane: Lane, msg: Message, out: List[Instruction]) -> None:
+    """A message to the lane's client; held until its data socket is known to reach us."""
+    if lane.consumer is None:
+        return
+    instr = ToClient(lane.consumer, msg)
+    if lane.connected:
+        out.append(instr)
+    else:
+        lane.held.append(instr)
+
+
+def flush(run: int, lane: Lane, batch: int, out: List[Instruction]) -> int:
+    """Send the lane's released outputs, `batch` a message; returns the seqs they hold."""
+    seqs = 0
+    while lane.ready:
+        items = [lane.ready.popleft() for _ in range(min(batch, len(lane.ready)))]
+        lane.delivered += len(items)
+        lane.delivered_bytes += sum(i.nbytes for i in items)
+        seqs += sum(i.seqs for i in items)
+        sent: List[Item] = []
+        for i in items:
+            if isinstance(i, Batch):
+                sent += i.items  # cut, not padded: the seqs name their batch, the client pads them
+            elif not i.direct:  # direct ones are at the consumer already
+                sent.append(i)
+        if sent:
+            out.append(ToClient(lane.consumer, Seqs(run=run), sent))  # type: ignore[arg-type]
+    return seqs
+
+
+def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:
+    """Into its rank's lane (`end`: run.end(), passed in: this runs once per seq)."""
+    width = run.job.lanes
+    lane = run.lanes.get(item.pos % width)
+    if lane is None:
+        return  # its reader has not come: only outputs no one wants are released for it
+    index = item.pos // width
+    if index >= lane.released:
+        lane.released = index + 1
+    if lane.gone or index < lane.start or (end is not None and item.pos >= end):
+        return  # no one wants it
+    lane.ready.append(item)
+
+
+class StreamCut:
+    """The merged outputs of a map_seq_stream run that batches, cut into batches in merged order."""
+
+    def __init__(self, cutter: Cutter, length_key: Optional[str]):
+        self.cutter = cutter
+        self.length_key = length_key
+        self.cut: Deque[Batch] = deque()  # cut and not yet released
+        self.uncut: Dict[int, Item] = {}  # outputs the cutter holds (a bucket window at most)
+        self.count = 0  # batches cut
+
+    def add(self, item: Item) -> None:
+        self.uncut[item.pos] = item
+        self._batches(self.cutter.add(item.pos, _length(item, self.length_key)))
+
+    def finish(self) -> int:
+        """Every output is in: cut the rest. Returns the epoch's batches."""
+        self._batches(self.cutter.finish())
+        return self.cutter.count
+
+    def _batches(self, cut: List[List[int]]) -> None:
+        for positions in cut:
+            items = [self.uncut.pop(p) for p in positions]
+            for item in items:
+                item.batch, item.size = self.count, len(items)
+            self.cut.append(Batch(self.count, items))
+            self.count += 1
+
+
+def _length(item: Item, key: Optional[str]) -> int:
+    """An output's length for the cut: the first axis of its `key` (None: `data`, else its first array)."""
+    for name, _, shape in item.arrays:
+        if name == key or (key is None and name == "data"):
+            return shape[0] if shape else 1
+    if key is None and item.arrays:
+        shape = item.arrays[0][2]
+        return shape[0] if shape else 1
+    return 1

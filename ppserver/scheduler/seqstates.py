@@ -1,0 +1,289 @@
+"""The states of a map_seq position, the moves between them, and what each one holds.
+
+A position of a map_seq run is in exactly one state (SeqTable.state) while the run holds
+anything of it; what goes with the state (its input, its worker, its result, its charges)
+sits in dicts keyed by position, and SeqTable._to keeps them in step with it:
+
+    (none) ─asked─► ASKED ─input read─► QUEUED ─sent─► RUNNING ─result─► READY ─released─► (none)
+    RUNNING ─worker lost, malformed result, input unreadable, task dropped unread─► QUEUED
+    ASKED, QUEUED, READY ─no rank wants it any more─► (none)
+    RUNNING ─no rank wants it any more─► ORPHAN ─settled─► (none)
+    (none) ─its released direct result was lost─► REDO ─sent─► REDOING ─result─► (none)
+    REDOING ─worker lost, ...─► REDO
+
+A released direct result's input stays in `KeptInputs` (not a state: a redo starts from it)
+until its consumer has taken the seq.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, FrozenSet, List, Literal, Optional, Set, Union
+
+from ppclient.protocol import Batch, Item
+from ppserver.scheduler.workers import WorkerState
+
+Input = Union[Item, Batch]
+
+
+class Seq(enum.IntEnum):
+    """The state of a position of a map_seq run. (An IntEnum: it hashes as fast as an int, and
+    the hot path asks which set a state is in.)"""
+
+    ASKED = 1  # asked of the reader; its input has not come
+    QUEUED = 2  # its input is here; it waits for a worker (in the todo heap)
+    RUNNING = 3  # a worker maps it
+    READY = 4  # its result waits for its turn in epoch order
+    ORPHAN = 5  # no rank wants it, but a worker still maps it: its input stays until then
+    REDO = 6  # a released direct result its consumer never got, to be made again (todo heap)
+    REDOING = 7  # such a seq on a worker; its result goes through the server
+
+
+ASKED, QUEUED, RUNNING, READY, ORPHAN, REDO, REDOING = Seq  # (the enum's own lookup is slow on the hot path)
+
+# The moves a position may make (None: not held).
+MOVES: Dict[Optional[Seq], FrozenSet[Optional[Seq]]] = {
+    None: frozenset({ASKED, REDO}),
+    ASKED: frozenset({QUEUED, None}),
+    QUEUED: frozenset({RUNNING, None}),
+    RUNNING: frozenset({READY, QUEUED, ORPHAN}),
+    READY: frozenset({None}),
+    ORPHAN: frozenset({None}),
+    REDO: frozenset({REDOING}),
+    REDOING: frozenset({REDO, None}),
+}
+OPEN = frozenset({ASKED, QUEUED, RUNNING, READY})  # asked, and neither released nor dropped yet
+WITH_INPUT = frozenset({QUEUED, RUNNING, ORPHAN, REDO, REDOING})
+ON_WORKER = frozenset({RUNNING, ORPHAN, REDOING})
+TO_SEND = frozenset({QUEUED, REDO})
+CHARGEABLE = frozenset({QUEUED, RUNNING, REDO, REDOING})  # to be done still
+
+
+Charge = Literal["deaths", "malformed", "unreadable", "refused"]  # a field of Charges
+
+
+@dataclass
+class Charges:
+    """What a seq has cost: crashes of workers that held it (it is a suspect from the first on),
+    malformed results, workers that could not read its input, workers that dropped its task
+    unread; and the worker it goes to last, if others can take it (the one that let it down)."""
+
+    deaths: int = 0
+    malformed: int = 0
+    unreadable: int = 0
+    refused: int = 0
+    avoid: Optional[bytes] = None
+
+
+class KeptInputs:
+    """The inputs of direct results, kept until their consumer has taken the seq: one lost on
+    its way is made again from it. Each lane's positions are forgotten in order."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.inputs: Dict[int, Input] = {}
+        self.order: Dict[int, Deque[int]] = {}  # lane -> its kept positions, in order
+
+    def keep(self, pos: int, item: Input) -> None:
+        self.inputs[pos] = item
+        self.order.setdefault(pos % self.width, deque()).append(pos)
+
+    def get(self, pos: int) -> Optional[Input]:
+        return self.inputs.get(pos)
+
+    def forget(self, lane: int, upto: int) -> None:
+        """The consumer of `lane` has taken its seqs below index `upto` of the lane."""
+        order = self.order.get(lane)
+        while order and order[0] // self.width < upto:
+            self.inputs.pop(order.popleft(), None)
+
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.order.clear()
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+
+class SeqTable:
+    """The positions a map_seq run holds: each one's state, and what goes with it. `_to` moves a
+    state and what goes with it; the three moves of every seq that carry nothing along (asked,
+    sent, released) are written in place on the hot path. With `strict`, every move is checked
+    against MOVES."""
+
+    def __init__(self, run: int, width: int, strict: bool, first: int, end: Optional[int]):
+        self.run = run
+        self.strict = strict
+        # the window: positions from next_out (the next to release) up to read_next (the next to
+        # consider reading) may be open; none from `end` on (drop_last; None: not known yet)
+        self.next_out = first
+        self.read_next = first
+        self.end = end
+        self.awaiting = 0  # positions asked of the reader whose answer has not come
+        self.state: Dict[int, Seq] = {}
+        self.inputs: Dict[int, Input] = {}  # of positions QUEUED, RUNNING, ORPHAN, REDO, REDOING
+        self.worker: Dict[int, bytes] = {}  # of positions RUNNING, ORPHAN, REDOING: the worker mapping it
+        self.results: Dict[int, Item] = {}  # of positions READY
+        self.charges: Dict[int, Charges] = {}  # of positions charged since they last settled
+        self.todo: List[int] = []  # heap of QUEUED and REDO positions (and stale entries): lowest first
+        self.open = 0  # positions asked for and neither released nor dropped (states in OPEN)
+        self.kept = KeptInputs(width)
+
+    def _to(self, pos: int, new: Optional[Seq], w: Optional[WorkerState] = None) -> None:
+        """Move the seq at `pos` to `new` (None: the run holds nothing of it any more), off its
+        worker `w` if given (the slot is free). What goes with the state follows: one to send is
+        queued; one done for good (READY, gone) drops its input and charges, an ORPHAN its charges."""
+        if self.strict:
+            self._check_move(pos, new, w)
+        if w is not None:
+            del self.worker[pos]
+            w.tasks.discard((self.run, pos))
+            if not w.tasks:
+                w.isolating = False
+        if new is None:
+            del self.state[pos]
+            self.inputs.pop(pos, None)
+            self.results.pop(pos, None)
+            self.charges.pop(pos, None)
+            return
+        self.state[pos] = new
+        if new is QUEUED or new is REDO:
+            heapq.heappush(self.todo, pos)
+        elif new is READY:
+            del self.inputs[pos]
+            self.charges.pop(pos, None)
+        elif new is ORPHAN:
+            self.charges.pop(pos, None)
+
+    def _check_move(self, pos: int, new: Optional[Seq], w: Optional[WorkerState]) -> None:
+        old = self.state.get(pos)
+        if new not in MOVES[old]:
+            raise AssertionError(f"run {self.run}, seq at {pos}: {_name(old)} -> {_name(new)} is not a move")
+        off = old in ON_WORKER and new not in ON_WORKER
+        if (w is not None) != off or (w is not None and self.worker.get(pos) != w.wid):
+            raise AssertionError(f"run {self.run}, seq at {pos}: {_name(old)} -> {_name(new)} off worker {w}")
+
+    def _drop(self, pos: int) -> None:
+        """No rank wants the seq any more (it was asked for, not yet released): forgotten; a task in
+        flight keeps its worker's slot, and its input, until it is settled."""
+        self.open -= 1
+        self._to(pos, ORPHAN if self.state[pos] is RUNNING else None)
+
+    def _take_back(
+        self, w: WorkerState, pos: int, charge: Optional[Charge] = None, avoid: bool = False
+    ) -> Optional[int]:
+        """Take the task at `pos` back from `w`, which maps it now (else its word is late): to the
+        queue if the seq is still wanted (a redo of a lost result stays one), charged with
+        `charge` (a field of Charges) and, `avoid`, to go to another worker if there is one.
+        Returns how many such charges the seq has (0: none counted), or None if nothing went back."""
+        if not self._mine(w, pos):
+            return None
+        if self.state[pos] is ORPHAN:
+            self._to(pos, None, w)  # no rank wants it: nothing to redo
+            return None
+        self._to(pos, QUEUED if self.state[pos] is RUNNING else REDO, w)
+        if charge is None:
+            return 0
+        charges = self.charges.get(pos)
+        if charges is None:
+            charges = self.charges[pos] = Charges()
+        n = getattr(charges, charge) + 1
+        setattr(charges, charge, n)
+        if avoid:
+            charges.avoid = w.wid
+        return n
+
+    def _mine(self, w: WorkerState, pos: int) -> bool:
+        """Whether `w` maps the seq at `pos` now (else its word about it is late, or a duplicate)."""
+        return self.worker.get(pos) == w.wid
+
+    def reading_done(self) -> bool:
+        """Everything wanted has been read: the reader may move on to another epoch."""
+        return self.end is not None and self.read_next >= self.end and self.awaiting == 0
+
+    def forget(self, lane: int, upto: int) -> None:
+        """The consumer of `lane` has taken its outputs below index `upto` of the lane."""
+        self.kept.forget(lane, upto)
+
+    def redo_lost(self, pos: int) -> bool:
+        """A released direct result its consumer never got: made again from its kept input, to go
+        through the server. False if there is nothing to redo (not released, or not kept)."""
+        item = self.kept.get(pos)
+        if item is None or pos in self.state:
+            return False
+        self.inputs[pos] = item
+        self._to(pos, REDO)
+        return True
+
+    def close(self, workers: Dict[bytes, WorkerState]) -> None:
+        """Forget everything of the run (it ended); workers' slots are freed. The inputs of tasks in
+        flight stay with their workers until each says it dropped the run (`run_dropped`): one
+        reading the server's memory may not have read them yet."""
+        for pos, wid in self.worker.items():
+            w = workers.get(wid)
+            if w is not None:
+                w.tasks.discard((self.run, pos))
+                if not w.tasks:
+                    w.isolating = False
+                w.retained.setdefault(self.run, []).append(self.inputs[pos])
+        for held in (self.state, self.inputs, self.worker, self.results, self.charges):
+            held.clear()
+        self.todo.clear()
+        self.kept.clear()
+        self.open = 0
+
+    def holds(self) -> List[int]:
+        return sorted(set(self.inputs) | set(self.kept.inputs))
+
+    def validate(self, workers: Dict[bytes, WorkerState]) -> None:
+        """Each position held is in one state, holds what that state says and nothing else, and
+        lies where that state says: an open one in the window, a redo behind it; the reader owes
+        every one asked for; a task's worker lists it, and lists no other of this run."""
+        where = f"run {self.run}"
+        by_state: Dict[Seq, Set[int]] = {state: set() for state in Seq}
+        for pos, state in self.state.items():
+            by_state[state].add(pos)
+
+        def in_states(states: FrozenSet[Seq]) -> Set[int]:
+            return {pos for state in states for pos in by_state[state]}
+
+        for name, held, states in [
+            ("inputs", set(self.inputs), WITH_INPUT),
+            ("workers", set(self.worker), ON_WORKER),
+            ("results", set(self.results), frozenset({READY})),
+        ]:
+            want = in_states(states)
+            assert held == want, f"{where}: {name} held for {sorted(held ^ want)}, against their states"
+        stray = set(self.charges) - in_states(CHARGEABLE)
+        assert not stray, f"{where}: charges of seqs settled for good: {sorted(stray)}"
+        unqueued = in_states(TO_SEND) - set(self.todo)
+        assert not unqueued, f"{where}: seqs to send missing from the queue: {sorted(unqueued)}"
+        opened = in_states(OPEN)
+        assert self.open == len(opened), f"{where}: {self.open} open seqs counted, {len(opened)} held"
+        if opened:
+            window = f"{where}: seqs {min(opened)}..{max(opened)} open, the window {self.next_out}..{self.read_next}"
+            assert self.next_out <= min(opened) and max(opened) < self.read_next, window
+            assert self.end is None or max(opened) < self.end, f"{window}, the end {self.end}"
+        asked = len(by_state[ASKED])
+        assert self.awaiting >= asked, f"{where}: {asked} seqs asked for, {self.awaiting} owed by the reader"
+        redone = in_states(frozenset({REDO, REDOING}))
+        assert all(pos < self.next_out for pos in redone), f"{where}: seqs {sorted(redone)} redone, not released"
+        ordered = {pos for order in self.kept.order.values() for pos in order}
+        assert set(self.kept.inputs) <= ordered, f"{where}: kept inputs its lanes do not list"
+        kept_in = {self.state.get(pos) for pos in self.kept.inputs} - {None, READY, REDO, REDOING}
+        assert not kept_in, f"{where}: inputs kept for consumers of seqs {sorted(map(_name, kept_in))}"
+        for pos, wid in self.worker.items():
+            w = workers.get(wid)
+            assert w is not None and (self.run, pos) in w.tasks, f"{where}: seq {pos} on {wid!r}, not in its tasks"
+        for w in workers.values():
+            for run, pos in w.tasks:
+                assert run != self.run or self.worker.get(pos) == w.wid, (
+                    f"{where}: {w.name} holds seq {pos}, not its own"
+                )
+
+
+def _name(state: Optional[Seq]) -> str:
+    return "none" if state is None else state.name.lower()
