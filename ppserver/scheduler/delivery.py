@@ -161,7 +161,7 @@ class Delivery:
                 lane.done = True
                 job.finish(run.epoch, lane.index)
                 to_lane(lane, End(run=run.run, count=lane.delivered), out)
-                unit = "batches" if job.batching is not None else "seqs"
+                unit = job.units
                 who = job.who(lane.index)
                 log.info(
                     "%s of job %r finished epoch %d (run %d): %d %s",

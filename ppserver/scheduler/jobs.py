@@ -281,6 +281,15 @@ class Job:
         return f"rank {rank}" if self.subshards == 1 else f"rank {rank} (reader {part} of {self.subshards})"
 
     @property
+    def unit(self) -> str:
+        """What its positions are, in words: seqs, or the batches its epochs are cut into."""
+        return "batch" if self.batching is not None else "seq"
+
+    @property
+    def units(self) -> str:
+        return "batches" if self.batching is not None else "seqs"
+
+    @property
     def key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
         return (self.name, self.world, self.drop_last, self.subshards, self.batching)
 

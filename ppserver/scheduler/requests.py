@@ -87,11 +87,12 @@ class Requests:
         lane.direct = client.route is not None
         who = run.job.who(e.lane)
         log.info(
-            "%s of job %r reads epoch %d (run %d) from seq %d of its shard",
+            "%s of job %r reads epoch %d (run %d) from %s %d of its shard",
             who,
             run.job.name,
             run.epoch,
             run.run,
+            run.job.unit,
             e.start,
         )
         if run.checked:
@@ -124,11 +125,12 @@ class Requests:
         out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, None if self.s.settings.stream else job.batching))
         if solo is not None:
             log.info(
-                "%s of job %r resumes epoch %d at seq %d of its shard, behind the job's run: "
+                "%s of job %r resumes epoch %d at %s %d of its shard, behind the job's run: "
                 "run %d reads and maps its shard again",
                 job.who(solo),
                 job.name,
                 e.epoch,
+                job.unit,
                 e.start,
                 run.run,
             )

@@ -158,7 +158,7 @@ class Lifecycle:
         if state is RunState.DONE:
             elapsed = max(self.s.now - (run.started or run.requested), 1e-9)
             delivered = sum(lane.delivered for lane in run.lanes.values())
-            unit = "batches" if run.job.batching is not None else "seqs"
+            unit = run.job.units
             rate = delivered / elapsed
             log.info(
                 "epoch %d (run %d) done: %d %s in %.2f s (%.1f %s/s)",
