@@ -25,6 +25,7 @@ class Inbox:
         self.data: Optional[zmq.Socket] = None  # the DEALER the server sends an epoch's messages to
         self.results: Optional[DirectResults] = None  # and the workers' results, once bound
         self._poller: Optional[zmq.Poller] = None
+        self._flip = False  # which socket is read first next time
 
     def open(self, run: int) -> None:
         """Keep `run`'s messages from now on."""
@@ -54,7 +55,10 @@ class Inbox:
                     ready = (data,) if data.poll(int(left * 1000) + 1) else ()
                 else:
                     ready = dict(self._poll(data, direct, int(left * 1000) + 1))
-            for sock in (data, direct):
+            # in turn, so that neither starves the other: a worker's hello waits in the result
+            # socket while the server's messages keep coming, and its results go the slow way
+            self._flip = not self._flip
+            for sock in (direct, data) if self._flip else (data, direct):
                 if sock is None or sock not in ready:
                     continue
                 decoded = self._recv(sock, sock is data)
