@@ -397,8 +397,48 @@ def test_fingerprint_covers_local_modules_not_paths(tmp_path, reach):
     fp = fresh_fingerprint(a)
     assert fresh_fingerprint(b) == fp  # same files in another folder
     with open(os.path.join(tmp_path, "b", REACH[reach][1]), "a") as f:
-        f.write("# edited\n")
+        f.write("EDITED = 1\n")  # code: a comment would not count (see the test below)
     assert fresh_fingerprint(b) != fp
+
+
+# Edits that change how a module reads, not what it does (and below, one that changes what it does).
+REWORDED_DEEP = '''"""Doubles a seq's data."""
+
+
+def scale(seq):  # in place
+    """The seq, its data doubled."""
+    seq["data"] = seq["data"]*2
+
+    return seq
+# the end
+'''
+
+
+@pytest.mark.processes
+def test_fingerprint_counts_code_not_comments_docstrings_or_layout(tmp_path):
+    cfg = helper_dir(str(tmp_path / "a"), "transitive")
+    fp = fresh_fingerprint(cfg)
+    folder = os.path.dirname(cfg)
+    with open(os.path.join(folder, "fp_deep.py"), "w") as f:
+        f.write(REWORDED_DEEP)
+    with open(cfg, "a") as f:
+        f.write('# a comment in the config\n"""and a string that does nothing"""\n')
+    assert fresh_fingerprint(cfg) == fp
+    with open(os.path.join(folder, "fp_deep.py"), "w") as f:
+        f.write(REWORDED_DEEP.replace("*2", "*3"))
+    assert fresh_fingerprint(cfg) != fp
+
+
+@pytest.mark.unit
+def test_fingerprint_normalizes_python_and_keeps_other_bytes():
+    from ppserver.config.fingerprint import normalized
+
+    assert normalized(b"x = 1  # one\n") == normalized(b'"""doc"""\nx = (1)\n')
+    assert normalized(b"x = 1\n") != normalized(b"x = 2\n")
+    assert normalized(b"def f():\n    '''doc'''\n    return 1\n") == normalized(b"def f():\n    return 1\n")
+    assert normalized(b"    indented = lambda s: s\n") == normalized(b"indented = lambda s: s\n")
+    for raw in (b"{'not': python", b"\xff\xfe"):
+        assert normalized(raw) == raw
 
 
 @pytest.mark.processes
@@ -421,7 +461,7 @@ def test_remote_worker_with_an_edited_helper_module_is_refused(tmp_path):
     other = os.path.join(tmp_path, "host2")
     shutil.copytree(os.path.dirname(cfg), other)
     with open(os.path.join(other, "fp_helper.py"), "a") as f:
-        f.write("# edited on this host only\n")
+        f.write("EDITED_ON_THIS_HOST = True\n")
     slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
     with run_server(cfg, workers=1, log_path=slog) as srv:
         with run_worker_host(os.path.join(other, "config.py"), srv.address, procs=1, log_path=wlog) as host:
@@ -443,5 +483,72 @@ def test_fingerprint_covers_names_only_through_the_config(tmp_path):
     cfg = helper_dir(str(tmp_path / "a"), "function")
     fp = fresh_fingerprint(cfg)
     with open(os.path.join(tmp_path, "a", "fp_unrelated.py"), "a") as f:
-        f.write("# edited\n")
+        f.write("X = 2\n")
     assert fresh_fingerprint(cfg) == fp
+
+
+# ---- the settings table ---------------------------------------------------------------------
+
+
+def docs_settings_table() -> dict:
+    """{key: default} of the table under docs/config.md's "## Settings"."""
+    text = read(os.path.join(REPO, "docs", "config.md"))
+    section = text.split("\n## Settings", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    return {key.strip("`"): default.strip("`") for key, default, *_ in cells}
+
+
+@pytest.mark.unit
+def test_docs_list_exactly_the_declared_settings_with_their_defaults():
+    from ppserver.config.table import SETTINGS
+
+    assert docs_settings_table() == {s.key: s.shown for s in SETTINGS}
+
+
+@pytest.mark.unit
+def test_every_setting_has_a_doc_and_its_default_passes_its_check():
+    from ppserver.config.table import SETTINGS
+
+    cfg = from_settings(settings())
+    for s in SETTINGS:
+        assert s.doc and "\n" not in s.doc, s.key
+        if s.key not in ("dataset", "map_seq"):  # given by settings()
+            assert getattr(cfg, s.name) == s.default, s.key
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "key, value, error",
+    [
+        ("buf_size", 0, "config key 'buf_size': must be an int >= 1, got 0"),
+        ("shm_mb", 5000, "config key 'shm_mb': must be an int from 0 to 4096, got 5000"),
+        ("direct_results", 1, "config key 'direct_results': must be True or False, got 1"),
+        ("heartbeat_interval", 0, "config key 'heartbeat_interval': must be a number > 0, got 0"),
+        ("heartbeat_timeout", 0.5, "config key 'heartbeat_timeout': must be larger than heartbeat_interval"),
+        ("mapper_api", "torch", "config key 'mapper_api': must be one of 'dict', 'returnn', got 'torch'"),
+        ("stream_partitions", 2, "config key 'stream_partitions': only allowed with map_seq_stream"),
+        ("batch_length", 3, "config key 'batch_length': must be a function seq -> int, got int"),
+        ("dataset", [], "config key 'dataset': must be a dict with a 'class' entry"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_its_key(key, value, error):
+    assert str(expect_config_error(key, from_settings, settings(**{key: value}))) == error
+
+
+@pytest.mark.unit
+def test_the_scheduler_defaults_are_the_config_defaults():
+    from ppserver.scheduler import Settings
+
+    cfg = from_settings(settings())
+    for name in ("buf_size", "max_seq_retries", "heartbeat_interval", "heartbeat_timeout"):
+        assert getattr(Settings(), name) == getattr(cfg, name), name
+
+
+@pytest.mark.processes  # importing the server loop loads cma.py, which runs ldconfig to find libc
+def test_the_server_builds_the_scheduler_settings_from_the_config():
+    from ppserver.server.loop import scheduler_settings
+
+    b = scheduler_settings(from_settings(settings(buf_size=4, max_seq_retries=2, heartbeat_timeout=9)))
+    assert (b.buf_size, b.max_seq_retries, b.heartbeat_interval, b.heartbeat_timeout) == (4, 2, 1.0, 9.0)
+    assert b.fingerprint and b.instance and b.direct and not b.stream

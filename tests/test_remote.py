@@ -86,7 +86,7 @@ def test_worker_started_before_server_waits_and_joins(tmp_path):
 
 def test_config_fingerprint_mismatch_is_refused(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=10)
-    other = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0) + "# edited\n", n=10, name="other.py")
+    other = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0) + "EDITED = 1\n", n=10, name="other.py")
     slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
     with run_server(cfg, workers=1, log_path=slog) as srv:
         with run_worker_host(other, srv.address, procs=1, log_path=wlog) as host:

@@ -36,7 +36,7 @@ from conftest import (
 import ppclient
 from ppclient import protocol, wire
 from ppserver.scheduler import Settings
-from ppserver.server.reader import MAX_BATCH
+from ppserver.server.handover import MAX_BATCH
 
 # Merges pairs of seqs and drops every 5th input: changes the number of seqs.
 STREAM = STREAM_MAPPER.format(delay=0)

@@ -1,20 +1,15 @@
 """The config: a Python file whose top-level names are the settings, read by the server and by
-every worker; checked at load, and fingerprinted so that all sides agree on what maps a seq."""
+every worker; checked at load (table.py declares the settings), and fingerprinted
+(fingerprint.py) so that all sides agree on what maps a seq."""
 
-from ppserver.config.settings import (
-    FINGERPRINT_COVERS,
-    KNOWN_KEYS,
-    Config,
-    fingerprint,
-    from_settings,
-    load,
-    load_config,
-    local_modules,
-)
+from ppserver.config.fingerprint import FINGERPRINT_COVERS, fingerprint, local_modules
+from ppserver.config.settings import from_settings, load, load_config
+from ppserver.config.table import KNOWN_KEYS, SETTINGS, Config
 
 __all__ = [
     "FINGERPRINT_COVERS",
     "KNOWN_KEYS",
+    "SETTINGS",
     "Config",
     "fingerprint",
     "from_settings",

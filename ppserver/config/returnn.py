@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ppserver.config.settings import KNOWN_KEYS, Config, _error_line, from_settings
+from ppserver.config.settings import executing, from_settings, read_source
+from ppserver.config.table import KNOWN_KEYS, Config, integer
 from ppserver.errors import ConfigError
 
 POSTPROCESSING_KEYS = (
@@ -43,16 +44,8 @@ def _load(path: str) -> Any:
     except ImportError as exc:
         raise ConfigError("--returnn-config", f"needs RETURNN: pip install 'ppserver[returnn]' ({exc})") from None
     rc = ReturnnConfig()
-    try:
+    with executing(path, "--returnn-config"):
         rc.load_file(path)
-    except Exception as exc:
-        message = " ".join(str(exc).split())
-        raise ConfigError(
-            "--returnn-config", f"{path!r} failed to load{_error_line(exc, path)}: {type(exc).__name__}: {message}"
-        ) from None
-    except BaseException as exc:  # SystemExit, KeyboardInterrupt: must not end the server silently
-        what = f"stopped while loading{_error_line(exc, path)}: raised {type(exc).__name__}"
-        raise ConfigError("--returnn-config", f"{path!r} {what}") from None
     set_global_config(rc)
     try:
         from returnn.util.basic import BehaviorVersion
@@ -77,11 +70,7 @@ def _is_postprocessing(cls: Any) -> bool:
 
 def load_returnn_config(path: str, name: str) -> Config:
     """The settings of dataset `name` of the RETURNN config at `path`; raises ConfigError."""
-    try:
-        with open(path, "rb") as f:
-            source = f.read()
-    except OSError as exc:
-        raise ConfigError("--returnn-config", f"{path!r} cannot be read: {exc.strerror}") from None
+    source = read_source(path, "--returnn-config")
     rc = _load(path)
     from ppclient.returnn import config_entry
 
@@ -99,7 +88,7 @@ def load_returnn_config(path: str, name: str) -> Config:
         raise ConfigError(f"{name}['dataset']", "missing: the dict of the dataset whose seqs the mappers get")
     settings = _settings(rc, name, entry)
     cfg = from_settings(
-        settings, path=path, source=source + f"\0returnn dataset {name}".encode(), namespace=rc.typed_dict
+        settings, path=path, source=source, namespace=rc.typed_dict, salt=f"\0returnn dataset {name}".encode()
     )
     cfg.returnn_dataset = name
     return cfg
@@ -109,13 +98,12 @@ def _settings(rc: Any, name: str, entry: Dict[str, Any]) -> Dict[str, Any]:
     settings: Dict[str, Any] = {k: entry[k] for k in POSTPROCESSING_KEYS if entry.get(k) is not None}
     settings["mapper_api"] = "returnn"
     settings["dataset"] = {"class": "returnn", "dataset": entry["dataset"]}
-    num_workers = entry.get("num_workers", 0)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigError(f"{name}['num_workers']", f"must be an int >= 0, got {num_workers!r}")
+    num_workers = integer(0)(f"{name}['num_workers']", entry.get("num_workers", 0), {})
     settings["num_workers"] = max(num_workers, 1)
     if entry.get("map_seq_stream") is not None:
         settings["stream_partitions"] = max(num_workers, 1)  # RETURNN's rng streams, one per worker
-    settings["buf_size"] = entry.get("buf_size", 1)
+    if "buf_size" in entry:
+        settings["buf_size"] = entry["buf_size"]
     seed = entry.get("random_seed_offset")
     settings["seed"] = rc.int("dataset_random_seed_offset", 0) if seed is None else seed
     extra = entry.get("server_settings") or {}

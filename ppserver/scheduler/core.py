@@ -13,11 +13,11 @@ what order outputs come is the business of the run's dispatch (`dispatch.Dispatc
 from __future__ import annotations
 
 import logging
-import signal
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient.protocol import FailureKind, Heartbeat, Tasks, Unknown
+from ppserver.exits import describe_exit
 from ppserver.scheduler import events as ev
 from ppserver.scheduler import invariants, status
 from ppserver.scheduler.delivery import Delivery
@@ -212,7 +212,7 @@ class Scheduler:
     def _local_exit(self, e: ev.LocalWorkerExited, out: List[Instruction]) -> None:
         for w in list(self.workers.values()):
             if w.local_index == e.local_index and w.pid == e.pid:
-                how = _describe_exit(e.returncode)
+                how = describe_exit(e.returncode)
                 log.warning("local worker %d (pid %d) exited with %s", e.local_index, e.pid, how)
                 self._remove(w.wid, Departure.EXITED, out)
 
@@ -348,12 +348,3 @@ def _lane_word(lane: Lane) -> str:
     if lane.done:
         return "done"
     return "reading" if lane.consumer is not None else "awaited"
-
-
-def _describe_exit(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"code {rc}"

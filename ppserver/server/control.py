@@ -21,6 +21,14 @@ from ppserver.config.settings import Config
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
 
+# a client's message that is only news for the scheduler: (now, sender, message) -> the event
+EVENTS: Dict[type, Callable[[float, bytes, Any], ev.Event]] = {
+    protocol.Credit: lambda now, ident, m: ev.CreditGranted(now, ident, m.run, m.total, m.consumed),
+    protocol.Missing: lambda now, ident, m: ev.MissingReported(now, ident, m.run, m.pos),
+    protocol.ClientAlive: lambda now, ident, m: ev.ConsumerAlive(now, m.consumer),
+    protocol.ClientClosed: lambda now, ident, m: ev.ConsumerClosed(now, m.consumer),
+}
+
 
 class Control:
     def __init__(
@@ -44,61 +52,61 @@ class Control:
         # Run ids start at a random point, so a restarted server never reuses an id a client
         # may still hold data for.
         sched.next_run = random.getrandbits(40)
-
-    def _handle(self, event: ev.Event) -> List[Instruction]:
-        self.observe(event)
-        return self.sched.handle(event)
+        self.replies: Dict[type, Callable[[], protocol.Message]] = {
+            protocol.InfoRequest: lambda: protocol.InfoReply(**self.info),
+            protocol.StatusRequest: lambda: protocol.StatusReply(status=self.status()),
+            protocol.DiscoverRequest: lambda: protocol.DiscoverReply(worker_endpoint=self.worker_address()),
+        }
 
     def handle(self, ident: bytes, msg: protocol.Message) -> Tuple[Optional[protocol.Message], List[Instruction]]:
         """The reply (None: none, or the scheduler's Reply instruction) and the scheduler's instructions."""
         now = time.monotonic()
-        if isinstance(msg, protocol.Credit):
-            return None, self._handle(ev.CreditGranted(now, ident, msg.run, msg.total, msg.consumed))
-        if isinstance(msg, protocol.Missing):
-            return None, self._handle(ev.MissingReported(now, ident, msg.run, msg.pos))
-        if isinstance(msg, protocol.ClientAlive):
-            return None, self._handle(ev.ConsumerAlive(now, msg.consumer))
-        if isinstance(msg, protocol.ClientClosed):
-            return None, self._handle(ev.ConsumerClosed(now, msg.consumer))
-        if isinstance(msg, protocol.InfoRequest):
-            return protocol.InfoReply(**self.info), []
-        if isinstance(msg, protocol.StatusRequest):
-            return protocol.StatusReply(status=self.status()), []
-        if isinstance(msg, protocol.DiscoverRequest):
-            return protocol.DiscoverReply(worker_endpoint=self.worker_address()), []
+        event = EVENTS.get(type(msg))
+        if event is not None:
+            e = event(now, ident, msg)
+            self.observe(e)
+            return None, self.sched.handle(e)
+        reply = self.replies.get(type(msg))
+        if reply is not None:
+            return reply(), []
         if isinstance(msg, protocol.EpochRequest):
-            refusal = self._check(msg)
-            batching: Optional[Batching] = None
-            if refusal is None:
-                try:
-                    batching = self._batching(msg.batching)
-                except UsageError as exc:
-                    refusal = str(exc)
-            if refusal is not None:
-                return protocol.ErrorReply(error=refusal), []
-            return None, self.sched.handle(
-                ev.EpochRequested(
-                    now,
-                    ident,
-                    msg.consumer,
-                    msg.epoch,
-                    job=msg.job,
-                    rank=msg.rank,
-                    world_size=msg.world_size,
-                    start=msg.start,
-                    seq_list=msg.seq_list,
-                    seq_order=msg.seq_order,
-                    drop_last=msg.drop_last,
-                    timeout=msg.timeout,
-                    subshard=msg.subshard,
-                    subshards=msg.subshards,
-                    direct=msg.direct,
-                    direct_key=msg.direct_key,
-                    host=msg.host,
-                    batching=batching,
-                )
-            )
+            return self._epoch(now, ident, msg)
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []
+
+    def _epoch(
+        self, now: float, ident: bytes, msg: protocol.EpochRequest
+    ) -> Tuple[Optional[protocol.Message], List[Instruction]]:
+        refusal = self._check(msg)
+        batching: Optional[Batching] = None
+        if refusal is None:
+            try:
+                batching = self._batching(msg.batching)
+            except UsageError as exc:
+                refusal = str(exc)
+        if refusal is not None:
+            return protocol.ErrorReply(error=refusal), []
+        return None, self.sched.handle(
+            ev.EpochRequested(
+                now,
+                ident,
+                msg.consumer,
+                msg.epoch,
+                job=msg.job,
+                rank=msg.rank,
+                world_size=msg.world_size,
+                start=msg.start,
+                seq_list=msg.seq_list,
+                seq_order=msg.seq_order,
+                drop_last=msg.drop_last,
+                timeout=msg.timeout,
+                subshard=msg.subshard,
+                subshards=msg.subshards,
+                direct=msg.direct,
+                direct_key=msg.direct_key,
+                host=msg.host,
+                batching=batching,
+            )
+        )
 
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
         """The cut a request gets: the config's default (None asked), none ({}), or the one asked

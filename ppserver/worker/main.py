@@ -1,7 +1,7 @@
 """One worker process: applies the mappers to seqs the server sends and sends the results back.
 
 The worker never opens the dataset. Its session (session.py) registers with the server and
-keeps heartbeats going; its runners (runners.py) run map_seq tasks and map_seq_stream
+keeps heartbeats going; its runners (map_seq.py, stream.py) run map_seq tasks and map_seq_stream
 partitions. Losing the server drops all work and starts registration again; SIGTERM says
 goodbye, so the server hands the work on at once.
 
@@ -26,11 +26,13 @@ from ppserver.config.settings import Config, load
 from ppserver.errors import ConfigError
 from ppserver.mappers.api import Mappers, mappers_for
 from ppserver.worker.clock import heartbeat_stats
+from ppserver.worker.map_seq import MapSeqRunner
 from ppserver.worker.memory import keep_freed_memory
+from ppserver.worker.outputs import Means, OpenRun
 from ppserver.worker.pool import EXIT_REFUSED, set_process_title
 from ppserver.worker.routes import Routes
-from ppserver.worker.runners import MapSeqRunner, OpenRun, StreamRunner
 from ppserver.worker.session import POLL_MS, Refused, Session, Stopped
+from ppserver.worker.stream import StreamRunner
 from ppserver.worker.threads import limit_threads
 
 log = logging.getLogger("ppserver.worker")
@@ -69,8 +71,9 @@ class Worker:
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
         self.routes.host, self.routes.shm_mb = self.session.host_id, cfg.shm_mb  # results to consumers on this host
-        self.seqs = MapSeqRunner(cfg, self.session.send, templates, self.mappers, self.routes)
-        self.streams = StreamRunner(cfg, self.session.send, templates, self.mappers, self._wait_for_input)
+        means = Means(cfg, self.session.send, templates, self.mappers)
+        self.seqs = MapSeqRunner(means, self.routes)
+        self.streams = StreamRunner(means, self._wait_for_input)
 
     def mappers(self) -> Mappers:
         """The config's mappers for the input templates the server sent (rebuilt if they change)."""

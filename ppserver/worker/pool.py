@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ppserver.exits import describe_exit
+
 log = logging.getLogger("ppserver.supervisor")
 
 EXIT_REFUSED = 2  # a child that exits with this was refused by the server: do not respawn
@@ -90,7 +92,7 @@ class ProcessPool:
                 log.error("%s process %d (pid %d) was refused by the server", self.name, i, p.pid)
                 continue
             if self.respawn:
-                log.warning("%s process %d (pid %d) exited with %s; respawning", self.name, i, p.pid, _describe(rc))
+                log.warning("%s process %d (pid %d) exited with %s; respawning", self.name, i, p.pid, describe_exit(rc))
                 if now - self.started_at[i] >= RESPAWN_MIN_INTERVAL:
                     self._spawn(i)
                     self.respawns += 1
@@ -128,15 +130,6 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _describe(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"code {rc}"
 
 
 def worker_argv(

@@ -1,0 +1,78 @@
+"""A batched run's batches, as the reader cuts its epoch (datasets/cut.py): up front where the
+dataset knows every seq's length, else as the seqs are read, measured by the config's
+`batch_length` or by the first axis of the batching's length key."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+from ppclient.batching import Batching
+from ppclient.protocol import Item
+from ppserver.datasets.cut import Cutter, cut_epoch
+
+Length = Callable[[Dict[str, Any]], int]
+
+
+class BatchedRun:
+    """A batched run's batches: cut up front (`lengths` known), or as its seqs are read."""
+
+    def __init__(self, batching: Batching, lengths: Optional[Any], length: Length):
+        self.batches: List[List[int]] = [] if lengths is None else cut_epoch(lengths, batching)
+        self.cutter: Optional[Cutter] = None if lengths is not None else Cutter(batching)
+        self.length = length  # of a read seq, for the cut
+        self.next_seq = 0  # the next seq to read, cutting as it goes
+        self.read: Dict[int, Item] = {}  # seqs read whose batch was neither handed over nor dropped
+        self.low = 0  # the first batch whose read seqs may still be in `read`
+        self.ended = lengths is not None  # every batch is known
+
+    @property
+    def up_front(self) -> bool:
+        return self.cutter is None
+
+    def add(self, pos: int, item: Item, length: int) -> None:
+        """A seq read to cut the epoch further, and its length; kept until its batch is handed over."""
+        assert self.cutter is not None
+        self.read[pos] = item
+        self.next_seq = pos + 1
+        self.batches += self.cutter.add(pos, length)
+
+    def finish(self) -> None:
+        """The epoch has no more seqs: the last batches are known."""
+        assert self.cutter is not None
+        self.batches += self.cutter.finish()
+        self.ended = True
+
+    def passed(self, index: int) -> None:
+        """Batch `index` is handed over: the seqs read for batches before it (no one wants them) go."""
+        for low in range(self.low, index):
+            for pos in self.batches[low]:
+                self.read.pop(pos, None)
+        self.low = index + 1
+
+
+def seq_length(batch_length: Optional[Callable[[Dict[str, Any]], Any]], key: Optional[str]) -> Length:
+    """A read seq's length for the cut: the config's batch_length, else the first axis of `key`."""
+    fn = batch_length
+    if fn is not None:
+        return lambda seq: _checked_length(fn(seq), "batch_length(seq)")
+
+    def length(seq: Dict[str, Any]) -> int:
+        array = seq.get(key) if key is not None else None
+        if array is None:
+            raise KeyError(f"the seq has no array {key!r}, the batching's length_key")
+        return int(array.shape[0]) if getattr(array, "ndim", 0) else 1
+
+    return length
+
+
+def _checked_length(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        try:
+            import numpy
+
+            if isinstance(value, numpy.integer) and value >= 0:
+                return int(value)
+        except ImportError:
+            pass
+        raise ValueError(f"{what} must return an int >= 0, got {value!r:.60}")
+    return value
