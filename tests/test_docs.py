@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
@@ -85,3 +86,22 @@ def test_relative_links_reach_a_file_and_heading(doc: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             dead.append(f"{doc.relative_to(ROOT)}:{line}: {target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not dead, "\n".join(dead)
+
+
+@pytest.mark.unit
+def test_the_module_map_names_every_module_and_nothing_else():
+    """docs/architecture.md's map of the code lists each module of ppserver and ppclient once."""
+    with open(os.path.join(REPO, "docs", "architecture.md")) as f:
+        doc = f.read()
+    listed = re.findall(r"^\| `((?:ppserver|client/ppclient)/[\w/]+\.py)` \|", doc, re.MULTILINE)
+    assert len(listed) == len(set(listed)), sorted(p for p in listed if listed.count(p) > 1)
+    modules = {
+        os.path.relpath(os.path.join(folder, name), REPO)
+        for top in ("ppserver", os.path.join("client", "ppclient"))
+        for folder, _, files in os.walk(os.path.join(REPO, top))
+        if "__pycache__" not in folder
+        for name in files
+        if name.endswith(".py")
+    }
+    assert sorted(modules - set(listed)) == [], "modules missing from docs/architecture.md"
+    assert sorted(set(listed) - modules) == [], "docs/architecture.md names modules that do not exist"
