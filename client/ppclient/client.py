@@ -61,7 +61,7 @@ class Client:
         address: str,
         *,
         timeout: float = 30.0,
-        window: int = 32,
+        window: Optional[int] = None,
         keys: Optional[str] = None,
         rank: int = 0,
         world_size: int = 1,
@@ -73,7 +73,8 @@ class Client:
     ):
         self.address = endpoints.check(address, "address")
         self.batching = batching_arg(batching)
-        self.window = int_arg("window", window, 1)
+        # how far the server may send ahead of the trainer (None: WINDOW seqs, or BATCH_WINDOW batches)
+        self.window = None if window is None else int_arg("window", window, 1)
         self.timeout = timeout_arg(timeout)
         if not isinstance(job, str) or not job:
             raise UsageError(f"job must be a non-empty str, got {job!r}")

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ppclient")
 
+WINDOW = 32  # the default window: seqs the server may send ahead of the trainer
+BATCH_WINDOW = 8  # ... and batches, when the job batches
+
 KEEPALIVE_MISSES = 2  # the server is alive if something came within this many of its heartbeat intervals
 MISSING_AFTER = 2.0  # heartbeat intervals a client waits for its next direct seq before saying it is missing
 PROBE_WAIT_S = 1.0  # how long a client that hears nothing of its run waits for the answer to `info`
@@ -66,6 +69,10 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._consumed = 0
         self._base = 0  # seqs yielded before the current run began (the server counts from there)
         self._granted = 0  # credit granted to the current run so far (cumulative)
+        window = client.window
+        if window is None:  # the default: fewer positions when they are batches (each holds many seqs)
+            window = BATCH_WINDOW if client.batching else WINDOW
+        self._window = window
         self._told = 0  # seqs taken, as the server last heard it
         self._done = False
         self._end: Optional[int] = None  # seqs the current run has for this iterator, once End came
@@ -122,7 +129,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def _top_up(self, held: int = 0, end: bool = False) -> None:
         """Credit for `window` seqs beyond those taken (and the `held` ones received meanwhile),
         granted half a window at a time, with the number taken (also `end`: at the end)."""
-        window, taken = self._client.window, self._consumed - self._told
+        window, taken = self._window, self._consumed - self._told
         due = self._consumed - self._base + held + window - self._granted
         if due * 2 >= window or taken * 2 >= window or (end and taken):
             self._grant(max(due, 0))
@@ -146,7 +153,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
 
     def _wait_started(self) -> None:
         self._server.heard(time.monotonic())
-        self._grant(self._client.window)
+        self._grant(self._window)
         while not self._started:
             self._receive("started")
 
@@ -286,6 +293,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._started = True
             self.fingerprint = msg.fingerprint
             self.batching = msg.batching
+            if self.batching and self._client.window is None:
+                self._window = BATCH_WINDOW  # (the first grant, before the server said so, was of seqs)
         elif isinstance(msg, (protocol.Seqs, protocol.DirectSeqs)):
             if decoded.bad:
                 self._raise(Error(f"epoch {self.epoch}: malformed seq from the server: {decoded.bad[0].reason}"))

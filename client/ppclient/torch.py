@@ -127,7 +127,7 @@ class ServerDataset(IterableDataset):
         world_size: Optional[int] = None,
         drop_last: bool = True,
         timeout: float = 30.0,
-        window: int = 32,
+        window: Optional[int] = None,
         keys: Optional[str] = None,
         direct: Union[bool, str] = True,
         batch_frames: Optional[int] = None,

@@ -82,6 +82,7 @@ class Lifecycle:
             route=self._router(run) if s.direct else None,
             width=run.width,
             strict=self.s.strict,
+            batched=run.job.batching is not None,
         )
 
     @staticmethod

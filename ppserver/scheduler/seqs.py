@@ -49,6 +49,9 @@ from ppserver.scheduler.seqstates import (
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.workers import WorkerState
 
+BATCH_READ_SLACK = 4  # batches read beyond the workers' credit
+BATCH_READ_STEP = 2
+
 
 class SeqDispatch(SeqTable, Dispatch):
     def __init__(
@@ -64,10 +67,15 @@ class SeqDispatch(SeqTable, Dispatch):
         route: Optional[Callable[[int], Optional[bytes]]] = None,
         width: int = 1,
         strict: bool = False,
+        batched: bool = False,
     ):
         super().__init__(run, width, strict, first, end)
         self.num_seqs = num_seqs
         self.settings = settings
+        # read ahead of the workers' credit: a few seqs, or (each holding many) a few batches
+        self.slack, self.step = (
+            (BATCH_READ_SLACK, BATCH_READ_STEP) if batched else (settings.read_slack, settings.read_step)
+        )
         self.wanted = wanted
         self.next_wanted = next_wanted  # the first position from p on that some rank wants (None: none)
         self.route = route  # position -> the consumer its result goes to directly (None: the server)
@@ -94,9 +102,8 @@ class SeqDispatch(SeqTable, Dispatch):
     def requests(self, capacity: int) -> List[int]:
         """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
         ahead of delivery."""
-        s = self.settings
-        window = capacity + s.read_slack
-        if window - self.open < s.read_step and len(self.todo) >= s.read_slack // 2:
+        window = capacity + self.slack
+        if window - self.open < self.step and len(self.todo) >= self.slack // 2:
             return []  # enough inputs wait to be sent: ask for a step at a time (fewer wake-ups)
         out: List[int] = []
         while (self.end is None or self.read_next < self.end) and self.open < window:
