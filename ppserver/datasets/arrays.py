@@ -149,8 +149,9 @@ class NumpyDataset(Dataset):
         return len(self._seqs)
 
     def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
-        # Read-only views: the server sends them without copying, and nothing may change the corpus.
-        return dict(self._views[corpus_idx])
+        # Read-only views: the server sends them without copying, and nothing may change the corpus
+        # (get_seq copies the dict before it adds the meta entries)
+        return self._views[corpus_idx]
 
     def _tag(self, corpus_idx: int) -> str:
         return self._tags[corpus_idx]

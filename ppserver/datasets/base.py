@@ -228,10 +228,9 @@ class Dataset:
         pos = int(pos)
         corpus_idx = order[pos]
         data = self._load(corpus_idx)
-        clash = [k for k in META_KEYS if k in data]
-        if clash:
-            raise ValueError(f"data key(s) {clash} collide with seq meta entries")
-        seq: Dict[str, Any] = dict(data)
+        if not data.keys().isdisjoint(META_KEYS):
+            raise ValueError(f"data key(s) {[k for k in META_KEYS if k in data]} collide with seq meta entries")
+        seq: Dict[str, Any] = dict(data)  # (the hook's dict may be its own: the meta entries go in a copy)
         seq["seq_tag"] = str(self._tag(corpus_idx))
         seq["seq_idx"] = pos
         seq["complete_frac"] = (pos + 1) / len(order)

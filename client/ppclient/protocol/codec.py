@@ -286,16 +286,26 @@ def _bad(value: Any, what: str) -> Any:
     raise ValueError(f"{what}, got {type(value).__name__}")
 
 
-_FIELDS: Dict[Type[Message], Tuple[dataclasses.Field, ...]] = {}
+class _PerClass(dict):
+    """A message class's fields or checks, made when the class is first encoded or decoded: a
+    process pays for the kinds it uses (working them all out costs ~10 ms at every start)."""
+
+    def __init__(self, make: Any):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, cls: Type[Message]) -> Any:
+        value = self[cls] = self.make(cls)
+        return value
 
 
-_SPECS: Dict[Type[Message], Tuple[Tuple[str, Any, Optional[int]], ...]] = {}  # (name, check, minimum)
+def _specs(cls: Type[Message]) -> Tuple[Tuple[str, Any, Optional[int]], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _checker(hints[f.name]), f.metadata.get("min")) for f in _FIELDS[cls])
 
 
-for _cls in MESSAGES.values():
-    _hints = typing.get_type_hints(_cls)
-    _FIELDS[_cls] = tuple(f for f in dataclasses.fields(_cls))
-    _SPECS[_cls] = tuple((f.name, _checker(_hints[f.name]), f.metadata.get("min")) for f in _FIELDS[_cls])
+_FIELDS: Dict[Type[Message], Tuple[dataclasses.Field, ...]] = _PerClass(lambda cls: tuple(dataclasses.fields(cls)))
+_SPECS: Dict[Type[Message], Tuple[Tuple[str, Any, Optional[int]], ...]] = _PerClass(_specs)  # (name, check, minimum)
 
 
 def describe() -> List[Dict[str, Any]]:

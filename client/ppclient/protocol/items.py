@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import wire
+from ..collate import batch_dict
 from .messages import META_KEYS, ProtocolError
 
 # ---- items: seqs inside batch messages ----------------------------------------------------
@@ -159,8 +160,6 @@ def item_to_seq(item: Item) -> Dict[str, Any]:
     collate.batch_dict)."""
     if not item.padded:
         return wire.build_seq(item.arrays, item.meta, item.frames)
-    from ..collate import batch_dict
-
     return batch_dict(wire.build_seq(item.arrays, {}, item.frames), item.meta)
 
 
