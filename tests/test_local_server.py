@@ -189,33 +189,11 @@ def assert_same_batches(got: Dict[int, list], want: Dict[int, list]) -> None:
         assert [t for t, _ in got[epoch]] == pytest.approx([t for t, _ in want[epoch]], rel=1e-6), epoch
 
 
-def test_returnn_trains_with_only_the_class_changed(hdf_files, tmp_path, short_tmp):
-    """The PostprocessingDataset dict (a mapper defined in the config, 2 workers) with its class
-    changed: RETURNN trains 2 epochs on the same batches of the same seqs, from a local server
-    that is gone with the trainer."""
-    inner = spec([hdf_files["a"]], seq_ordering="laplace:.5", partition_epoch=2)
-    served = Training(tmp_path, "served", dataset_dict("ServerDataset", inner), tmp=short_tmp)
-    out = served.run()
-    own = Training(tmp_path, "own", dataset_dict("'PostprocessingDataset'", inner))
-    own.run()
-    got, want = served.batches()["train"], own.batches()["train"]
-    assert_same_batches(got, want)
-    assert sum(len(tags) for _, tags in got[1]) == 12  # partition_epoch 2 of a.hdf's 23 seqs
-    assert [tags for _, tags in got[1]] != [tags for _, tags in got[2]]
-    # start-up is logged with its time, once; nothing is left once the trainer has exited
-    started = [line for line in out.splitlines() if "local ppserver for dataset 'train'" in line and " ready " in line]
-    assert len(started) == 1 and " s (pid " in started[0], out[-3000:]
-    assert served.servers() == [] and os.listdir(served.base) == ["logs"]
-    pid = int(started[0].split("(pid ")[1].split(",")[0])
-    assert not wait_gone([pid], 0)
-    log = read(served.logs()[0])
-    assert "2 local workers" in log and "no process registered" in log, log[-3000:]
-
-
-def test_returnn_trains_with_a_dev_set_each_with_its_own_server(hdf_files, tmp_path, short_tmp):
-    """train and dev both PostprocessingDataset dicts with their class changed: two local servers,
-    and the same batches for both datasets as RETURNN's own."""
-    train_inner = spec([hdf_files["a"]], seq_ordering="random")
+def test_returnn_trains_with_only_the_class_changed_a_dev_set_with_a_server_of_its_own(hdf_files, tmp_path, short_tmp):
+    """train and dev both PostprocessingDataset dicts (a mapper defined in the config, 2 workers)
+    with only their class changed: RETURNN trains 2 epochs on the same batches of the same seqs as
+    RETURNN's own, from two local servers, one per dataset, gone with the trainer."""
+    train_inner = spec([hdf_files["a"]], seq_ordering="laplace:.5", partition_epoch=2)
     dev_inner = spec([hdf_files["b"]])
     served = Training(
         tmp_path,
@@ -236,12 +214,22 @@ def test_returnn_trains_with_a_dev_set_each_with_its_own_server(hdf_files, tmp_p
     got, want = served.batches(), own.batches()
     assert_same_batches(got["train"], want["train"])
     assert_same_batches(got["dev"], want["dev"])
+    assert sum(len(tags) for _, tags in got["train"][1]) == 12  # partition_epoch 2 of a.hdf's 23 seqs
+    assert [tags for _, tags in got["train"][1]] != [tags for _, tags in got["train"][2]]
     assert sum(len(tags) for _, tags in got["dev"][1]) == 11
+    # start-up is logged with its time, once per dataset; nothing is left once the trainer has exited
+    pids = []
     for name in ("train", "dev"):
-        assert (
-            sum(f"local ppserver for dataset {name!r}" in line and " ready " in line for line in out.splitlines()) == 1
-        )
-    assert len(served.logs()) == 2 and served.servers() == []
+        started = [
+            line for line in out.splitlines() if f"local ppserver for dataset {name!r}" in line and " ready " in line
+        ]
+        assert len(started) == 1 and " s (pid " in started[0], out[-3000:]
+        pids.append(int(started[0].split("(pid ")[1].split(",")[0]))
+    assert len(served.logs()) == 2 and served.servers() == [] and os.listdir(served.base) == ["logs"]
+    assert not wait_gone(pids, 0)
+    for log in served.logs():
+        text = read(log)
+        assert "2 local workers" in text and "no process registered" in text, text[-3000:]
 
 
 @contextmanager

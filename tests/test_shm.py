@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Set, Tuple
 import msgpack
 import numpy as np
 import pytest
+from conftest import held_by_others
 
 import ppclient.protocol
 from ppclient import shm
@@ -227,22 +228,6 @@ def fd_inodes() -> Set[Tuple[int, int]]:
 
 def dev_shm() -> Set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def held_by_others(path: str) -> bool:
-    """Whether a live process other than this one maps or holds `path` (another program's file)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                if path in f.read():
-                    return True
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd")):
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def assert_nothing_new_in_dev_shm(before: Set[str]) -> None:
