@@ -54,7 +54,10 @@ def main(argv: list[str]) -> int:
     if task == "demo":
         cmd = [PY, "-m", "ppserver", "demo", *rest]
     elif task == "test":
-        cmd = [PY, "-m", "pytest", "-q", *rest]
+        # two test processes (by file: a file's fixtures stay in one), unless the arguments say otherwise
+        chosen = any(a.startswith(("-n", "--numprocesses")) for a in rest)
+        spread = [] if chosen else ["-n", "2", "--dist", "loadfile"]
+        cmd = [PY, "-m", "pytest", "-q", *spread, *rest]
     else:
         cmd = [PY, os.path.join(ROOT, "bench", "throughput.py"), *rest]
     return subprocess.call(cmd, cwd=ROOT)
