@@ -16,7 +16,7 @@ import sys
 import textwrap
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 import numpy as np
@@ -747,6 +747,21 @@ def run_cli(
         cwd=cwd or REPO,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def run_group(argv: List[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
+    """subprocess.run of a program that starts processes of its own (torchrun and its ranks, a
+    trainer and its local server): it runs in a session of its own, and on a timeout the whole
+    group is killed, so that nothing it started outlives the test."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 # A RETURNN training of the tests (`python -m returnn`: PyTorch backend, 2 epochs, a DataLoader worker);

@@ -55,7 +55,8 @@ def test_another_process_reads_the_token_of_an_offer():
     import json
 
     def check(o) -> str:
-        out = subprocess.run([sys.executable, "-c", code, json.dumps(o)], capture_output=True, text=True, cwd=REPO)
+        argv = [sys.executable, "-c", code, json.dumps(o)]
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
         return out.stdout.strip() or out.stderr
 
     assert check(offer) == "None"

@@ -34,6 +34,7 @@ from conftest import (
     reference_batches,
     returnn_batches,
     run_cli,
+    run_group,
     run_returnn,
     run_server,
     run_worker_host,
@@ -419,9 +420,7 @@ def test_ddp_ranks_on_one_node_share_one_local_server(tmp_path, short_tmp):
     out = str(tmp_path / "seen")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += [os.path.join(REPO, "tests", "ddp_local.py"), cfg, out]
-    res = subprocess.run(
-        argv, capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=dict(os.environ, TMPDIR=str(tmp))
-    )
+    res = run_group(argv, timeout=240, text=True, cwd=str(tmp_path), env=dict(os.environ, TMPDIR=str(tmp)))
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = []
     for rank in range(2):
@@ -460,9 +459,8 @@ def test_torch_dataset_with_a_config_reads_from_a_local_server_without_importing
     cfg = numpy_config(tmp_path, "map_seq = lambda seq, **kwargs: seq\n", n=9)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    res = subprocess.run(
+    res = run_group(
         [sys.executable, "-c", TORCH_ALONE, cfg, end],
-        capture_output=True,
         text=True,
         timeout=120,
         cwd=str(tmp_path),
