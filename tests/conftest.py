@@ -17,7 +17,7 @@ import textwrap
 import threading
 import time
 from contextlib import ExitStack, contextmanager, suppress
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set
 
 import numpy as np
 import pytest
@@ -747,6 +747,42 @@ def run_cli(
         cwd=cwd or REPO,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def in_threads(fn: Callable[[int], None], ranks: Iterable[int], timeout: float = 120.0) -> None:
+    """fn(rank) for every rank at once, each in a thread of its own (as DDP ranks read at once); the
+    first exception of any rank is raised here, and a rank still running after `timeout` fails."""
+    errors: List[BaseException] = []
+
+    def main(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"a rank still ran after {timeout} s"
+
+
+def wait_child(pid: int, timeout: float) -> int:
+    """The exit code of forked child `pid`; killed (and an AssertionError) if it runs `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the forked child ran on for {timeout} s")
+        time.sleep(0.02)
 
 
 def run_group(argv: List[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:

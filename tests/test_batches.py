@@ -12,7 +12,6 @@ import os
 import random
 import re
 import signal
-import threading
 from typing import Any, Dict, List
 
 import numpy as np
@@ -26,6 +25,7 @@ from conftest import (
     assert_same_batches,
     collect,
     collect_with,
+    in_threads,
     is_shared,
     numpy_config,
     read,
@@ -263,23 +263,14 @@ def pull(address: str, world: int, epoch: int, *, warm: bool = False, **kw) -> D
     """Every rank's batches of `epoch`, each rank a client in a thread of its own; `warm`: each
     reads the epoch before first (by then every worker reaches its result socket)."""
     got: Dict[int, List[dict]] = {}
-    errors: List[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            with ppclient.Client(address, rank=rank, world_size=world, job=f"b{world}", timeout=30, **kw) as c:
-                if warm:
-                    collect(c.epoch(epoch - 1))
-                got[rank] = collect(c.epoch(epoch))
-        except BaseException as exc:
-            errors.append(exc)
+        with ppclient.Client(address, rank=rank, world_size=world, job=f"b{world}", timeout=30, **kw) as c:
+            if warm:
+                collect(c.epoch(epoch - 1))
+            got[rank] = collect(c.epoch(epoch))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    in_threads(rank_main, range(world))
     return got
 
 

@@ -4,11 +4,10 @@ with another seq selection, numbers a message cannot carry, a client inherited t
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest
-from conftest import SLOW_MAPPER, assert_same_epoch, collect, numpy_config, reference, run_server
+from conftest import SLOW_MAPPER, assert_same_epoch, collect, numpy_config, reference, run_server, wait_child
 
 import ppclient
 from ppclient import UsageError
@@ -115,17 +114,7 @@ def test_an_iterator_used_in_a_forked_child_is_a_usage_error_and_the_parent_goes
             except BaseException:
                 code = 6
             os._exit(code)
-        deadline = time.monotonic() + 20
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError("the forked child hung in the client")
-            time.sleep(0.05)
-        assert os.waitstatus_to_exitcode(status) == 3
+        assert wait_child(pid, 20) == 3
         got += collect(it)
         assert c.info()["num_seqs"] == 50
     assert_same_epoch(got, want)

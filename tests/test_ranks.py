@@ -27,6 +27,7 @@ from conftest import (
     assert_data_path,
     assert_same_epoch,
     collect,
+    in_threads,
     numpy_config,
     read,
     reference,
@@ -48,26 +49,15 @@ STREAM = STREAM_MAPPER.format(delay=0)  # merges pairs, drops every 5th input
 def pull_ranks(address: str, world: int, epoch: int, **client_kw) -> Dict[int, List[dict]]:
     """Every rank's shard of `epoch`, each rank a client in its own thread (as DDP ranks pull at once)."""
     got: Dict[int, List[dict]] = {}
-    errors: List[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            with ppclient.Client(address, rank=rank, world_size=world, job="train", timeout=30, **client_kw) as c:
-                it = c.epoch(epoch)
-                seqs = collect(it)
-                assert len(seqs) == len(it) if it.num_seqs is not None else True
-                got[rank] = seqs
-        except BaseException as exc:
-            errors.append(exc)
+        with ppclient.Client(address, rank=rank, world_size=world, job="train", timeout=30, **client_kw) as c:
+            it = c.epoch(epoch)
+            seqs = collect(it)
+            assert len(seqs) == len(it) if it.num_seqs is not None else True
+            got[rank] = seqs
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    in_threads(rank_main, range(world))
     return got
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -15,6 +14,7 @@ from conftest import (
     assert_same_epoch,
     children_of,
     free_port,
+    in_threads,
     read,
     reference,
     restartable,
@@ -289,24 +289,16 @@ def test_two_shards_are_two_ranks_of_one_job(server):
     srv, cfg = server
     want = without_seq_idx(reference(cfg, 6))
     got: Dict[int, List[Dict[str, Any]]] = {}
-    errors: List[BaseException] = []
 
     def rank_main(rank: int) -> None:  # the ranks read at once, as DDP ranks do
         ds = dataset(srv.address, job="h", _num_shards=2, _shard_index=rank)
         try:
             got[rank] = read_epoch(ds, 6)
             assert ds.num_seqs == 11
-        except BaseException as exc:
-            errors.append(exc)
         finally:
             ds.finish_epoch(free_resources=True)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    in_threads(rank_main, (0, 1), timeout=60)
     for rank in (0, 1):
         assert_same_epoch(got[rank], want[rank:22:2])  # strided, 23 // 2 seqs each
     tags = [s["seq_tag"] for r in (0, 1) for s in got[r]]

@@ -25,6 +25,7 @@ from conftest import (
     children_of,
     collect,
     collect_with,
+    in_threads,
     mapped_segments,
     numpy_config,
     read,
@@ -86,26 +87,18 @@ def test_ranks_of_a_job_read_on_through_a_restart_in_stream_mode(tmp_path):
     want = reference(cfg, 1)
     got: Dict[int, List[dict]] = {}
     reconnects: Dict[int, int] = {}
-    errors: List[BaseException] = []
     with restartable(cfg, tmp_path) as service:
 
         def rank_main(rank: int) -> None:
-            try:
-                with ppclient.Client(service.address, rank=rank, world_size=2, job="train", timeout=30) as c:
-                    it = c.epoch(1)
-                    got[rank] = collect_with(it, {4: service.restart_after} if rank == 0 else {})
-                    reconnects[rank] = it.reconnects
-            except BaseException as exc:
-                errors.append(exc)
+            with ppclient.Client(service.address, rank=rank, world_size=2, job="train", timeout=30) as c:
+                it = c.epoch(1)
+                got[rank] = collect_with(it, {4: service.restart_after} if rank == 0 else {})
+                reconnects[rank] = it.reconnects
 
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        service.join()
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+        try:
+            in_threads(rank_main, range(2))
+        finally:
+            service.join()
     assert reconnects == {0: 1, 1: 1}
     for rank in range(2):
         assert_same_epoch(got[rank], shard(want, rank, 2))

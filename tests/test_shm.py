@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Set, Tuple
 import msgpack
 import numpy as np
 import pytest
-from conftest import held_by_others
+from conftest import held_by_others, wait_child
 
 import ppclient.protocol
 from ppclient import shm
@@ -803,17 +803,7 @@ def test_a_forked_child_neither_allocates_nor_releases(children):
                 gc.collect()
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError("forked child did not exit")
-            time.sleep(0.01)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_child(pid, 30) == 0
         assert segment.used() == used  # the child's copy of the arrays died: the parent's block is still in use
         assert_seq_equal(got, make(1))
         del got

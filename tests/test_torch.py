@@ -119,18 +119,24 @@ def server(tmp_path_factory):
         yield srv, cfg
 
 
-@pytest.mark.processes
-def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
-    srv, cfg = server
+def record_taken(monkeypatch) -> List[Dict[str, Any]]:
+    """The list of what ppclient's iterators hand out from now on (seqs or batches, as numpy arrays)."""
     received: List[Dict[str, Any]] = []
     take = EpochIterator.__next__
 
     def recorded(it):
-        seq = take(it)
-        received.append(seq)
-        return seq
+        item = take(it)
+        received.append(item)
+        return item
 
     monkeypatch.setattr(EpochIterator, "__next__", recorded)
+    return received
+
+
+@pytest.mark.processes
+def test_seqs_come_as_tensors_without_a_copy_or_warning(server, monkeypatch):
+    srv, cfg = server
+    received = record_taken(monkeypatch)
     ds = pptorch.ServerDataset(srv.address, job="t1", epoch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PyTorch's "non-writable array" warning would fail the test
@@ -269,15 +275,7 @@ def test_ranks_and_loader_workers_get_the_servers_batches_in_epoch_order(server,
 @pytest.mark.processes
 def test_batches_are_tensors_padded_on_the_workers_without_a_copy(server, monkeypatch):
     srv, cfg = server
-    received: List[Dict[str, Any]] = []
-    take = EpochIterator.__next__
-
-    def recorded(it):
-        batch = take(it)
-        received.append(batch)
-        return batch
-
-    monkeypatch.setattr(EpochIterator, "__next__", recorded)
+    received = record_taken(monkeypatch)
     ds = pptorch.ServerDataset(srv.address, job="t4", epoch=4, **BATCHING)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PyTorch's "non-writable array" warning would fail the test
