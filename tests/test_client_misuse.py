@@ -4,10 +4,20 @@ with another seq selection, numbers a message cannot carry, a client inherited t
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
-from conftest import SLOW_MAPPER, assert_same_epoch, collect, numpy_config, reference, run_server, wait_child
+from conftest import (
+    SLOW_MAPPER,
+    assert_same_epoch,
+    collect,
+    free_port,
+    numpy_config,
+    reference,
+    run_server,
+    wait_child,
+)
 
 import ppclient
 from ppclient import UsageError
@@ -118,3 +128,23 @@ def test_an_iterator_used_in_a_forked_child_is_a_usage_error_and_the_parent_goes
         got += collect(it)
         assert c.info()["num_seqs"] == 50
     assert_same_epoch(got, want)
+
+
+def test_an_address_where_nothing_answers_says_why(tmp_path):
+    """ZeroMQ connects in the background and never says why nothing answers: the error does."""
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    cases = [
+        (f"tcp://127.0.0.1:{free_port()}", "nothing listens on 127.0.0.1:"),
+        (f"ipc://{tmp_path}/gone.sock", f"no socket file at {tmp_path}/gone.sock"),
+        (f"tcp://127.0.0.1:{listening.getsockname()[1]}", "takes connections but did not answer as a ppserver"),
+    ]
+    try:
+        for address, why in cases:
+            with ppclient.Client(address, timeout=0.5) as c:
+                with pytest.raises(ppclient.ServerUnavailable, match="no answer from") as info:
+                    c.info()
+            assert why in str(info.value), address
+    finally:
+        listening.close()

@@ -175,7 +175,7 @@ def test_curve_keys_admit_authorised_peers_only(tmp_path, caplog):
                 ctx.destroy(linger=0)
         for keys in (bad, None):
             with ppclient.Client(srv.address, keys=keys, timeout=1.5) as c:
-                with pytest.raises(ppclient.ServerUnavailable):
+                with pytest.raises(ppclient.ServerUnavailable, match="CURVE keys that do not match"):
                     c.info()
         wait_for(lambda: "not authorised" in read(slog), 10, "the refusal in the server log")
         wait_for(lambda: "handshake failed" in read(slog), 10, "the keyless client in the server log")

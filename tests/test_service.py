@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 import zmq
@@ -202,6 +203,9 @@ def test_mapper_exception_reaches_client_and_server_stays_up(tmp_path):
         assert "bad seq on purpose" in str(info.value)
         assert "RuntimeError" in info.value.remote_traceback
         assert "map_seq" in info.value.remote_traceback
+        # uncaught, it prints the mapper's traceback (the config's file and line) as its cause
+        printed = "".join(traceback.format_exception(info.value))
+        assert f'File "{cfg}", line' in printed and "bad seq on purpose" in printed, printed
         assert len(collect(c.epoch(2))) == 30
 
 

@@ -6,6 +6,8 @@ as ``127.0.0.1:5555`` is one clear error everywhere instead of a socket that nev
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Tuple
 
 from .errors import UsageError
@@ -43,6 +45,30 @@ def is_loopback(endpoint: str) -> bool:
         return True
     host = host_port(endpoint)[0]
     return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def why_silent(endpoint: str, wait_s: float = 1.0) -> str:
+    """Why nothing answered at `endpoint`, as far as the operating system tells (ZeroMQ does not:
+    it connects in the background and tries again): for a ServerUnavailable message."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        return "" if os.path.exists(path) else f"no socket file at {path}: nothing serves there"
+    if not endpoint.startswith("tcp://"):
+        return ""
+    host, port = host_port(endpoint)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s):
+            pass
+    except ConnectionRefusedError:
+        return f"nothing listens on {host}:{port} (connection refused)"
+    except socket.gaierror:
+        return f"host {host!r} is not found"
+    except OSError as exc:
+        return f"{host}:{port} does not take connections ({exc.strerror or exc})"
+    return (
+        f"{host}:{port} takes connections but did not answer as a ppserver (another program, "
+        "a server that is stuck, or CURVE keys that do not match the server's)"
+    )
 
 
 def reachable(endpoint: str, via: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Optional
 
 import zmq
 
-from . import protocol, wire
+from . import endpoints, protocol, wire
 from .errors import Error, ServerUnavailable, UsageError
 from .protocol import Channel, Peer
 
@@ -42,7 +42,10 @@ class Requester:
                 return self._checked_reply(msg, reply, expect)
             if time.monotonic() >= deadline:
                 again = f" (asked {attempts} times, on a new connection each time)" if attempts > 1 else ""
-                raise ServerUnavailable(f"no answer from {self.address} within {self.timeout:g} s{again}")
+                why = endpoints.why_silent(self.address)
+                raise ServerUnavailable(
+                    f"no answer from {self.address} within {self.timeout:g} s{again}" + (f": {why}" if why else "")
+                )
 
     def probe(self, wait_s: float) -> Optional[protocol.InfoReply]:
         """One `info` request, answered within `wait_s` or not (None): who serves the address now."""

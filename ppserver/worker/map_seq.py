@@ -177,9 +177,9 @@ class MapSeqRunner(Runner):
         """A task failed (call while handling the exception): its run is over here; the server hears
         of it after the results before it."""
         tag, message = clip(tag), clip(text)
-        log.error("mapper failed on seq %r: %s", tag, message)
-        self.flush()
         tb = clip(traceback.format_exc())
+        log.error("mapper failed on seq %r: %s\n%s", tag, message, tb.rstrip())
+        self.flush()
         self.send(protocol.TaskFailed(run=run_id, pos=pos, seq_tag=tag, message=message, traceback=tb))
         self.drop_run(run_id)
 

@@ -143,8 +143,10 @@ class StreamRunner(Runner):
             self.parts.pop((part.run, part.index), None)
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else part.last_tag
             text = failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq_stream", exc)
-            tag, message = clip(tag), clip(text)
-            log.error("stream mapper failed in partition %d (last input %r): %s", part.index, tag, message)
+            tag, message, tb = clip(tag), clip(text), clip(traceback.format_exc())
+            log.error(
+                "stream mapper failed in partition %d (last input %r): %s\n%s", part.index, tag, message, tb.rstrip()
+            )
             self.send(
                 protocol.StreamFailed(
                     run=part.run,
@@ -152,7 +154,7 @@ class StreamRunner(Runner):
                     incarnation=part.incarnation,
                     seq_tag=tag,
                     message=message,
-                    traceback=clip(traceback.format_exc()),
+                    traceback=tb,
                 )
             )
             return
