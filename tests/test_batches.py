@@ -49,6 +49,41 @@ BATCHING = {"max_seqs": 6, "max_frames": 160, "bucket_window": 16, "pad": {"clas
 
 
 # ---- the cut and the padding, alone ------------------------------------------------------------
+def _runner_tasks(messages) -> List[List[int]]:
+    """The tasks a worker's map_seq runner queues for messages of (items, lost) of one run: a
+    batch's seq positions, or a seq's own."""
+    from types import SimpleNamespace
+
+    from ppserver.worker.map_seq import MapSeqRunner
+    from ppserver.worker.outputs import Means
+
+    runner = MapSeqRunner(Means(SimpleNamespace(buf_size=4), lambda *a: None, dict, lambda: None))  # type: ignore[arg-type]
+    for items, lost in messages:
+        runner.add(1, items, lost=lost)
+    return [[i.pos for i in task.items] if hasattr(task, "items") else [task.pos] for _, task, _ in runner.tasks]
+
+
+def _seq(pos: int, batch: int, size: int) -> protocol.Item:
+    return protocol.Item(pos, {}, [], [], batch=batch, size=size)
+
+
+@pytest.mark.unit
+def test_a_batch_split_over_messages_with_a_lost_seq_runs_only_when_redone_whole():
+    """Batch 0 of seqs 10-13 comes in two messages; seq 11 of the first did not check. The worker
+    drops the rest of that send (seq 12 and 13 in the second message) and runs the batch once, as
+    the server's redo brings it, not with leftovers of the first send."""
+    lost = [protocol.BadItem(0, "did not check", 4)]
+    first = ([_seq(10, 0, 4)], lost)
+    second = ([_seq(12, 0, 4), _seq(13, 0, 4), _seq(20, 1, 1)], [])
+    redo = ([_seq(p, 0, 4) for p in (10, 11, 12, 13)], [])
+    assert _runner_tasks([first, second, redo]) == [[20], [10, 11, 12, 13]]
+    # the lost seq in the second message: the first message's seqs wait no more, nothing is left over
+    assert _runner_tasks([([_seq(10, 0, 4), _seq(11, 0, 4)], []), ([_seq(13, 0, 4)], lost), redo]) == [[10, 11, 12, 13]]
+    # a batch whose only seqs in a message are lost: its later ones are dropped too
+    pair = [_seq(10, 0, 2), _seq(11, 0, 2)]
+    assert _runner_tasks([([], [protocol.BadItem(0, "unreadable", 2)]), (pair[1:], []), (pair, [])]) == [[10, 11]]
+
+
 @pytest.mark.unit
 def test_the_cut_is_greedy_within_both_caps_and_a_long_seq_is_a_batch_of_its_own():
     b = Batching(max_seqs=3, max_frames=10)

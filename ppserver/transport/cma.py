@@ -153,6 +153,6 @@ def resolve_spans(items: List[Any], reader: Optional[Reader]) -> List[Any]:
         else:
             give_arrays(todo, arrays)
             return []
-    bad = [BadItem(item.task, reason) for item in todo]
+    bad = [BadItem(item.task, reason, item.size if item.batch is not None else None) for item in todo]
     items[:] = [item for item in items if item.spans is None]
     return bad

@@ -187,7 +187,7 @@ class Worker:
         elif getattr(msg, "run", None) not in self.runs:
             self._not_open(msg, items)
         elif isinstance(msg, protocol.Tasks):
-            self.seqs.add(msg.run, *_whole_batches(items, msg.to, decoded.bad + decoded.unreadable), probe=msg.probe)
+            self.seqs.add(msg.run, items, msg.to, probe=msg.probe, lost=decoded.bad + decoded.unreadable)
         elif isinstance(msg, protocol.StreamOpen):
             self.streams.open(msg, self.runs)
         elif isinstance(msg, protocol.StreamClose):
@@ -216,18 +216,6 @@ class Worker:
         elif getattr(msg, "run", None) in self.runs:
             self.session.forgotten = True
             raise Stopped()
-
-
-def _whole_batches(
-    items: List[protocol.Item], to: List[bytes], lost: List[protocol.BadItem]
-) -> Tuple[List[protocol.Item], List[bytes]]:
-    """The tasks' items without the seqs of a batch one of whose seqs did not check or could not be
-    read (a batch runs whole or not at all; the server hears of the lost ones)."""
-    if not lost or not any(item.batch is not None for item in items):
-        return items, to
-    gone = {b.pos for b in lost}
-    keep = [k for k, item in enumerate(items) if item.batch is None or item.batch not in gone]
-    return [items[k] for k in keep], ([to[k] for k in keep] if len(to) == len(items) else to)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

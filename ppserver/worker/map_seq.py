@@ -20,12 +20,12 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
 from ppclient import collate, protocol, shm
-from ppclient.protocol import Item
+from ppclient.protocol import BadItem, Item
 from ppserver.mappers.api import missing_returnn_api_hint
 from ppserver.mappers.apply import MappingError, apply_map_seq, writable
 from ppserver.worker.outputs import Means, OpenRun, Runner, check_header, check_size, clip, failure_text
@@ -59,6 +59,9 @@ class MapSeqRunner(Runner):
         self.routes = routes
         self.tasks: Deque[Tuple[int, Task, Consumer]] = deque()
         self.partial: Dict[Tuple[int, int], BatchTask] = {}  # batches whose seqs have not all come
+        # lost batches (a seq did not check or could not be read): how many of their seqs are still
+        # to come in later messages of the same send, to drop (a redo comes after them)
+        self.discard: Dict[Tuple[int, int], int] = {}
         # results not sent yet (all of run `results_run`), with the block a padded batch lies in
         self.results: List[Tuple[Item, Consumer, Optional[shm.Block]]] = []
         self.results_run: Optional[int] = None
@@ -67,15 +70,33 @@ class MapSeqRunner(Runner):
         self.flush_every = max(1, min(self.cfg.buf_size // 2, 16))
         self.messages_in = self.messages_out = 0
 
-    def add(self, run: int, items: List[Item], to: Optional[List[bytes]] = None, probe: bool = False) -> None:
+    def add(
+        self,
+        run: int,
+        items: List[Item],
+        to: Optional[List[bytes]] = None,
+        probe: bool = False,
+        lost: Sequence[BadItem] = (),
+    ) -> None:
         """Tasks of a message: its seqs, and a batch (its seqs may come in several messages) once
-        all its seqs are here. `to`: the message's consumers (b"": to the server)."""
+        all its seqs are here. `to`: the message's consumers (b"": to the server). A batch one of
+        whose seqs is `lost` (did not check, or could not be read) runs not at all: its seqs here,
+        before and after are dropped (the server redoes it whole, after the rest of this send)."""
         dests: List[Consumer] = [d or None for d in to] if to and len(to) == len(items) else [None] * len(items)
+        if lost:
+            self._lose(run, items, lost)
         for item, dest in zip(items, dests):
             if item.batch is None:
                 self.tasks.append((run, item, dest))
                 continue
             key = (run, item.batch)
+            left = self.discard.get(key)
+            if left is not None:
+                if left <= 1:
+                    del self.discard[key]
+                else:
+                    self.discard[key] = left - 1
+                continue
             task = self.partial.get(key)
             if task is None:
                 task = self.partial[key] = BatchTask(item.batch, [], probe)
@@ -85,10 +106,28 @@ class MapSeqRunner(Runner):
                 self.tasks.append((run, task, dest))
         self.messages_in += 1
 
+    def _lose(self, run: int, items: List[Item], lost: Sequence[BadItem]) -> None:
+        """Mark the batches of `lost` seqs to be dropped: the seqs of each that came already, and as
+        many as are still to come (its size less the lost ones and those that came before)."""
+        gone: Dict[Tuple[int, int], int] = {}  # (batch, size): seqs lost
+        for bad in lost:
+            if bad.pos is not None and bad.size is not None:
+                gone[(bad.pos, bad.size)] = gone.get((bad.pos, bad.size), 0) + 1
+        for (batch, size), n_lost in gone.items():
+            key = (run, batch)
+            if key in self.discard:
+                continue  # lost already: its later seqs are being dropped
+            before = self.partial.pop(key, None)
+            left = size - n_lost - (len(before.items) if before is not None else 0)
+            if left > 0:
+                self.discard[key] = left  # this message's seqs of it are counted among them
+
     def drop_run(self, run: int) -> None:
         self.tasks = deque(t for t in self.tasks if t[0] != run)
         for key in [k for k in self.partial if k[0] == run]:
             del self.partial[key]
+        for key in [k for k in self.discard if k[0] == run]:
+            del self.discard[key]
         if self.results_run == run:
             if self.results:
                 log.info("dropped %d results (%d bytes) of closed run %d", len(self.results), self.results_bytes, run)
@@ -97,6 +136,7 @@ class MapSeqRunner(Runner):
     def clear(self) -> None:
         self.tasks.clear()
         self.partial.clear()
+        self.discard.clear()
         self._drop_results()
 
     def _drop_results(self) -> None:

@@ -189,7 +189,7 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
         try:
             out.items.append(check_item(spec, bufs[at : at + n]))
         except ProtocolError as exc:
-            out.bad.append(BadItem(_task_position(spec), str(exc)))
+            out.bad.append(BadItem(_task_position(spec), str(exc), _batch_size(spec)))
         at += n
     else:
         if at == len(bufs):
@@ -197,7 +197,10 @@ def _decode_items(msg: Message, specs: Any, bufs: List[Any]) -> Decoded:
     # frames cannot be matched to items: every item is bad
     out.items.clear()
     out.bad = [
-        BadItem(_task_position(spec) if type(spec) is dict else None, "items and frames do not match") for spec in specs
+        BadItem(_task_position(spec), "items and frames do not match", _batch_size(spec))
+        if type(spec) is dict
+        else BadItem(None, "items and frames do not match")
+        for spec in specs
     ]
     return out
 
@@ -211,6 +214,12 @@ def _task_position(spec: Dict[str, Any]) -> Optional[int]:
     """The position of the task an item header belongs to: its batch's, for a seq of a batch."""
     batch = spec.get("g")
     return batch if type(batch) is int and batch >= 0 else _position(spec)
+
+
+def _batch_size(spec: Dict[str, Any]) -> Optional[int]:
+    """The seqs of the batch an item header says it belongs to (None: not a seq of a batch)."""
+    size = spec.get("n")
+    return size if type(spec.get("g")) is int and type(size) is int and size > 0 else None
 
 
 class VersionMismatch(ProtocolError):

@@ -166,6 +166,7 @@ def item_to_seq(item: Item) -> Dict[str, Any]:
 class BadItem(typing.NamedTuple):
     pos: Optional[int]  # the task's position the item claimed (its batch, for a seq of one), if it was an int
     reason: str
+    size: Optional[int] = None  # for a seq of a batch: the batch's seqs (if the header said)
 
 
 def check_item(spec: Any, frames: Sequence[Any]) -> Item:

@@ -89,7 +89,7 @@ def resolve_blocks(items: List[Item], mapping: Any) -> List[BadItem]:
                 give_arrays(group, views)
                 continue
         for item in group:
-            bad.append(BadItem(item.task, reason))
+            bad.append(BadItem(item.task, reason, item.size if item.batch is not None else None))
             failed.add(id(item))
     if failed:
         items[:] = [item for item in items if id(item) not in failed]
