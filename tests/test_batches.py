@@ -68,6 +68,19 @@ def _seq(pos: int, batch: int, size: int) -> protocol.Item:
 
 
 @pytest.mark.unit
+def test_an_oversized_batch_laid_out_in_shared_memory_names_its_largest_array():
+    from ppserver.mappers.apply import MappingError
+    from ppserver.worker.outputs import check_size
+
+    arrays = [["data", "<f4", [16, 1000, 10]], ["data:lengths", "<i8", [16]]]
+    item = protocol.Item(
+        3, {}, arrays, [], nbytes=16 * 1000 * 10 * 4 + 16 * 8, block=[0, 640128, 1, [0, 640000]], size=16
+    )
+    with pytest.raises(MappingError, match=r"output is 640128 bytes \(array 'data' the largest\), more than"):
+        check_size(item, 1000)
+
+
+@pytest.mark.unit
 def test_a_batch_split_over_messages_with_a_lost_seq_runs_only_when_redone_whole():
     """Batch 0 of seqs 10-13 comes in two messages; seq 11 of the first did not check. The worker
     drops the rest of that send (seq 12 and 13 in the second message) and runs the batch once, as

@@ -8,9 +8,12 @@ an oversized result or drop an undecodable one: such a seq fails as a MapperErro
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
+
+import numpy
 
 from ppclient import collate, protocol
 from ppclient.protocol import Item
@@ -59,7 +62,11 @@ class OpenRun:
 def check_size(item: Item, limit: int) -> None:
     """An output the server would refuse (it disconnects senders of oversized messages)."""
     if item.nbytes > limit:
-        biggest = max(zip(item.frames, item.arrays), key=lambda fa: protocol.wire.nbytes(fa[0]))[1][0]
+        if item.frames:
+            sizes = [protocol.wire.nbytes(f) for f in item.frames]
+        else:  # laid out in a shared-memory block already (a padded batch)
+            sizes = [math.prod(shape) * numpy.dtype(dtype).itemsize for _, dtype, shape in item.arrays]
+        biggest = item.arrays[max(range(len(sizes)), key=sizes.__getitem__)][0]
         raise MappingError(
             f"output is {item.nbytes} bytes (array {biggest!r} the largest), more than max_message_bytes ({limit})",
             item.seq_tag,

@@ -233,15 +233,12 @@ class Routes:
 
     def block_for(self, consumer: bytes, nbytes: int) -> Optional[shm.Block]:
         """A block of the segment for a result to `consumer` to be laid out in (a padded batch), if it
-        takes results through shared memory and the segment has room (else: counted, logged now
-        and then, and the result goes over the socket)."""
+        takes results through shared memory and the segment has room (else the result is padded in
+        ordinary memory, and sending it tries the segment again: see _pack)."""
         if not self.shared(consumer):
             return None
         assert self.segment is not None
-        block = self.segment.alloc(nbytes, consumer)
-        if block is None:
-            self._full(consumer, 1)
-        return block
+        return self.segment.alloc(nbytes, consumer)
 
     def _full(self, consumer: bytes, n: int) -> None:
         segment = self.segment
@@ -259,8 +256,10 @@ class Routes:
         them (counted, logged now and then)."""
         assert self.segment is not None
         wire, block = protocol.to_block(items, self.segment, consumer)
-        if block is None and any(item.block is None and item.frames for item in items):
-            self._full(consumer, len(items))
+        if block is None:
+            loose = sum(1 for item in items if item.block is None and item.frames)
+            if loose:
+                self._full(consumer, loose)
         return wire, block
 
     def send(self, consumer: bytes, run: int, items: List[Item]) -> bool:
