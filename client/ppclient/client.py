@@ -21,7 +21,7 @@ from .alive import AliveThread
 from .arguments import int_arg, shard_args, timeout_arg
 from .batching import argument as batching_arg
 from .epoch import EpochIterator
-from .errors import Error, UsageError
+from .errors import Error, Superseded, UsageError
 from .inbox import Inbox
 from .requester import Requester
 from .results import DirectResults
@@ -214,7 +214,7 @@ class Client:
             raise  # a refused request leaves the current epoch as it was
         old, self._current = self._current, it
         if old is not None:
-            old._supersede(f"epoch {old.epoch} was superseded by epoch {epoch} of this client")
+            old._stop(Superseded(f"epoch {old.epoch} was superseded by epoch {epoch} of this client"))
             self._inbox.drop(old.run)
         return it
 
@@ -298,7 +298,7 @@ class Client:
             self._results.stop()
         self._inbox.runs.clear()  # seqs of runs no iterator holds
         if self._current is not None:
-            self._current._closed()
+            self._current._stop(Error(f"epoch {self._current.epoch}: the client is closed"))
 
     def __enter__(self) -> Client:
         return self

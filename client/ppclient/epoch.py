@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Union
 
 import zmq
 
@@ -134,15 +134,12 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         if due * 2 >= window or taken * 2 >= window or (end and taken):
             self._grant(max(due, 0))
 
-    def _supersede(self, message: str) -> None:
+    def _stop(self, error: Error) -> None:
+        """Another epoch of the client superseded this one, or the client closed: an unfinished
+        iterator raises `error` from now on, and the seqs that arrived are let go (never yielded
+        now: their shared-memory blocks go)."""
         if self._error is None and not self._finished():
-            self._error = Superseded(message)
-        self._reorder.clear()  # never yielded now: their shared-memory blocks go
-
-    def _closed(self) -> None:
-        """The client closed: nothing more is yielded, and the seqs that arrived are let go."""
-        if self._error is None and not self._finished():
-            self._error = Error(f"epoch {self.epoch}: the client is closed")
+            self._error = error
         self._reorder.clear()
 
     def _raise(self, error: Error) -> NoReturn:
@@ -380,11 +377,11 @@ class Reorder:
                 continue
             self.buffer[pos] = item
 
-    def _whole(self, items: List[Item]) -> List[Union[Item, Batch]]:
+    def _whole(self, items: List[Item]) -> Sequence[Union[Item, Batch]]:
         """The items, with the seqs of a batch the server cut but did not pad as one Batch once
         they are all here (they may come in several messages)."""
         if not any(item.batch is not None for item in items):
-            return list(items)
+            return items
         out: List[Union[Item, Batch]] = []
         for item in items:
             if item.batch is None:

@@ -282,14 +282,17 @@ class ServerDataset(IterableDataset):
         the epoch's order; `len()` of the iterator of an epoch that has begun gives it), or when
         the server does not know the count of an epoch before reading it."""
         opts = self.client_options
+        batches = TypeError(
+            "len() of a ServerDataset that batches is not known before its epoch begins: the number of "
+            "batches depends on the epoch's order of lengths"
+        )
+        if opts["batching"]:
+            raise batches  # whatever the server says
         if self._num_seqs is None:
             with Client(self.address, timeout=opts["timeout"], keys=opts["keys"], direct=False) as client:
                 info = client.info()
-            if opts["batching"] or (opts["batching"] is None and info.get("batching")):
-                raise TypeError(
-                    "len() of a ServerDataset that batches is not known before its epoch begins: the number of "
-                    "batches depends on the epoch's order of lengths"
-                )
+            if opts["batching"] is None and info.get("batching"):
+                raise batches
             self._num_seqs = info["num_seqs"]
             if self._num_seqs is None:
                 raise TypeError(

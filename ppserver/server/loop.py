@@ -246,7 +246,7 @@ class Server:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
         self.stages.to_worker(instr, self.sched.now)
         if instr.items:
-            self.inputs.send(ident, instr.wid, instr.msg, list(instr.items))
+            self.inputs.send(ident, instr.wid, instr.msg, instr.items)
         else:
             sockets.send(self.workers_sock, [ident, *protocol.encode(instr.msg)])
 

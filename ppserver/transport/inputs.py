@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy
 
@@ -120,7 +120,7 @@ class WorkerInputs:
             segment.close()
 
     # ---- sending ----------------------------------------------------------------------------
-    def send(self, ident: bytes, wid: bytes, msg: protocol.Message, items: List[Item]) -> None:
+    def send(self, ident: bytes, wid: bytes, msg: protocol.Message, items: Sequence[Item]) -> None:
         """A message with inputs, the worker's way: by address (the scheduler keeps each input until
         its result is settled), in a block of its segment per message (a receiver's lease covers
         one message), or in the message; one message unless headers are huge (encoded once: each

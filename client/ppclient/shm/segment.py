@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import os
 from typing import Any, List, Optional, Sequence, Tuple
@@ -230,7 +231,7 @@ def layout(sizes: Sequence[int]) -> Tuple[List[int], int]:
 
 def view(block: Block, offset: int, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
     """A writable array of the block's memory at `offset` (as `layout` placed it)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     return block.data[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
