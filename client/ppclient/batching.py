@@ -11,12 +11,18 @@ both sides, so a bad value is one line naming it before anything is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Collection, Dict, Optional, Tuple, Union
 
 from .errors import UsageError
 
 KEYS = ("max_seqs", "max_frames", "length_key", "bucket_window", "pad")
 MAX_BUCKET_WINDOW = 1 << 20  # seqs the server sorts at a time (it holds their lengths, or the seqs)
+
+
+def default_length_key(keys: Collection[str]) -> Optional[str]:
+    """The key whose first axis is a seq's length where none is named: `data`, else the first
+    (None: no keys). The epoch orders by length, the cut and the stream cut all measure this one."""
+    return "data" if "data" in keys else next(iter(keys), None)
 
 
 @dataclass(frozen=True)

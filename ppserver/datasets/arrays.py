@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import numpy as np
 
 from ppclient.wire import META_KEYS
-from ppserver.datasets.base import Dataset, describe_arrays
+from ppserver.datasets.base import Dataset, describe_arrays, length_key_of
 from ppserver.errors import ConfigError
 
 _NPZ_PREFIX = "seq"
@@ -41,7 +41,7 @@ def _validate_seqs(seqs: Any) -> List[Dict[str, np.ndarray]]:
         sig = {k: (a.dtype, a.ndim) for k, a in arrays.items()}
         if ref is None:
             ref = sig
-            len_key = "data" if "data" in arrays else next(iter(arrays))
+            len_key = length_key_of(arrays)
             if arrays[len_key].ndim < 1:
                 raise ConfigError("seqs", f"key {len_key!r} defines the seq length and must have ndim >= 1")
         elif sig.keys() != ref.keys():
@@ -142,7 +142,7 @@ class NumpyDataset(Dataset):
         if tags is None:
             tags = file_tags
         self._tags = [f"seq-{i}" for i in range(n)] if tags is None else _validate_tags(tags, n)
-        self._len_key = "data" if "data" in self._seqs[0] else next(iter(self._seqs[0]))
+        self._len_key = length_key_of(self._seqs[0])
         self._views = [{k: _read_only(a) for k, a in seq.items()} for seq in self._seqs]
 
     def _num_corpus_seqs(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 
+from ppclient.batching import default_length_key
 from ppclient.wire import META_KEYS
 from ppserver.datasets.orderings import epoch_random_seed, full_order, parse_seq_ordering, partition
 from ppserver.errors import ConfigError
@@ -22,6 +23,14 @@ class UnknownSeqTagError(ValueError, KeyError):
     """A seq tag not in the corpus; catchable as ValueError or KeyError."""
 
     __str__ = BaseException.__str__  # KeyError would quote the message
+
+
+def length_key_of(seq: Dict[str, Any]) -> str:
+    """The key whose first axis is the seq's length (default_length_key of its arrays)."""
+    key = default_length_key(seq)
+    if key is None:
+        raise ValueError("a seq without arrays has no length")
+    return key
 
 
 def is_int(value: Any) -> bool:
@@ -86,8 +95,7 @@ class Dataset:
 
     def _seq_len(self, corpus_idx: int) -> int:
         data = self._load(corpus_idx)
-        key = "data" if "data" in data else next(iter(data))
-        return int(np.shape(data[key])[0])
+        return int(np.shape(data[length_key_of(data)])[0])
 
     def _corpus_idx_for_tag(self, tag: str) -> Optional[int]:
         if self._tag_index is None:

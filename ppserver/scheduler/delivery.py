@@ -17,6 +17,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple, Union
 
+from ppclient.batching import default_length_key
 from ppclient.protocol import Batch, End, Item, Message, Seqs, Started
 from ppserver.datasets.cut import Cutter
 from ppserver.scheduler import events as ev
@@ -290,11 +291,8 @@ class StreamCut:
 
 
 def _length(item: Item, key: Optional[str]) -> int:
-    """An output's length for the cut: the first axis of its `key` (None: `data`, else its first array)."""
-    for name, _, shape in item.arrays:
-        if name == key or (key is None and name == "data"):
-            return shape[0] if shape else 1
-    if key is None and item.arrays:
-        shape = item.arrays[0][2]
-        return shape[0] if shape else 1
-    return 1
+    """An output's length for the cut: the first axis of its `key` (None: the default one of its
+    arrays, see default_length_key); 1 for an output without it, or with a scalar."""
+    shapes = {name: shape for name, _, shape in item.arrays}
+    shape = shapes.get(key if key is not None else default_length_key(shapes))
+    return shape[0] if shape else 1

@@ -30,6 +30,7 @@ import zmq
 
 import ppclient
 from ppclient import endpoints, keyfiles, protocol
+from ppclient.batching import default_length_key
 from ppclient.protocol import Channel, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.settings import Config
@@ -121,7 +122,7 @@ class Server:
         self.address = sockets.endpoint_of(self.control)
         self.worker_address = sockets.endpoint_of(self.workers_sock)
         self.monitors = sockets.handshake_monitors([self.control, self.workers_sock]) if keys else []
-        self.reader = rd.Reader(self.dataset, cfg.batch_length, _length_key(self.in_templates))
+        self.reader = rd.Reader(self.dataset, cfg.batch_length, default_length_key(self.in_templates))
         self.monitor = Monitor(
             self.sched, self.reader, stream=cfg.is_stream, progress_interval=cfg.progress_interval, metrics=metrics
         )
@@ -379,11 +380,6 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
         raise ConfigError(
             "dataset", f"{type(dataset).__name__} failed to describe its data: {type(exc).__name__}: {text}"
         ) from None
-
-
-def _length_key(templates: Dict[str, Any]) -> Optional[str]:
-    """The key whose first axis is a seq's length when a batching names none: `data`, else the first."""
-    return "data" if "data" in templates else next(iter(templates), None)
 
 
 def serve(
