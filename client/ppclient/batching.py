@@ -97,9 +97,11 @@ class Batching:
         return ", ".join(parts)
 
 
-def describe(value: Optional[Dict[str, Any]]) -> str:
-    """A request's batching (a canonical dict; None or {}: one seq at a time), in words."""
-    return f"batches of {Batching.from_dict(value).describe()}" if value else "one seq at a time"
+def describe(value: Union[Batching, Dict[str, Any], None]) -> str:
+    """A batching (or a request's canonical dict of one; None or {}: one seq at a time), in words."""
+    if not value:
+        return "one seq at a time"
+    return f"batches of {(value if isinstance(value, Batching) else Batching.from_dict(value)).describe()}"
 
 
 def argument(value: Union[bool, Dict[str, Any], None]) -> Optional[Dict[str, Any]]:

@@ -67,11 +67,10 @@ class Cutter:
         self.b = batching
         self.greedy = _Greedy(batching)
         self.window: List[Tuple[int, int]] = []
-        self.count = 0  # batches returned so far
 
     def add(self, pos: int, length: int) -> List[Batch]:
         if self.window_size == 1:
-            return self._counted(self.greedy.add(pos, length))
+            return self.greedy.add(pos, length)
         self.window.append((pos, length))
         if len(self.window) < self.window_size:
             return []
@@ -80,11 +79,7 @@ class Cutter:
     def finish(self) -> List[Batch]:
         """The batches of what is left (the epoch ended, or a window is full)."""
         window, self.window = self.window, []
-        return self._counted(cut(_sorted(window), self.b) if window else self.greedy.finish())
-
-    def _counted(self, batches: List[Batch]) -> List[Batch]:
-        self.count += len(batches)
-        return batches
+        return cut(_sorted(window), self.b) if window else self.greedy.finish()
 
 
 def cut_epoch(lengths: Sequence[int], b: Batching) -> List[Batch]:

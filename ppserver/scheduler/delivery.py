@@ -279,7 +279,7 @@ class StreamCut:
     def finish(self) -> int:
         """Every output is in: cut the rest. Returns the epoch's batches."""
         self._batches(self.cutter.finish())
-        return self.cutter.count
+        return self.count
 
     def _batches(self, cut: List[List[int]]) -> None:
         for positions in cut:

@@ -12,8 +12,9 @@ once it closed, or after its timeout without a keepalive or credit.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
+from ppclient.batching import describe as describe_batching
 from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorReply, Superseded
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.delivery import to_lane
@@ -68,7 +69,7 @@ class Requests:
             for run in list(job.runs.values()):
                 self.s.lifecycle.supersede(run, e.epoch, out)
         self.s.job = Job(e.job, e.world_size, e.drop_last, e.subshards, e.batching)
-        kind = (e.drop_last, readers(e.subshards), batching_words(e.batching))
+        kind = (e.drop_last, readers(e.subshards), describe_batching(e.batching))
         log.info("job %r: world_size %d, drop_last %s, %s, %s", e.job, e.world_size, *kind)
         return self.s.job
 
@@ -272,7 +273,7 @@ def _conflict(job: Job, e: ev.EpochRequested, others: List[Client]) -> str:
         if mine[k] != asked[k]
     ]
     if e.batching != job.batching:
-        conflicts.append(f"{batching_words(e.batching)}, where the job has {batching_words(job.batching)}")
+        conflicts.append(f"{describe_batching(e.batching)}, where the job has {describe_batching(job.batching)}")
     return (
         f"this request of job {job.name!r} conflicts with the job's {clients}: "
         f"{'; '.join(conflicts)}. Every rank of a job must use the same world_size, drop_last, "
@@ -286,10 +287,6 @@ def readers(n: int) -> str:
     if n == 1:
         return "1 reader per rank, i.e. DataLoader num_workers 0 or 1"
     return f"{n} readers per rank, i.e. DataLoader num_workers {n}"
-
-
-def batching_words(batching: Optional[Any]) -> str:
-    return "one seq at a time" if batching is None else f"batches of {batching.describe()}"
 
 
 def _too_many(world: int, per_rank: int) -> str:

@@ -54,11 +54,10 @@ class Lifecycle:
         run.started = e.now
         run.to(RunState.RUNNING)
         dispatch = run.dispatch = self._dispatch(run, e.num_seqs)
-        if dispatch.one_output_per_input:
-            run.total = e.num_seqs
         if s.stream and run.job.batching is not None:
             run.cutting = StreamCut(Cutter(run.job.batching), run.job.batching.length_key)
-            run.total = None  # batches: known once the merged outputs are all cut
+        if dispatch.one_output_per_input and run.cutting is None:  # batches: counted once all are cut
+            run.total = e.num_seqs
         count = "an unknown number of" if e.num_seqs is None else str(e.num_seqs)
         log.info("epoch %d started (run %d, %s %s)", run.epoch, run.run, count, _inputs(run, s.stream))
         for lane in run.lanes.values():

@@ -29,7 +29,7 @@ def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bo
         return f"{job.who(held.index)} of job {job.name!r} to take its seqs (the next one waits for credit)", True
     missing = run.awaited(8)
     if missing:
-        return f"rank(s) {', '.join(map(str, missing[:8]))} of job {run.job.name!r} to connect", False
+        return f"rank(s) {', '.join(map(str, missing))} of job {run.job.name!r} to connect", False
     q = run.dispatch.queues()
     if q["in_flight"]:
         return f"the workers ({q['in_flight']} in flight)", False
