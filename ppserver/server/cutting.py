@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ppclient.batching import Batching
 from ppclient.protocol import Item
+from ppserver.datasets.base import is_int
 from ppserver.datasets.cut import Cutter, cut_epoch
 
 Length = Callable[[Dict[str, Any]], int]
@@ -66,13 +67,6 @@ def seq_length(batch_length: Optional[Callable[[Dict[str, Any]], Any]], key: Opt
 
 
 def _checked_length(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        try:
-            import numpy
-
-            if isinstance(value, numpy.integer) and value >= 0:
-                return int(value)
-        except ImportError:
-            pass
+    if not is_int(value) or value < 0:
         raise ValueError(f"{what} must return an int >= 0, got {value!r:.60}")
-    return value
+    return int(value)

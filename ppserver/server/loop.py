@@ -35,7 +35,7 @@ from ppclient.protocol import Channel, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
-from ppserver.errors import ConfigError
+from ppserver.errors import ConfigError, one_line
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
     Instruction,
@@ -376,10 +376,7 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
     except ConfigError:
         raise
     except Exception as exc:
-        text = " ".join(str(exc).split())
-        raise ConfigError(
-            "dataset", f"{type(dataset).__name__} failed to describe its data: {type(exc).__name__}: {text}"
-        ) from None
+        raise ConfigError("dataset", f"{type(dataset).__name__} failed to describe its data: {one_line(exc)}") from None
 
 
 def serve(
