@@ -641,7 +641,7 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
         key = b.length_key or ("data" if "data" in ds.data_keys() else next(iter(ds.data_keys())))
         length = cfg.batch_length or (lambda seq: seq[key].shape[0] if seq[key].ndim else 1)
         lengths = [int(length(ds.get_seq(pos))) for pos in range(len(seqs))]
-    return [collate.pad([seqs[p] for p in batch], b.pad_value) for batch in cut_epoch(lengths, b)]
+    return [collate.pad([seqs[p] for p in batch], dict(b.pad)) for batch in cut_epoch(lengths, b)]
 
 
 def assert_same_batches(got: List[dict], want: List[dict]) -> None:

@@ -143,7 +143,7 @@ def test_padding_gives_one_array_per_key_with_lengths_and_names_a_seq_that_does_
         {"data": np.full((4, 3), 2, "f4"), "classes": np.array([3], "i4"), "n": np.array(8), "seq_tag": "b",
          "seq_idx": 5, "complete_frac": 0.75},
     ]  # fmt: skip
-    batch = collate.pad(seqs, lambda key: -1 if key == "classes" else 0)
+    batch = collate.pad(seqs, {"classes": -1})
     assert batch["data"].shape == (2, 4, 3) and batch["data:lengths"].tolist() == [2, 4]
     assert batch["data"][0, 2:].sum() == 0 and batch["data"][1].min() == 2
     assert batch["classes"].tolist() == [[1, 2], [3, -1]]  # padded with the key's value

@@ -75,12 +75,6 @@ class Batching:
             "pad": dict(self.pad),
         }
 
-    def pad_value(self, key: str) -> float:
-        for k, v in self.pad:
-            if k == key:
-                return v
-        return 0
-
     def describe(self) -> str:
         """In words, for errors and logs."""
         parts = []

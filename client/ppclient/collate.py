@@ -13,7 +13,7 @@ output and the trainer.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy
 
@@ -85,10 +85,10 @@ def fill(
     seqs: Sequence[Dict[str, Any]],
     columns: Sequence[Column],
     out: Dict[str, numpy.ndarray],
-    pad: Callable[[str], float],
+    pad: Mapping[str, float],
 ) -> None:
     """Write the seqs' arrays into `out` (one array per column and per lengths key, e.g. views of a
-    shared-memory block), padding each row's tail."""
+    shared-memory block), padding each row's tail with the key's `pad` value (others: 0)."""
     for col in columns:
         dest = out[col.key]
         key = col.key
@@ -96,7 +96,7 @@ def fill(
             for i, seq in enumerate(seqs):
                 dest[i] = seq[key]
             continue
-        value = "" if col.dtype.kind in "US" else pad(key)
+        value = "" if col.dtype.kind in "US" else pad.get(key, 0)
         longest = col.shape[1]
         for i, (seq, n) in enumerate(zip(seqs, col.lengths)):
             row = dest[i]
@@ -125,11 +125,12 @@ def meta_of(seqs: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
     return meta
 
 
-def pad(seqs: Sequence[Dict[str, Any]], pad_value: Callable[[str], float] = lambda key: 0) -> Dict[str, Any]:
-    """The seqs as one batch dict (new arrays): what a client makes of a batch whose seqs came unpadded."""
+def pad(seqs: Sequence[Dict[str, Any]], values: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
+    """The seqs as one batch dict (new arrays), each key padded with its value in `values` (others:
+    0): what a client makes of a batch whose seqs came unpadded."""
     columns = layout(seqs)
     out = {key: numpy.empty(shape, dtype) for key, dtype, shape in arrays_of(columns)}
-    fill(seqs, columns, out, pad_value)
+    fill(seqs, columns, out, values or {})
     return batch_dict(out, meta_of(seqs))
 
 

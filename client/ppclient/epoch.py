@@ -178,7 +178,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         if isinstance(item, Item):
             return protocol.item_to_seq(item)
         pad = self.batching.get("pad", {}) if self.batching else {}
-        return collate.pad([protocol.item_to_seq(i) for i in item.items], lambda key: pad.get(key, 0))
+        return collate.pad([protocol.item_to_seq(i) for i in item.items], pad)
 
     def _receive(self, what: str) -> None:
         """Take the next message of this run (`what`: "started" or "progress"); raise when none

@@ -285,7 +285,7 @@ class MapSeqRunner(Runner):
             arrays = {key: shm.view(block, off, dtype, shape) for (key, dtype, shape), off in zip(specs, offsets)}
         else:
             arrays = {key: numpy.empty(shape, dtype) for key, dtype, shape in specs}
-        collate.fill(outs, columns, arrays, lambda key: pad.get(key, 0))
+        collate.fill(outs, columns, arrays, pad)
         described = [[key, dtype.str, list(shape)] for key, dtype, shape in specs]
         nbytes = sum(a.nbytes for a in arrays.values())
         meta = collate.meta_of(outs)
