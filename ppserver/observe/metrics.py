@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from urllib.parse import urlsplit
 
 from ppclient.protocol import PROTOCOL
+from ppclient.throttle import Throttled
 from ppserver.errors import ConfigError
 from ppserver.observe.progress import SIDES
 from ppserver.observe.stages import MAX_SERIES, StageClock
@@ -135,7 +136,9 @@ class Responder:
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.conns: Dict[int, _Conn] = {}
         self.paused_until: Optional[float] = None  # accept failed (no descriptor left): not before then
-        self.warned_at = float("-inf")
+        self.warnings = Throttled(
+            log, "metrics endpoint", WARN_EVERY_S
+        )  # a peer that holds connections would fill the log
         self.stopping = False
         self.thread = threading.Thread(target=self._serve, name="ppserver-metrics", daemon=True)
         self.thread.start()
@@ -194,12 +197,12 @@ class Responder:
             except BlockingIOError:
                 return
             except OSError as exc:  # e.g. no descriptor left: leave them waiting a while, not spinning
-                self._warn(f"cannot accept a metrics connection ({exc.strerror or exc})")
+                self.warnings.hit(f"cannot accept a metrics connection ({exc.strerror or exc})")
                 self.selector.unregister(self.listener)
                 self.paused_until = time.monotonic() + 1.0
                 return
             if len(self.conns) >= MAX_CONNECTIONS:
-                self._warn(f"{len(self.conns)} metrics connections open: the oldest ones are closed")
+                self.warnings.hit(f"{len(self.conns)} metrics connections open: the oldest ones are closed")
                 self._drop(min(self.conns.values(), key=lambda c: c.deadline))
             sock.setblocking(False)
             conn = _Conn(sock, time.monotonic() + REQUEST_TIMEOUT_S)
@@ -216,7 +219,7 @@ class Responder:
         except OSError:
             self._drop(conn)
         except Exception as exc:  # a bug here must not stop the endpoint
-            self._warn(f"a metrics connection failed: {exc!r}")
+            self.warnings.hit(f"a metrics connection failed: {exc!r}")
             self._drop(conn)
 
     def _read(self, conn: _Conn) -> None:
@@ -282,13 +285,6 @@ class Responder:
         if self.conns.pop(conn.sock.fileno(), None) is not None:
             self.selector.unregister(conn.sock)
         conn.sock.close()
-
-    def _warn(self, text: str) -> None:
-        """At most once a minute: a peer that holds connections open would fill the log."""
-        now = time.monotonic()
-        if now - self.warned_at >= WARN_EVERY_S:
-            self.warned_at = now
-            log.warning("%s", text)
 
 
 def _listen(host: str, port: int) -> socket.socket:
