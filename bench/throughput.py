@@ -49,6 +49,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ppclient.collate import LENGTHS  # a padded key's lengths in a batch: key + LENGTHS
+from ppclient.wire import META_KEYS as META
+
 # Module level on purpose: RETURNN's workers are spawned processes that import this file
 # again (as __mp_main__) and unpickle the mapper functions below by name. Everything that
 # does real work is behind `if __name__ == "__main__"`.
@@ -56,8 +59,6 @@ import numpy as np
 BURN_SECONDS = 0.002  # CPU time (of the calling thread) case (c) burns per seq
 BUF_SIZE = 10  # ppserver's buf_size (tasks, i.e. seqs or batches, in flight per worker) and RETURNN's
 PREFETCH = 10  # the DataLoader's prefetch_factor: batches in flight per worker, as buf_size
-LENGTHS = ":lengths"  # suffix of a padded key's lengths in a batch (ppclient.collate.LENGTHS)
-META = ("seq_tag", "seq_idx", "complete_frac")
 NCPU = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 OTHER_CPU_WARN = 0.10  # warn when other processes used more than this share of the machine
 MIN_ACCOUNTED_SECONDS = 0.5  # shorter timings are too coarse for /proc's CPU ticks
@@ -514,10 +515,7 @@ class PPServer:
         from ppclient import Client
 
         address = self.serve()
-        if self.batching is None:
-            self.client = Client(address, timeout=60)
-        else:
-            self.client = Client(address, timeout=60, batching=self.batching)
+        self.client = Client(address, timeout=60, batching=self.batching)  # None: the server's default
 
     def epoch(self, epoch: int) -> Tally:
         if self.batching is not None:
