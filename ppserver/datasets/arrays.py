@@ -165,6 +165,8 @@ class NumpyDataset(Dataset):
     def _key_lens(self, key: str) -> Optional[np.ndarray]:
         if key not in self._seqs[0]:
             return None
+        if key == self._len_key:
+            return self.seq_lens()  # computed once
         return np.fromiter(
             (seq[key].shape[0] if seq[key].ndim else 1 for seq in self._seqs), dtype=np.int64, count=len(self._seqs)
         )

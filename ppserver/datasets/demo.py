@@ -79,7 +79,7 @@ class DemoDataset(Dataset):
     def _key_lens(self, key: str) -> Optional[np.ndarray]:
         if key == "data":
             return self.seq_lens()
-        return np.maximum(self.seq_lens() // 8, 1) if key == "classes" else None
+        return _label_lens(self.seq_lens()) if key == "classes" else None
 
     def _tag(self, corpus_idx: int) -> str:
         return f"demo-{corpus_idx}"
@@ -92,7 +92,7 @@ class DemoDataset(Dataset):
 
     def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         lens = self.seq_lens()
-        labels = np.maximum(lens // 8, 1)
+        labels = _label_lens(lens)
         t_dim = int(lens[0]) if lens.min() == lens.max() else None
         l_dim = int(labels[0]) if labels.min() == labels.max() else None
         return {
@@ -122,5 +122,10 @@ class DemoDataset(Dataset):
         energy = energy - 4.0 * (1.0 - np.sin(np.pi * times) ** 0.5)
         spec = spec + energy + rng.normal(0.0, 0.5, size=(num_frames, self.num_features))
         data = np.clip(spec, -10.0, 5.0).astype(np.float32)
-        classes = rng.integers(0, self.num_classes, size=max(1, num_frames // 8), dtype=np.int32)
+        classes = rng.integers(0, self.num_classes, size=int(_label_lens(num_frames)), dtype=np.int32)
         return {"data": data, "classes": classes}
+
+
+def _label_lens(frames: Any) -> Any:
+    """A seq's number of labels (`classes`) for its frames (an int, or an array of them)."""
+    return np.maximum(frames // 8, 1)
