@@ -27,8 +27,8 @@ def _import_lhotse() -> Any:
 
 class LhotseCuts(SpeechCorpus):
     """Seqs of a Lhotse CutSet; see SpeechCorpus for the keys, `read_in` and lengths. Cuts of one
-    recording channel from one file or from bytes in the manifest; any other (mixed cuts, URLs,
-    commands, recordings with transforms) is refused in one line naming the cut."""
+    recording channel from one file; any other (mixed cuts, URLs, commands, recordings with
+    transforms) is refused in one line naming the cut."""
 
     def __init__(self, *, cuts: Union[str, os.PathLike], **options: Any):
         super().__init__(**options)
@@ -57,7 +57,7 @@ class LhotseCuts(SpeechCorpus):
         if len(recording.sources) != 1:
             raise ConfigError("cuts", f"cut {cut.id!r}: its recording has {len(recording.sources)} audio sources")
         source = recording.sources[0]
-        if source.type not in ("file", "memory"):
-            raise ConfigError("cuts", f"cut {cut.id!r}: audio source of type {source.type!r} (only file, memory)")
+        if source.type != "file":
+            raise ConfigError("cuts", f"cut {cut.id!r}: audio source of type {source.type!r} (only 'file')")
         text = " ".join(s.text for s in cut.supervisions if s.text)
         self._add(cut.id, source.source, cut.start, cut.duration, text)

@@ -40,7 +40,7 @@ class SpeechCorpus(Dataset):
         if read_in not in READ_IN:
             raise ConfigError("read_in", f"must be one of {', '.join(map(repr, READ_IN))}, got {read_in!r}")
         self.read_in = read_in
-        self._sources: List[Source] = []
+        self._sources: List[str] = []
         self._source_index: Dict[str, int] = {}  # a path's index in _sources: a recording's many cuts share it
         self._source_of: List[int] = []
         self._offsets: List[float] = []
@@ -52,18 +52,13 @@ class SpeechCorpus(Dataset):
 
     # ---- building ----------------------------------------------------------------------------
 
-    def _add(self, tag: str, source: Optional[Source], offset: float, duration: float, text: str) -> None:
-        """One seq; `source` None: the subclass's `_source` finds it when the seq is read."""
+    def _add(self, tag: str, path: Optional[str], offset: float, duration: float, text: str) -> None:
+        """One seq; `path` None: the subclass's `_source` finds its audio when the seq is read."""
         index = -1
-        if isinstance(source, str):
-            index = self._source_index.setdefault(source, len(self._sources))
+        if path is not None:
+            index = self._source_index.setdefault(path, len(self._sources))
             if index == len(self._sources):
-                self._sources.append(source)
-        elif source is not None:
-            if self.read_in == "workers":
-                raise ConfigError("read_in", f"seq {tag!r} has its audio in the corpus, not in a file for the workers")
-            index = len(self._sources)
-            self._sources.append(source)
+                self._sources.append(path)
         self._source_of.append(index)
         self._offsets.append(float(offset))
         self._durations_list.append(float(duration))
