@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 from typing import Dict, List
 
 import numpy as np
@@ -301,6 +302,9 @@ def test_lhotse_cuts_against_lhotse(tmp_path, corpus):
         seq = workers.get_seq(pos)
         assert "audio" not in seq and seq["audio_path"].dtype.kind == "U"
         np.testing.assert_array_equal(decode(read_audio(seq))[None, :], ref.load_audio())
+    lhotse.CutSet.from_cuts([cuts[0], cuts[1].perturb_speed(1.1)]).to_file(tmp_path / "fast.jsonl.gz")
+    with pytest.raises(ConfigError, match=r"config key 'cuts': cut '.*long-1.*': its recording has transforms"):
+        make_dataset({"class": "LhotseCuts", "cuts": str(tmp_path / "fast.jsonl.gz")})
     with pytest.raises(ConfigError, match="config key 'cuts': no such file"):
         make_dataset({"class": "LhotseCuts", "cuts": str(tmp_path / "none.jsonl.gz")})
 
@@ -344,3 +348,35 @@ def test_hugging_face_audio_against_datasets(tmp_path, corpus):
         make_dataset({"class": "HFAudio", "path": str(tmp_path / "hf"), "split": "test"})
     with pytest.raises(ConfigError, match="config key 'text_column': 'text' is not a column"):
         make_dataset({"class": "HFAudio", "path": str(tmp_path / "hf"), "split": "train"})
+    with pytest.raises(ConfigError, match="config key 'read_in': 'workers' needs files"):
+        make_dataset(
+            {
+                "class": "HFAudio",
+                "path": str(tmp_path / "hf"),
+                "split": "dev",
+                "text_column": "transcript",
+                "read_in": "workers",
+            }
+        )
+
+
+@pytest.mark.unit
+def test_compressed_recordings_shared_by_seqs_are_named_once_and_missing_libraries_in_one_line(
+    tmp_path, corpus, caplog, monkeypatch
+):
+    lines = [{"audio_filepath": "audio/u2.flac", "offset": o, "duration": 0.2, "text": "x"} for o in (0, 0.3, 0.6)]
+    lines += [{"audio_filepath": "audio/long.wav", "offset": o, "duration": 0.2, "text": "y"} for o in (0, 1)]
+    path = write_manifest(tmp_path / "m.jsonl", lines)
+    with caplog.at_level("WARNING", logger="ppserver.dataset"):
+        make_dataset({"class": "AudioManifest", "manifest": path})
+        make_dataset({"class": "AudioManifest", "manifest": path, "read_in": "workers"})
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("3 seqs are regions of 1 compressed recordings (e.g. /")
+    assert "u2.flac" in warnings[0] and "long.wav" not in warnings[0]
+    for name, spec, extra in (
+        ("lhotse", {"class": "LhotseCuts", "cuts": path}, "lhotse"),
+        ("datasets", {"class": "HFAudio", "path": str(tmp_path)}, "hf"),
+    ):
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+        with pytest.raises(ConfigError, match=rf"needs {name}: pip install 'ppserver\[{extra}\]'"):
+            make_dataset(spec)

@@ -55,6 +55,15 @@ def _parse_wav(head: bytes, file_size: int) -> Optional[_Wav]:
     return None
 
 
+def is_wav(path: str) -> bool:
+    """Whether a file is one region_bytes cuts by bytes (False also for one it cannot open)."""
+    try:
+        with open(path, "rb") as f:
+            return _parse_wav(f.read(_HEADER_SCAN), os.fstat(f.fileno()).st_size) is not None
+    except OSError:
+        return False
+
+
 def _wav_file(wav: _Wav, samples: bytes) -> bytes:
     """A WAV file of `samples` with the original's format chunk."""
     fmt = wav.fmt + (b"\0" if len(wav.fmt) & 1 else b"")

@@ -65,6 +65,8 @@ class HFAudio(SpeechCorpus):
                 raise ConfigError(key, f"{column!r} is not a column of the dataset; it has {columns}")
         self._rows = loaded.cast_column(audio_column, datasets.Audio(decode=False)).select_columns([audio_column])
         self._audio_column = audio_column
+        if self.read_in == "workers" and len(self._rows) and self._rows[0][audio_column].get("bytes") is not None:
+            raise ConfigError("read_in", "'workers' needs files, and the dataset holds its audio's bytes: use 'server'")
         texts = loaded[text_column]
         durations = loaded[duration_column] if duration_column is not None else None
         tags = loaded[id_column] if id_column is not None else [f"{split or 'rows'}/{i}" for i in range(len(texts))]

@@ -13,15 +13,18 @@ the seconds.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from ppserver.datasets.audiofiles import region_bytes
+from ppserver.datasets.audiofiles import is_wav, region_bytes
 from ppserver.datasets.base import Dataset
 from ppserver.errors import ConfigError
 from ppserver.mappers.apply import STRING
+
+log = logging.getLogger("ppserver.dataset")
 
 FRAMES_PER_SECOND = 100  # a seq's length is its duration in 10 ms frames
 READ_IN = ("server", "workers")
@@ -78,6 +81,23 @@ class SpeechCorpus(Dataset):
                 raise ConfigError(where, f"seq tag {tag!r} occurs twice (seqs {index[tag]} and {i})")
         self._tag_index = index
         self._seq_lens_cache = np.rint(self._durations * FRAMES_PER_SECOND).astype(np.int64)
+        if self.read_in == "server":
+            self._warn_whole_files()
+
+    def _warn_whole_files(self) -> None:
+        """One log line if recordings that several seqs share are not WAV: each of those seqs sends
+        the whole file (only the files that are shared are looked at: one open each)."""
+        counts = np.bincount(np.asarray([i for i in self._source_of if i >= 0], dtype=np.int64))
+        shared = [i for i in np.flatnonzero(counts > 1).tolist() if not is_wav(self._sources[i])]
+        if shared:
+            sends = int(counts[shared].sum())
+            log.warning(
+                "%d seqs are regions of %d compressed recordings (e.g. %s): each sends its whole file; "
+                "read_in='workers' lets the workers read them from a filesystem they share",
+                sends,
+                len(shared),
+                self._sources[shared[0]],
+            )
 
     # ---- hooks -------------------------------------------------------------------------------
 
