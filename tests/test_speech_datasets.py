@@ -6,12 +6,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
 import pytest
-from conftest import collect, run_server, write_config
+from conftest import REPO, collect, run_server, write_config
 
 from ppserver.datasets import NumpyDataset, make_dataset, save_npz
 from ppserver.datasets.audiofiles import read_audio, region_bytes
@@ -380,3 +382,24 @@ def test_compressed_recordings_shared_by_seqs_are_named_once_and_missing_librari
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
         with pytest.raises(ConfigError, match=rf"needs {name}: pip install 'ppserver\[{extra}\]'"):
             make_dataset(spec)
+
+
+@pytest.mark.unit
+def test_the_worked_example_of_docs_datasets_md(tmp_path, monkeypatch):
+    text = (Path(REPO) / "docs" / "datasets.md").read_text()
+    example = re.search(r"## A worked example.*?```python\n(.*?)```", text, re.S)
+    assert example is not None
+    (tmp_path / "mycorpus.py").write_text(example.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    frames = [7, 3, 5]
+    for i, n in enumerate(frames):
+        np.save(tmp_path / f"f{i}.npy", np.full((n, 4), i, np.float32))
+    (tmp_path / "train.lst").write_text("".join(f"utt{i} {tmp_path / f'f{i}.npy'}\n" for i in range(3)))
+    ds = make_dataset({"class": "mycorpus:NpyList", "listing": str(tmp_path / "train.lst"), "seq_ordering": "sorted"})
+    assert ds.data_keys() == {"data": {"shape": [None, 4], "dtype": "float32"}}
+    ds.init_seq_order(1)
+    assert [ds.get_seq(p)["seq_tag"] for p in range(3)] == ["utt1", "utt2", "utt0"]
+    np.testing.assert_array_equal(ds.epoch_lengths("data"), [3, 5, 7])
+    np.testing.assert_array_equal(ds.get_seq(2)["data"], np.zeros((7, 4), np.float32))
+    with pytest.raises(ConfigError, match="config key 'listing': cannot read"):
+        make_dataset({"class": "mycorpus:NpyList", "listing": str(tmp_path / "none.lst")})
