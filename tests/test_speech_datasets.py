@@ -307,6 +307,11 @@ def test_lhotse_cuts_against_lhotse(tmp_path, corpus):
     lhotse.CutSet.from_cuts([cuts[0], cuts[1].perturb_speed(1.1)]).to_file(tmp_path / "fast.jsonl.gz")
     with pytest.raises(ConfigError, match=r"config key 'cuts': cut '.*long-1.*': its recording has transforms"):
         make_dataset({"class": "LhotseCuts", "cuts": str(tmp_path / "fast.jsonl.gz")})
+    sf.write(tmp_path / "stereo.wav", np.stack([corpus["u1.flac"]] * 2, axis=1), RATE)
+    stereo = lhotse.Recording.from_file(str(tmp_path / "stereo.wav"))
+    lhotse.CutSet.from_cuts([cut(lhotse, "st", stereo, 0.0, 0.2, ["x"])]).to_file(tmp_path / "stereo.jsonl.gz")
+    with pytest.raises(ConfigError, match="config key 'cuts': cut 'st': its recording has 2 channels, not 1"):
+        make_dataset({"class": "LhotseCuts", "cuts": str(tmp_path / "stereo.jsonl.gz")})
     with pytest.raises(ConfigError, match="config key 'cuts': no such file"):
         make_dataset({"class": "LhotseCuts", "cuts": str(tmp_path / "none.jsonl.gz")})
 

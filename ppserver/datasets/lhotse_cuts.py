@@ -26,8 +26,9 @@ def _import_lhotse() -> Any:
 
 
 class LhotseCuts(SpeechCorpus):
-    """Seqs of a Lhotse CutSet; see SpeechCorpus for the keys, `read_in` and lengths. Cuts of one
-    recording channel from one file; any other (mixed cuts, URLs, commands, recordings with
+    """Seqs of a Lhotse CutSet; see SpeechCorpus for the keys, `read_in` and lengths. Cuts of a
+    one-channel recording in one file (a path as Lhotse reads it: relative to the working
+    folder); any other (mixed cuts, several channels, URLs, commands, recordings with
     transforms) is refused in one line naming the cut."""
 
     def __init__(self, *, cuts: Union[str, os.PathLike], **options: Any):
@@ -54,6 +55,8 @@ class LhotseCuts(SpeechCorpus):
             raise ConfigError("cuts", f"cut {cut.id!r} is a {type(cut).__name__} without one recording")
         if recording.transforms:
             raise ConfigError("cuts", f"cut {cut.id!r}: its recording has transforms (speed, volume, ...)")
+        if recording.num_channels != 1:  # the seq could not say which channel the cut means
+            raise ConfigError("cuts", f"cut {cut.id!r}: its recording has {recording.num_channels} channels, not 1")
         if len(recording.sources) != 1:
             raise ConfigError("cuts", f"cut {cut.id!r}: its recording has {len(recording.sources)} audio sources")
         source = recording.sources[0]
