@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import numpy as np
 import pytest
-from conftest import REPO, collect, run_server, write_config
+from conftest import REPO, collect, run_cli, run_server, write_config
 
 from ppserver.datasets import NumpyDataset, make_dataset, save_npz
 from ppserver.datasets.audiofiles import read_audio, region_bytes
@@ -408,3 +408,16 @@ def test_the_worked_example_of_docs_datasets_md(tmp_path, monkeypatch):
     np.testing.assert_array_equal(ds.get_seq(2)["data"], np.zeros((7, 4), np.float32))
     with pytest.raises(ConfigError, match="config key 'listing': cannot read"):
         make_dataset({"class": "mycorpus:NpyList", "listing": str(tmp_path / "none.lst")})
+
+
+@pytest.mark.processes
+def test_ppserver_serve_with_a_bad_manifest_line_exits_2_with_one_line(tmp_path):
+    good = {"audio_filepath": "a.flac", "duration": 1.0, "text": "x"}
+    manifest = write_manifest(tmp_path / "train.jsonl", [good, {"audio_filepath": "b.flac", "text": "y"}])
+    cfg = write_config(
+        tmp_path, f'dataset = {{"class": "AudioManifest", "manifest": {manifest!r}}}\nmap_seq = lambda seq, **kw: seq\n'
+    )
+    res = run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", timeout=60)
+    lines = [line for line in res.stderr.splitlines() if "error" in line.lower()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "config key 'manifest'" in lines[0] and "train.jsonl:2: no 'duration'" in lines[0]
