@@ -335,6 +335,7 @@ def test_hugging_face_audio_against_datasets(tmp_path, corpus):
         "audio": [str(tmp_path / "audio" / n) for n in names],
         "transcript": [f"text {n}" for n in names],
         "id": [f"utt-{i}" for i in range(len(names))],
+        "seconds": [1.5, 2.5, 0.25, 3.0],
     }
     table = datasets.Dataset.from_dict(rows).cast_column("audio", datasets.Audio())
     datasets.DatasetDict({"train": table, "dev": table.select([1])}).save_to_disk(str(tmp_path / "hf"))
@@ -351,6 +352,11 @@ def test_hugging_face_audio_against_datasets(tmp_path, corpus):
         np.testing.assert_array_equal(ref, corpus[name])
     dev = make_dataset({"class": "HFAudio", "path": str(tmp_path / "hf"), "split": "dev", "text_column": "transcript"})
     assert dev.total_num_seqs == 1 and dev.data_keys()["audio"]["dtype"] == "uint8"
+    spec = {"class": "HFAudio", "path": str(tmp_path / "hf"), "split": "train", "text_column": "transcript"}
+    told = make_dataset({**spec, "duration_column": "seconds", "seq_ordering": "sorted"})
+    np.testing.assert_array_equal(told.seq_durations(), [1.5, 2.5, 0.25, 3.0])  # the column's, not the headers'
+    told.init_seq_order(1)
+    assert [told.get_seq(p)["seq_tag"] for p in range(4)] == ["utt-2", "utt-0", "utt-1", "utt-3"]
     with pytest.raises(ConfigError, match="config key 'split': must be one of \\['dev', 'train'\\]"):
         make_dataset({"class": "HFAudio", "path": str(tmp_path / "hf"), "split": "test"})
     with pytest.raises(ConfigError, match="config key 'text_column': 'text' is not a column"):

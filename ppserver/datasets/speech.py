@@ -52,6 +52,7 @@ class SpeechCorpus(Dataset):
         self._tags: List[str] = []
         self._durations = np.zeros(0)
         self._offsets_arr = np.zeros(0)
+        self._source_arr = np.zeros(0, dtype=np.int64)
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -73,8 +74,10 @@ class SpeechCorpus(Dataset):
         if not self._tags:
             raise ConfigError(where, "holds no seqs")
         self._durations = np.asarray(self._durations_list, dtype=np.float64)
+        self._durations.flags.writeable = False  # seq_durations() hands it out
         self._offsets_arr = np.asarray(self._offsets, dtype=np.float64)
-        self._durations_list, self._offsets = [], []
+        self._source_arr = np.asarray(self._source_of, dtype=np.int64)
+        self._durations_list, self._offsets, self._source_of = [], [], []
         index: Dict[str, int] = {}
         for i, tag in enumerate(self._tags):
             if index.setdefault(tag, i) != i:
@@ -87,7 +90,7 @@ class SpeechCorpus(Dataset):
     def _warn_whole_files(self) -> None:
         """One log line if recordings that several seqs share are not WAV: each of those seqs sends
         the whole file (only the files that are shared are looked at: one open each)."""
-        counts = np.bincount(np.asarray([i for i in self._source_of if i >= 0], dtype=np.int64))
+        counts = np.bincount(self._source_arr[self._source_arr >= 0])
         shared = [i for i in np.flatnonzero(counts > 1).tolist() if not is_wav(self._sources[i])]
         if shared:
             sends = int(counts[shared].sum())
@@ -119,7 +122,7 @@ class SpeechCorpus(Dataset):
         return int(self.seq_lens()[corpus_idx])
 
     def _key_lens(self, key: str) -> Optional[np.ndarray]:
-        return self.seq_lens() if key in (self.audio_key, "duration") else None
+        return self.seq_lens() if key == self.audio_key else None
 
     def _compute_data_keys(self) -> Dict[str, Dict[str, Any]]:
         audio = {"shape": [None], "dtype": "uint8"} if self.read_in == "server" else {"shape": [], "dtype": STRING}
@@ -132,7 +135,7 @@ class SpeechCorpus(Dataset):
 
     def _source(self, corpus_idx: int) -> Source:
         """The seq's audio file: its path, or its bytes."""
-        return self._sources[self._source_of[corpus_idx]]
+        return self._sources[int(self._source_arr[corpus_idx])]
 
     def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         source = self._source(corpus_idx)
