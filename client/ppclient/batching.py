@@ -41,7 +41,7 @@ def measures_length(dtype: Any, shape: Sequence[Any]) -> bool:
 class Batching:
     """`max_seqs`: seqs per batch; `max_frames`: padded frames per batch (seqs x the longest, in
     the lengths the cut uses; a longer seq is a batch of its own); `length_key`: the key whose
-    first axis is a seq's length (None: `data`, else the first key); `bucket_window`: seqs sorted
+    first axis is a seq's length (None: default_length_key); `bucket_window`: seqs sorted
     by length at a time before cutting (1: the epoch's order is kept); `pad`: the value each key
     is padded with (others: 0)."""
 
