@@ -11,7 +11,9 @@ both sides, so a bad value is one line naming it before anything is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy
 
 from .errors import UsageError
 
@@ -19,17 +21,27 @@ KEYS = ("max_seqs", "max_frames", "length_key", "bucket_window", "pad")
 MAX_BUCKET_WINDOW = 1 << 20  # seqs the server sorts at a time (it holds their lengths, or the seqs)
 
 
-def default_length_key(keys: Collection[str]) -> Optional[str]:
-    """The key whose first axis is a seq's length where none is named: `data`, else the first
-    (None: no keys). The epoch orders by length, the cut and the stream cut all measure this one."""
-    return "data" if "data" in keys else next(iter(keys), None)
+def default_length_key(specs: Mapping[str, Tuple[Any, Sequence[Any]]]) -> Optional[str]:
+    """The key whose first axis is a seq's length where none is named, of `specs` (key -> (dtype,
+    shape): a template's or an array's): `data`, else the first key that has an axis and is not text
+    (a transcript, a path: its length says nothing), else the first (None: no keys). The epoch orders
+    by length, the cut and the stream cut all measure this one."""
+    if "data" in specs:
+        return "data"
+    return next((k for k, (dtype, shape) in specs.items() if measures_length(dtype, shape)), next(iter(specs), None))
+
+
+def measures_length(dtype: Any, shape: Sequence[Any]) -> bool:
+    """Whether an array of this dtype (numpy's, or a template's, where "string" is text of any
+    length) and shape has a first axis that tells a seq's length: it has one, and it is not text."""
+    return len(shape) >= 1 and dtype != "string" and numpy.dtype(dtype).kind not in "US"
 
 
 @dataclass(frozen=True)
 class Batching:
     """`max_seqs`: seqs per batch; `max_frames`: padded frames per batch (seqs x the longest, in
     the lengths the cut uses; a longer seq is a batch of its own); `length_key`: the key whose
-    first axis is a seq's length (None: `data`, else the first key); `bucket_window`: seqs sorted
+    first axis is a seq's length (None: default_length_key); `bucket_window`: seqs sorted
     by length at a time before cutting (1: the epoch's order is kept); `pad`: the value each key
     is padded with (others: 0)."""
 

@@ -21,7 +21,7 @@ from ppclient import wire
 from ppclient.batching import Batching
 from ppclient.errors import UsageError
 from ppserver.errors import ConfigError
-from ppserver.mappers.apply import dtype_text
+from ppserver.mappers.apply import STRING, dtype_text
 
 # A check: (key, value given or default, the settings checked before) -> the value served.
 Check = Callable[[str, Any, Dict[str, Any]], Any]
@@ -152,6 +152,8 @@ def _output_template(key: str, name: Any, spec: Any) -> Dict[str, Any]:
     shape = spec.get("shape")
     if not isinstance(shape, (list, tuple)) or not all(d is None or (isinstance(d, int) and d >= 0) for d in shape):
         raise ConfigError(key, f"{name!r}: 'shape' must be a tuple of ints or None, got {shape!r}")
+    if spec.get("dtype") in (STRING, str):  # text of any width (a sized "U5" is held to its width)
+        return {"shape": list(shape), "dtype": STRING}
     try:
         dtype = numpy.dtype(spec.get("dtype", "float32"))
     except (TypeError, ValueError):
@@ -161,7 +163,9 @@ def _output_template(key: str, name: Any, spec: Any) -> Dict[str, Any]:
             key, f"{name!r}: dtype {spec.get('dtype')!r} is not a plain (non-object, non-structured) dtype"
         )
     if dtype.itemsize == 0:
-        raise ConfigError(key, f"{name!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5'")
+        raise ConfigError(
+            key, f"{name!r}: dtype {spec.get('dtype')!r} needs a size, e.g. 'U5' (text of any width: 'string')"
+        )
     entry: Dict[str, Any] = {"shape": list(shape), "dtype": dtype_text(dtype)}
     sparse = spec.get("sparse_dim")
     if sparse is not None:

@@ -5,7 +5,9 @@ is their only caller), and how an epoch is cut into batches.
 
 The modules: `base` (the Dataset class), `orderings` (RETURNN's epoch orders), `arrays`
 (NumpyDataset and its npz files), `demo` (DemoDataset), `factory` (a dataset from its config
-entry), `hdf` and `returnn` (loaded when a config names them), `cut` (batches).
+entry), `hdf` and `returnn` (loaded when a config names them), `cut` (batches), and the audio
+corpora: `speech` (their base), `audiofiles` (the bytes of a region), `nemo`, `lhotse_cuts` and
+`hf` (loaded when a config names them). docs/datasets.md describes the Dataset interface.
 """
 
 from ppclient.wire import META_KEYS

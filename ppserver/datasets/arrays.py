@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import numpy as np
 
 from ppclient.wire import META_KEYS
-from ppserver.datasets.base import Dataset, describe_arrays, length_key_of
+from ppserver.datasets.base import Dataset, describe_arrays, length_key_of, same_dtype
 from ppserver.errors import ConfigError
 
 _NPZ_PREFIX = "seq"
@@ -48,7 +48,7 @@ def _validate_seqs(seqs: Any) -> List[Dict[str, np.ndarray]]:
             raise ConfigError("seqs", f"seq {i} has keys {sorted(sig)}, expected {sorted(ref)}")
         else:
             for k, (dt, nd) in sig.items():
-                if (dt, nd) != ref[k]:
+                if nd != ref[k][1] or not same_dtype(dt, ref[k][0]):
                     raise ConfigError(
                         "seqs", f"seq {i} key {k!r}: dtype {dt} ndim {nd}, expected dtype {ref[k][0]} ndim {ref[k][1]}"
                     )

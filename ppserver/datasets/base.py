@@ -15,6 +15,7 @@ from ppclient.batching import default_length_key
 from ppclient.wire import META_KEYS
 from ppserver.datasets.orderings import epoch_random_seed, full_order, parse_seq_ordering, partition
 from ppserver.errors import ConfigError
+from ppserver.mappers.apply import STRING, dtype_text
 
 _MAX_SEED = 2**32 - 1  # numpy.random.RandomState takes seeds in [0, 2**32)
 
@@ -27,10 +28,20 @@ class UnknownSeqTagError(ValueError, KeyError):
 
 def length_key_of(seq: Dict[str, Any]) -> str:
     """The key whose first axis is the seq's length (default_length_key of its arrays)."""
-    key = default_length_key(seq)
+    key = default_length_key({k: (np.asarray(v).dtype, np.shape(v)) for k, v in seq.items()})
     if key is None:
         raise ValueError("a seq without arrays has no length")
     return key
+
+
+def same_dtype(a: np.dtype, b: np.dtype) -> bool:
+    """Whether arrays of two seqs agree in dtype: the same, or both text (str arrays of any width)."""
+    return a == b or (a.kind == "U" and b.kind == "U")
+
+
+def template_dtype(dtype: np.dtype) -> str:
+    """A data key's dtype as a template gives it: "string" for text of any width, else its text."""
+    return STRING if dtype.kind == "U" else dtype_text(dtype)
 
 
 def is_int(value: Any) -> bool:
@@ -52,9 +63,11 @@ class Dataset:
     full-epoch order), `fixed_random_seed` (one seed for every epoch) and `order_seed` (the
     config's `seed`, added to the epoch's seed as RETURNN's random_seed_offset).
 
-    Hooks: ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
-    ``_seq_len(corpus_idx)`` (the default loads the seq), ``_corpus_idx_for_tag(tag)`` and
-    ``_compute_data_keys()`` (the default loads the whole corpus once). The arrays ``_load``
+    Hooks (docs/datasets.md; all called from the server's reader thread, one at a time):
+    ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
+    ``_seq_len(corpus_idx)`` (the default loads the seq), ``_key_lens(key)`` (lengths known
+    up front: batches are cut before reading), ``seq_durations()``, ``_corpus_idx_for_tag(tag)``
+    and ``_compute_data_keys()`` (the default loads the whole corpus once). The arrays ``_load``
     returns are sent without a copy: return fresh arrays or views of data that never changes,
     not a buffer that the next call overwrites.
     """
@@ -107,6 +120,11 @@ class Dataset:
 
     def _key_lens(self, key: str) -> Optional[np.ndarray]:
         """The corpus seqs' lengths (first axes) of `key`, if known without loading them; None: not."""
+        return None
+
+    def seq_durations(self) -> Optional[np.ndarray]:
+        """Every corpus seq's duration in seconds (float64), where the dataset knows them without
+        reading the seqs (a manifest of audio files says them); None: not known."""
         return None
 
     # ---- corpus ------------------------------------------------------------------------------
@@ -265,10 +283,10 @@ def describe_arrays(seqs: Iterable[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
                 shapes[k] = list(arr.shape)
                 dtypes[k] = arr.dtype
                 continue
-            if arr.dtype != dtypes[k] or arr.ndim != len(shapes[k]):
+            if not same_dtype(arr.dtype, dtypes[k]) or arr.ndim != len(shapes[k]):
                 raise ValueError(
                     f"key {k!r}: inconsistent dtype/ndim across seqs "
                     f"({dtypes[k]}, ndim {len(shapes[k])} vs {arr.dtype}, ndim {arr.ndim})"
                 )
             shapes[k] = [d if d == a else None for d, a in zip(shapes[k], arr.shape)]
-    return {k: {"shape": shapes[k], "dtype": str(dtypes[k])} for k in (keys or [])}
+    return {k: {"shape": shapes[k], "dtype": template_dtype(dtypes[k])} for k in (keys or [])}

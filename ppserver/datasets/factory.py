@@ -13,10 +13,13 @@ from ppserver.errors import ConfigError, one_line
 
 BUILTIN_DATASETS: Dict[str, Type[Dataset]] = {"NumpyDataset": NumpyDataset, "DemoDataset": DemoDataset}
 # Built-in classes in modules of their own, imported only when a config names them (their
-# optional dependencies, h5py and RETURNN, are needed only then).
+# optional dependencies, h5py, RETURNN, lhotse and datasets, are needed only then).
 LAZY_DATASETS = {
     "HDFDataset": "ppserver.datasets.hdf:HDFDataset",
     "returnn": "ppserver.datasets.returnn:ReturnnDataset",
+    "AudioManifest": "ppserver.datasets.nemo:AudioManifest",
+    "LhotseCuts": "ppserver.datasets.lhotse_cuts:LhotseCuts",
+    "HFAudio": "ppserver.datasets.hf:HFAudio",
 }
 
 

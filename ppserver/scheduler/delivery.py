@@ -293,6 +293,7 @@ class StreamCut:
 def _length(item: Item, key: Optional[str]) -> int:
     """An output's length for the cut: the first axis of its `key` (None: the default one of its
     arrays, see default_length_key); 1 for an output without it, or with a scalar."""
-    shapes = {name: shape for name, _, shape in item.arrays}
-    shape = shapes.get(key if key is not None else default_length_key(shapes))
+    specs = {name: (dtype, shape) for name, dtype, shape in item.arrays}
+    spec = specs.get(key if key is not None else default_length_key(specs))
+    shape = spec[1] if spec is not None else None
     return shape[0] if shape else 1

@@ -122,7 +122,11 @@ class Server:
         self.address = sockets.endpoint_of(self.control)
         self.worker_address = sockets.endpoint_of(self.workers_sock)
         self.monitors = sockets.handshake_monitors([self.control, self.workers_sock]) if keys else []
-        self.reader = rd.Reader(self.dataset, cfg.batch_length, default_length_key(self.in_templates))
+        self.reader = rd.Reader(
+            self.dataset,
+            cfg.batch_length,
+            default_length_key({k: (t["dtype"], t["shape"]) for k, t in self.in_templates.items()}),
+        )
         self.monitor = Monitor(
             self.sched, self.reader, stream=cfg.is_stream, progress_interval=cfg.progress_interval, metrics=metrics
         )
