@@ -109,7 +109,7 @@ def test_the_cut_is_greedy_within_both_caps_and_a_long_seq_is_a_batch_of_its_own
 @pytest.mark.unit
 def test_buckets_sort_each_window_by_length_and_the_reading_cutter_agrees_with_the_whole_epochs():
     rnd = random.Random(5)
-    for _ in range(200):
+    for _ in range(300):
         n = rnd.randint(0, 60)
         lengths = [rnd.randint(0, 40) for _ in range(n)]
         b = Batching(
@@ -124,15 +124,29 @@ def test_buckets_sort_each_window_by_length_and_the_reading_cutter_agrees_with_t
             assert all(p <= pos for batch in got for p in batch)  # only seqs already read
             streamed += got
         assert streamed + cutter.finish() == batches
-        assert sorted(p for batch in batches for p in batch) == list(range(n))  # every seq once
         w = b.bucket_window
-        for batch in batches:
-            assert w == 1 or len({p // w for p in batch}) == 1  # within one window
-            frames = len(batch) * max(lengths[p] for p in batch)
+        # the batches, one after the other, are the epoch's windows each sorted stably by length
+        windows = [sorted(range(s, min(s + w, n)), key=lambda p: lengths[p]) for s in range(0, n, w)]
+        assert [p for batch in batches for p in batch] == [p for window in windows for p in window]
+        for batch, after in zip(batches, batches[1:] + [None]):
+            longest = max(lengths[p] for p in batch)
             assert b.max_seqs is None or len(batch) <= b.max_seqs
-            assert b.max_frames is None or frames <= b.max_frames or len(batch) == 1
-            if w > 1:
-                assert [lengths[p] for p in batch] == sorted(lengths[p] for p in batch)
+            assert b.max_frames is None or len(batch) * longest <= b.max_frames or len(batch) == 1
+            if after is not None:  # full: its next seq would break a cap (only the last may be short)
+                grown = (len(batch) + 1) * max(longest, lengths[after[0]])
+                assert len(batch) == b.max_seqs or (b.max_frames is not None and grown > b.max_frames), batch
+
+
+@pytest.mark.unit
+def test_a_small_bucket_window_does_not_cap_the_batch_size():
+    """Windows of 2 and batches of 8: the cut runs on across windows, so every batch but the
+    epoch's last has 8 seqs (each window cut on its own gave batches of 2)."""
+    lengths = [(7 * i) % 11 + 1 for i in range(30)]
+    batches = cut_epoch(lengths, Batching(max_seqs=8, bucket_window=2))
+    assert [len(batch) for batch in batches] == [8, 8, 8, 6]
+    assert batches[0] == [0, 1, 2, 3, 5, 4, 7, 6]  # each window of 2 sorted by length (7, 3 and 10, 6 swap)
+    # by frames too: 18 seqs of at most 11 frames fill 198 of 200, whatever the windows of 7
+    assert [len(b) for b in cut_epoch(lengths, Batching(max_seqs=30, max_frames=200, bucket_window=7))] == [18, 12]
 
 
 @pytest.mark.unit
