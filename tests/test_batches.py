@@ -313,6 +313,27 @@ def test_stream_outputs_are_cut_into_batches_the_client_pads():
     assert end.msg.count == 2  # batches
 
 
+@pytest.mark.unit
+def test_stream_batches_of_sorted_windows_carry_a_complete_frac_that_never_goes_back():
+    """Windows of 4 outputs sorted by length put later outputs first; each batch's seqs carry the
+    batch's complete_frac, the furthest output's in it or before it: monotonic in delivery order."""
+    sim = BatchSim(stream=True)
+    sim.b = Batching(max_seqs=2, bucket_window=4)
+    run = sim.start(None)
+    sim(ev.WorkerJoined, b"w", "host", 1)
+    (opened,) = to_workers(sim.out, protocol.StreamOpen)
+    lengths = [5, 1, 4, 2, 3, 6]
+    outputs = [
+        protocol.seq_to_item({"data": np.zeros((n,), "f4"), "seq_tag": f"o{k}", "complete_frac": (k + 1) / 6}, k)
+        for k, n in enumerate(lengths)
+    ]
+    sim(ev.StreamOutputsReceived, b"w", run, 0, opened.msg.incarnation, outputs, [])
+    sim(ev.StreamFinished, b"w", run, 0, opened.msg.incarnation)
+    seqs = [it for c in to_clients(sim.out) for it in c.items]
+    assert [(it.meta["seq_tag"], it.batch) for it in seqs] == [("o1", 0), ("o3", 0), ("o2", 1), ("o0", 1), ("o4", 2), ("o5", 2)]
+    assert [it.meta["complete_frac"] for it in seqs] == [4 / 6, 4 / 6, 4 / 6, 4 / 6, 1.0, 1.0]
+
+
 # ---- real services ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

@@ -263,7 +263,10 @@ def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:
 
 
 class StreamCut:
-    """The merged outputs of a map_seq_stream run that batches, cut into batches in merged order."""
+    """The merged outputs of a map_seq_stream run that batches, cut into batches in merged order.
+    Every seq of a batch carries the batch's complete_frac: the largest of it and the batches
+    before it (the merged outputs' never decreases, so that is the furthest output's), so a
+    sorted bucket window never sends it back."""
 
     def __init__(self, cutter: Cutter, length_key: Optional[str]):
         self.cutter = cutter
@@ -271,6 +274,7 @@ class StreamCut:
         self.cut: Deque[Batch] = deque()  # cut and not yet released
         self.uncut: Dict[int, Item] = {}  # outputs the cutter holds (a bucket window at most)
         self.count = 0  # batches cut
+        self.complete_frac: Optional[float] = None  # the largest of the batches cut so far
 
     def add(self, item: Item) -> None:
         self.uncut[item.pos] = item
@@ -285,7 +289,13 @@ class StreamCut:
         for positions in cut:
             items = [self.uncut.pop(p) for p in positions]
             for item in items:
+                cf = item.meta.get("complete_frac")
+                if cf is not None and (self.complete_frac is None or cf > self.complete_frac):
+                    self.complete_frac = cf
+            for item in items:
                 item.batch, item.size = self.count, len(items)
+                if self.complete_frac is not None and "complete_frac" in item.meta:
+                    item.meta = {**item.meta, "complete_frac": self.complete_frac}
             self.cut.append(Batch(self.count, items))
             self.count += 1
 
