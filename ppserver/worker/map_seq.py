@@ -1,7 +1,7 @@
 """The map_seq runner: tasks one by one, a seq or a batch each.
 
 A batch (the seqs of a task that name one) is mapped seq by seq, each with its own rng and meta
-entries, then padded into one array per key (collate.py), written where it travels: into a
+entries (the heartbeats say how many are mapped, so a slow batch is not taken for a stuck one), then padded into one array per key (collate.py), written where it travels: into a
 block of the shared-memory segment for a consumer on this host, so padding is the only copy
 between the mapper's output and the trainer.
 
@@ -69,6 +69,8 @@ class MapSeqRunner(Runner):
         self.results_header_bytes = 0
         self.flush_every = max(1, min(self.cfg.buf_size // 2, 16))
         self.messages_in = self.messages_out = 0
+        # [run, pos, seqs mapped] of the batch being mapped (its heartbeats carry it; read there)
+        self.under_way: Optional[List[int]] = None
 
     def add(
         self,
@@ -134,6 +136,7 @@ class MapSeqRunner(Runner):
             self._drop_results()
 
     def clear(self) -> None:
+        self.under_way = None
         self.tasks.clear()
         self.partial.clear()
         self.discard.clear()
@@ -255,12 +258,15 @@ class MapSeqRunner(Runner):
                 if task.probe:
                     self.send(protocol.Mapping(run=run_id, pos=task.pos, seq_tag=clip(item.seq_tag)))
                     time.sleep(PROBE_PAUSE_S)
+                self.under_way = [run_id, task.pos, len(outs)]
                 outs.append(self._map(run, item, templates))
+            self.under_way = None
             item = None  # what fails from here fails the batch as a whole
             result, block = self._padded(task.pos, outs, run.pad, dest)
             header_bytes = check_header(result)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
+            self.under_way = None
             if block is not None:
                 block.release()
             bad = item if item is not None else _culprit(exc, task)
