@@ -524,3 +524,84 @@ def test_a_batched_epoch_reads_on_through_a_server_restart(tmp_path):
         starts = re.findall(r"reads epoch 1 \(run \d+\) from (?:seq|batch) (\d+)", read(service.log(2)))
         assert len(starts) == 1 and int(starts[0]) >= 3, starts  # asked again from where it was
     assert_same_batches(got, want)
+
+
+SMALL_WINDOWS = {"max_seqs": 8, "bucket_window": 2}
+INPUT_LENGTH = """
+def batch_length(seq):
+    return seq["data"].shape[0]
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("cut_at", ["up front", "as read"])
+def test_small_bucket_windows_give_full_batches_whose_complete_frac_never_goes_back(tmp_path, cut_at):
+    """Windows of 2 and batches of 8: every batch but the last has 8 seqs, and a batch's
+    complete_frac (the same for its seqs) never decreases, whether the cut is made up front (the
+    dataset knows the lengths) or as the reader reads (a config batch_length)."""
+    extra = "buf_size = 2\n" + (INPUT_LENGTH if cut_at == "as read" else "")
+    cfg = numpy_config(tmp_path, MAPPER, n=61, ordering="laplace:.20", extra=extra)
+    want = reference_batches(cfg, 1, SMALL_WINDOWS)
+    with run_server(cfg, workers=2) as srv, srv.client(batching=SMALL_WINDOWS) as c:
+        got = collect(c.epoch(1))
+    assert_same_batches(got, want)
+    assert [len(b["seq_tag"]) for b in got] == [8] * 7 + [5]
+    fracs = [b["complete_frac"] for b in got]
+    assert all(len(set(f.tolist())) == 1 for f in fracs)  # one value per batch
+    per_batch = [float(f[0]) for f in fracs]
+    assert per_batch == sorted(per_batch) and per_batch[-1] == 1.0, per_batch
+    positions = [int(i) for b in got for i in b["seq_idx"]]
+    assert positions != sorted(positions)  # the windows do reorder: the seqs' own values would go back
+
+
+HELD_INPUTS = """
+import gc
+from ppclient.protocol import Item
+def batch_length(seq):  # the reader calls it as it cuts: how many inputs does the server hold then?
+    with open({path!r}, "a") as f:
+        f.write(f"{{sum(type(o) is Item for o in gc.get_objects())}}\\n")
+    return seq["data"].shape[0]
+"""
+
+
+@pytest.mark.processes
+def test_a_bucket_window_as_large_as_the_epoch_holds_lengths_not_inputs_in_the_server(tmp_path):
+    """Cut as read with a window of the whole epoch: the first batch is known only once every seq
+    is read, yet the server holds none of the inputs read for the cut; it reads each again when
+    its batch is due."""
+    held = tmp_path / "held.txt"
+    batching = {"max_seqs": 8, "bucket_window": 64}
+    cfg = numpy_config(tmp_path, MAPPER, n=61, extra=HELD_INPUTS.format(path=str(held)))
+    with run_server(cfg, workers=2) as srv, srv.client(batching=batching) as c:
+        got = collect(c.epoch(1))
+    counts = [int(line) for line in held.read_text().split()]
+    assert len(counts) == 61 and max(counts) <= 1, counts  # (the seq being measured, at most)
+    assert_same_batches(got, reference_batches(cfg, 1, batching))
+    assert [len(b["seq_tag"]) for b in got] == [8] * 7 + [5]
+
+
+SLOW_BATCH = SLOW_MAPPER.format(delay=0.3) + "heartbeat_interval = 0.2\nbuf_size = 1\n"
+STUCK_SEQ = """
+import time
+def map_seq(seq, **kwargs):
+    if seq["seq_tag"] == "seq-3":
+        time.sleep(30)
+    return seq
+heartbeat_interval = 0.2
+buf_size = 1
+"""
+
+
+@pytest.mark.processes
+def test_a_batch_slower_than_the_timeout_is_progress_and_a_stuck_mapper_is_not(tmp_path):
+    """Batches of 8 at 0.3 s a seq take 2.4 s, beyond the client's timeout of 1.5 s: the workers'
+    heartbeats say how far they are, so the epoch completes. A mapper stuck on one seq shows no
+    progress and the epoch fails naming the workers once the timeout passes."""
+    cfg = numpy_config(tmp_path, SLOW_BATCH, n=16)
+    want = reference_batches(cfg, 1, {"max_seqs": 8})
+    with run_server(cfg, workers=2) as srv, srv.client(timeout=1.5, batching={"max_seqs": 8}) as c:
+        assert_same_batches(collect(c.epoch(1)), want)
+    stuck = numpy_config(tmp_path, STUCK_SEQ, n=16, name="stuck.py")
+    with run_server(stuck, workers=2) as srv, srv.client(timeout=1.5, batching={"max_seqs": 8}) as c:
+        with pytest.raises(ppclient.Error, match=r"made no progress for 1.5 s .*waiting for the workers"):
+            collect(c.epoch(1))
