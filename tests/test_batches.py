@@ -330,7 +330,14 @@ def test_stream_batches_of_sorted_windows_carry_a_complete_frac_that_never_goes_
     sim(ev.StreamOutputsReceived, b"w", run, 0, opened.msg.incarnation, outputs, [])
     sim(ev.StreamFinished, b"w", run, 0, opened.msg.incarnation)
     seqs = [it for c in to_clients(sim.out) for it in c.items]
-    assert [(it.meta["seq_tag"], it.batch) for it in seqs] == [("o1", 0), ("o3", 0), ("o2", 1), ("o0", 1), ("o4", 2), ("o5", 2)]
+    assert [(it.meta["seq_tag"], it.batch) for it in seqs] == [
+        ("o1", 0),
+        ("o3", 0),
+        ("o2", 1),
+        ("o0", 1),
+        ("o4", 2),
+        ("o5", 2),
+    ]
     assert [it.meta["complete_frac"] for it in seqs] == [4 / 6, 4 / 6, 4 / 6, 4 / 6, 1.0, 1.0]
 
 

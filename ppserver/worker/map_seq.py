@@ -1,9 +1,10 @@
 """The map_seq runner: tasks one by one, a seq or a batch each.
 
 A batch (the seqs of a task that name one) is mapped seq by seq, each with its own rng and meta
-entries (the heartbeats say how many are mapped, so a slow batch is not taken for a stuck one), then padded into one array per key (collate.py), written where it travels: into a
+entries, then padded into one array per key (collate.py), written where it travels: into a
 block of the shared-memory segment for a consumer on this host, so padding is the only copy
-between the mapper's output and the trainer.
+between the mapper's output and the trainer. The heartbeats say how many seqs of the batch are
+mapped (`under_way`), so a slow batch is not taken for a stuck one.
 
 Results leave in batches, each straight to its consumer when the task names one the worker
 reaches (with a `completed` to the server), else to the server; a message stays within
