@@ -622,7 +622,8 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
 def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dict]:
     """The epoch's batches as the service cuts and pads them: the reference epoch seq by seq, cut
     by the inputs' lengths (map_seq: the length_key's, or the config's batch_length) or by the
-    outputs' (map_seq_stream), each batch padded as the workers pad it."""
+    outputs' (map_seq_stream), each batch padded as the workers pad it, every seq of a batch
+    with the batch's complete_frac."""
     from ppclient import collate
     from ppclient.batching import Batching
     from ppserver.config.settings import load_config
@@ -641,7 +642,12 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
         key = b.length_key or ("data" if "data" in ds.data_keys() else next(iter(ds.data_keys())))
         length = cfg.batch_length or (lambda seq: seq[key].shape[0] if seq[key].ndim else 1)
         lengths = [int(length(ds.get_seq(pos))) for pos in range(len(seqs))]
-    return [collate.pad([seqs[p] for p in batch], dict(b.pad)) for batch in cut_epoch(lengths, b)]
+    batches, reach = [], -1
+    for batch in cut_epoch(lengths, b):
+        reach = max(reach, *batch)  # a batch's complete_frac: the furthest seq's in it or before it
+        frac = {"complete_frac": seqs[reach]["complete_frac"]} if "complete_frac" in seqs[reach] else {}
+        batches.append(collate.pad([{**seqs[p], **frac} for p in batch], dict(b.pad)))
+    return batches
 
 
 def assert_same_batches(got: List[dict], want: List[dict]) -> None:

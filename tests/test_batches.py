@@ -109,7 +109,7 @@ def test_the_cut_is_greedy_within_both_caps_and_a_long_seq_is_a_batch_of_its_own
 @pytest.mark.unit
 def test_buckets_sort_each_window_by_length_and_the_reading_cutter_agrees_with_the_whole_epochs():
     rnd = random.Random(5)
-    for _ in range(200):
+    for _ in range(300):
         n = rnd.randint(0, 60)
         lengths = [rnd.randint(0, 40) for _ in range(n)]
         b = Batching(
@@ -124,15 +124,29 @@ def test_buckets_sort_each_window_by_length_and_the_reading_cutter_agrees_with_t
             assert all(p <= pos for batch in got for p in batch)  # only seqs already read
             streamed += got
         assert streamed + cutter.finish() == batches
-        assert sorted(p for batch in batches for p in batch) == list(range(n))  # every seq once
         w = b.bucket_window
-        for batch in batches:
-            assert w == 1 or len({p // w for p in batch}) == 1  # within one window
-            frames = len(batch) * max(lengths[p] for p in batch)
+        # the batches, one after the other, are the epoch's windows each sorted stably by length
+        windows = [sorted(range(s, min(s + w, n)), key=lambda p: lengths[p]) for s in range(0, n, w)]
+        assert [p for batch in batches for p in batch] == [p for window in windows for p in window]
+        for batch, after in zip(batches, batches[1:] + [None]):
+            longest = max(lengths[p] for p in batch)
             assert b.max_seqs is None or len(batch) <= b.max_seqs
-            assert b.max_frames is None or frames <= b.max_frames or len(batch) == 1
-            if w > 1:
-                assert [lengths[p] for p in batch] == sorted(lengths[p] for p in batch)
+            assert b.max_frames is None or len(batch) * longest <= b.max_frames or len(batch) == 1
+            if after is not None:  # full: its next seq would break a cap (only the last may be short)
+                grown = (len(batch) + 1) * max(longest, lengths[after[0]])
+                assert len(batch) == b.max_seqs or (b.max_frames is not None and grown > b.max_frames), batch
+
+
+@pytest.mark.unit
+def test_a_small_bucket_window_does_not_cap_the_batch_size():
+    """Windows of 2 and batches of 8: the cut runs on across windows, so every batch but the
+    epoch's last has 8 seqs (each window cut on its own gave batches of 2)."""
+    lengths = [(7 * i) % 11 + 1 for i in range(30)]
+    batches = cut_epoch(lengths, Batching(max_seqs=8, bucket_window=2))
+    assert [len(batch) for batch in batches] == [8, 8, 8, 6]
+    assert batches[0] == [0, 1, 2, 3, 5, 4, 7, 6]  # each window of 2 sorted by length (7, 3 and 10, 6 swap)
+    # by frames too: 18 seqs of at most 11 frames fill 198 of 200, whatever the windows of 7
+    assert [len(b) for b in cut_epoch(lengths, Batching(max_seqs=30, max_frames=200, bucket_window=7))] == [18, 12]
 
 
 @pytest.mark.unit
@@ -297,6 +311,34 @@ def test_stream_outputs_are_cut_into_batches_the_client_pads():
     assert [(it.pos, it.batch, it.size) for c in seqs for it in c.items] == [(0, 0, 2), (1, 0, 2), (2, 1, 1)]
     (end,) = to_clients(sim.out, protocol.End)
     assert end.msg.count == 2  # batches
+
+
+@pytest.mark.unit
+def test_stream_batches_of_sorted_windows_carry_a_complete_frac_that_never_goes_back():
+    """Windows of 4 outputs sorted by length put later outputs first; each batch's seqs carry the
+    batch's complete_frac, the furthest output's in it or before it: monotonic in delivery order."""
+    sim = BatchSim(stream=True)
+    sim.b = Batching(max_seqs=2, bucket_window=4)
+    run = sim.start(None)
+    sim(ev.WorkerJoined, b"w", "host", 1)
+    (opened,) = to_workers(sim.out, protocol.StreamOpen)
+    lengths = [5, 1, 4, 2, 3, 6]
+    outputs = [
+        protocol.seq_to_item({"data": np.zeros((n,), "f4"), "seq_tag": f"o{k}", "complete_frac": (k + 1) / 6}, k)
+        for k, n in enumerate(lengths)
+    ]
+    sim(ev.StreamOutputsReceived, b"w", run, 0, opened.msg.incarnation, outputs, [])
+    sim(ev.StreamFinished, b"w", run, 0, opened.msg.incarnation)
+    seqs = [it for c in to_clients(sim.out) for it in c.items]
+    assert [(it.meta["seq_tag"], it.batch) for it in seqs] == [
+        ("o1", 0),
+        ("o3", 0),
+        ("o2", 1),
+        ("o0", 1),
+        ("o4", 2),
+        ("o5", 2),
+    ]
+    assert [it.meta["complete_frac"] for it in seqs] == [4 / 6, 4 / 6, 4 / 6, 4 / 6, 1.0, 1.0]
 
 
 # ---- real services ---------------------------------------------------------------------------------
@@ -489,3 +531,84 @@ def test_a_batched_epoch_reads_on_through_a_server_restart(tmp_path):
         starts = re.findall(r"reads epoch 1 \(run \d+\) from (?:seq|batch) (\d+)", read(service.log(2)))
         assert len(starts) == 1 and int(starts[0]) >= 3, starts  # asked again from where it was
     assert_same_batches(got, want)
+
+
+SMALL_WINDOWS = {"max_seqs": 8, "bucket_window": 2}
+INPUT_LENGTH = """
+def batch_length(seq):
+    return seq["data"].shape[0]
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("cut_at", ["up front", "as read"])
+def test_small_bucket_windows_give_full_batches_whose_complete_frac_never_goes_back(tmp_path, cut_at):
+    """Windows of 2 and batches of 8: every batch but the last has 8 seqs, and a batch's
+    complete_frac (the same for its seqs) never decreases, whether the cut is made up front (the
+    dataset knows the lengths) or as the reader reads (a config batch_length)."""
+    extra = "buf_size = 2\n" + (INPUT_LENGTH if cut_at == "as read" else "")
+    cfg = numpy_config(tmp_path, MAPPER, n=61, ordering="laplace:.20", extra=extra)
+    want = reference_batches(cfg, 1, SMALL_WINDOWS)
+    with run_server(cfg, workers=2) as srv, srv.client(batching=SMALL_WINDOWS) as c:
+        got = collect(c.epoch(1))
+    assert_same_batches(got, want)
+    assert [len(b["seq_tag"]) for b in got] == [8] * 7 + [5]
+    fracs = [b["complete_frac"] for b in got]
+    assert all(len(set(f.tolist())) == 1 for f in fracs)  # one value per batch
+    per_batch = [float(f[0]) for f in fracs]
+    assert per_batch == sorted(per_batch) and per_batch[-1] == 1.0, per_batch
+    positions = [int(i) for b in got for i in b["seq_idx"]]
+    assert positions != sorted(positions)  # the windows do reorder: the seqs' own values would go back
+
+
+HELD_INPUTS = """
+import gc
+from ppclient.protocol import Item
+def batch_length(seq):  # the reader calls it as it cuts: how many inputs does the server hold then?
+    with open({path!r}, "a") as f:
+        f.write(f"{{sum(type(o) is Item for o in gc.get_objects())}}\\n")
+    return seq["data"].shape[0]
+"""
+
+
+@pytest.mark.processes
+def test_a_bucket_window_as_large_as_the_epoch_holds_lengths_not_inputs_in_the_server(tmp_path):
+    """Cut as read with a window of the whole epoch: the first batch is known only once every seq
+    is read, yet the server holds none of the inputs read for the cut; it reads each again when
+    its batch is due."""
+    held = tmp_path / "held.txt"
+    batching = {"max_seqs": 8, "bucket_window": 64}
+    cfg = numpy_config(tmp_path, MAPPER, n=61, extra=HELD_INPUTS.format(path=str(held)))
+    with run_server(cfg, workers=2) as srv, srv.client(batching=batching) as c:
+        got = collect(c.epoch(1))
+    counts = [int(line) for line in held.read_text().split()]
+    assert len(counts) == 61 and max(counts) <= 1, counts  # (the seq being measured, at most)
+    assert_same_batches(got, reference_batches(cfg, 1, batching))
+    assert [len(b["seq_tag"]) for b in got] == [8] * 7 + [5]
+
+
+SLOW_BATCH = SLOW_MAPPER.format(delay=0.3) + "heartbeat_interval = 0.2\nbuf_size = 1\n"
+STUCK_SEQ = """
+import time
+def map_seq(seq, **kwargs):
+    if seq["seq_tag"] == "seq-3":
+        time.sleep(30)
+    return seq
+heartbeat_interval = 0.2
+buf_size = 1
+"""
+
+
+@pytest.mark.processes
+def test_a_batch_slower_than_the_timeout_is_progress_and_a_stuck_mapper_is_not(tmp_path):
+    """Batches of 8 at 0.3 s a seq take 2.4 s, beyond the client's timeout of 1.5 s: the workers'
+    heartbeats say how far they are, so the epoch completes. A mapper stuck on one seq shows no
+    progress and the epoch fails naming the workers once the timeout passes."""
+    cfg = numpy_config(tmp_path, SLOW_BATCH, n=16)
+    want = reference_batches(cfg, 1, {"max_seqs": 8})
+    with run_server(cfg, workers=2) as srv, srv.client(timeout=1.5, batching={"max_seqs": 8}) as c:
+        assert_same_batches(collect(c.epoch(1)), want)
+    stuck = numpy_config(tmp_path, STUCK_SEQ, n=16, name="stuck.py")
+    with run_server(stuck, workers=2) as srv, srv.client(timeout=1.5, batching={"max_seqs": 8}) as c:
+        with pytest.raises(ppclient.Error, match=r"made no progress for 1.5 s .*waiting for the workers"):
+            collect(c.epoch(1))

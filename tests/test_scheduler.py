@@ -179,6 +179,32 @@ def test_heartbeats_and_expiry():
     assert status(sim)["departures"] == {Departure.LOST.value: 1}
 
 
+def test_a_worker_mapping_a_batch_shows_progress_in_the_keepalives_and_a_stuck_one_none():
+    """Heartbeats say how many seqs of the task under way the worker mapped: more than it said last
+    counts (the client takes it as progress); the same count, a task it does not hold, or one of
+    another run does not."""
+    sim = Sim()
+    sim.join(b"w1")
+    sim.start(4)
+    sim.feed(range(4))
+    assert tasks(sim.out, b"w1") == [0, 1]
+
+    def mapped(*beats: Tuple[int, int, int]) -> int:
+        for beat in beats:
+            sim(ev.HeartbeatReceived, b"w1", beat)
+        sim.now += 1.0
+        return keepalive_to(sim(ev.Tick), CONSUMER).mapped
+
+    run = sim.run
+    assert mapped() == 0
+    assert mapped((run, 0, 1), (run, 0, 2)) == 2
+    assert mapped((run, 0, 2), (run, 0, 2)) == 2  # stuck: no more
+    assert mapped((run, 3, 5), (run + 1, 0, 5)) == 2  # not its task, not a live run
+    assert mapped((run, 1, 1)) == 3  # its next task
+    sim.results(b"w1", [0, 1])
+    assert mapped((run, 1, 4)) == 3  # done: no longer its task
+
+
 def test_local_worker_exit_is_matched_by_index_and_pid():
     sim = Sim()
     sim.join(b"a", pid=11, local_index=0)

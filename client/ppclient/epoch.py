@@ -82,6 +82,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._reorder = Reorder(client.rank + client.subshard * client.world_size + start * lanes, lanes, self._direct)
         self._awaited = -1  # direct results: the position waited for since _ask_at's count began
         self._ask_at = 0.0  # when to say it is missing
+        self._mapped = 0  # the run's seqs of batches under way mapped, as the last keepalive said
         self._server = Silence()
         self._started = False
         self._sized = False  # num_seqs was set by the first run to start
@@ -182,8 +183,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
 
     def _receive(self, what: str) -> None:
         """Take the next message of this run (`what`: "started" or "progress"); raise when none
-        comes within the timeout. Keepalives that say the run
-        waits for other readers whose clients live extend it: a paused reader fails no one. Waiting
+        comes within the timeout. Keepalives that say the run waits for other readers whose
+        clients live extend it (a paused reader fails no one), and so do those that say workers
+        mapped more seqs of batches under way (a slow batch is progress, a stuck mapper is not). Waiting
         for a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost).
         When nothing at all comes for 2 heartbeat intervals, ask who serves the address: a
         restarted server is asked for the epoch again from here (and this returns)."""
@@ -216,7 +218,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             server.heard(time.monotonic())
             if isinstance(msg, protocol.Keepalive):
                 server.keepalive(msg)
-                if msg.waits_on_readers and what != "started":
+                mapped, self._mapped = msg.mapped > self._mapped, max(self._mapped, msg.mapped)
+                if (msg.waits_on_readers or mapped) and what != "started":
                     deadline = server.at + timeout
                 continue
             self._on(msg, decoded)
@@ -269,6 +272,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._granted = self._told = 0
         self._done, self._end, self._started = False, None, False
         self._awaited = -1
+        self._mapped = 0
         self.reconnects += 1
         self._wait_started()
 

@@ -5,7 +5,10 @@ Greedy, as RETURNN's and Lhotse's samplers cut: a seq joins the current batch wh
 keeps within `max_seqs` seqs and `max_frames` padded frames (seqs times the longest); a seq
 longer than `max_frames` is a batch of its own. With `bucket_window` N, each run of N
 consecutive seqs of the epoch is sorted by length (stably) before it is cut, so a batch holds
-seqs of similar length (less padding); a window's last batch may be short.
+seqs of similar length (less padding). The greedy cut runs on across windows: a window's last,
+unfilled batch takes the first seqs of the next sorted window (Lhotse carries a bucket's
+remainder on the same way), so only the epoch's last batch may be short and the window never
+caps a batch.
 """
 
 from __future__ import annotations
@@ -64,7 +67,6 @@ class Cutter:
 
     def __init__(self, batching: Batching):
         self.window_size = batching.bucket_window
-        self.b = batching
         self.greedy = _Greedy(batching)
         self.window: List[Tuple[int, int]] = []
 
@@ -74,12 +76,19 @@ class Cutter:
         self.window.append((pos, length))
         if len(self.window) < self.window_size:
             return []
-        return self.finish()
+        return self._window()
 
     def finish(self) -> List[Batch]:
-        """The batches of what is left (the epoch ended, or a window is full)."""
+        """The batches of what is left at the epoch's end (the last one may be short)."""
+        return self._window() + self.greedy.finish()
+
+    def _window(self) -> List[Batch]:
+        """The window so far, sorted, into the greedy cut (whose unfilled batch stays open)."""
         window, self.window = self.window, []
-        return cut(_sorted(window), self.b) if window else self.greedy.finish()
+        out: List[Batch] = []
+        for pos, n in _sorted(window):
+            out += self.greedy.add(pos, n)
+        return out
 
 
 def cut_epoch(lengths: Sequence[int], b: Batching) -> List[Batch]:

@@ -65,7 +65,7 @@ class Scheduler:
         req, life, deliv = self.requests, self.lifecycle, self.delivery
         self._handlers: Dict[type, Handler] = {
             ev.WorkerJoined: self._joined,
-            ev.HeartbeatReceived: lambda e, out: None,
+            ev.HeartbeatReceived: self._heartbeat,
             ev.InputsShared: self._inputs_shared,
             ev.RunDropped: self._run_dropped,
             ev.WorkerLeft: lambda e, out: self._remove(e.wid, Departure.DEPARTED, out),
@@ -230,6 +230,20 @@ class Scheduler:
         for wid in self.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
         status.keepalives(self, out)
+
+    def _heartbeat(self, e: ev.HeartbeatReceived, out: List[Instruction]) -> None:
+        """A worker mapping a batch says how many of its seqs it has mapped: more than it said last
+        is progress of the batch's run (its keepalives carry it), though no result came yet. Only
+        a task the worker holds counts, so a stuck mapper shows none."""
+        w = self.workers[e.wid]
+        last, w.progress = w.progress, e.mapping
+        if e.mapping is None:
+            return
+        run_id, pos, done = e.mapping
+        before = last[2] if last is not None and last[:2] == (run_id, pos) else 0
+        run = self.runs.get(run_id)
+        if done > before and run is not None and (run_id, pos) in w.tasks:
+            run.mapped += done - before
 
     def _inputs_shared(self, e: ev.InputsShared, out: List[Instruction]) -> None:
         self.workers[e.wid].inputs = e.path

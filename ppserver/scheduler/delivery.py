@@ -8,7 +8,7 @@ released outputs leave at once (`flush`, in messages of max_delivery_batch), a l
 is all released ends (`End`), and a run whose lanes have all settled ends too.
 
 map_seq_stream with batching: the merged outputs are cut into batches here (`StreamCut`), one
-bucket window ahead of the lanes' credit at most; the client pads each batch's seqs.
+bucket window and one batch ahead of the lanes' credit at most; the client pads each batch's seqs.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Delivery:
     def _pop_batch(run: Run, out: List[Instruction], room: Room) -> Optional[Batch]:
         """The next batch cut from the merged outputs, if its lane has room. Outputs are taken (in
         merged order) only while no cut batch waits, so the run holds at most one bucket window
-        of them beyond what the lanes' credit allows."""
+        of them, and the batch being filled, beyond what the lanes' credit allows."""
         d, cutting = run.dispatch, run.cutting
         assert d is not None and cutting is not None
         while not cutting.cut:
@@ -263,14 +263,18 @@ def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:
 
 
 class StreamCut:
-    """The merged outputs of a map_seq_stream run that batches, cut into batches in merged order."""
+    """The merged outputs of a map_seq_stream run that batches, cut into batches in merged order.
+    Every seq of a batch carries the batch's complete_frac: the largest of it and the batches
+    before it (the merged outputs' never decreases, so that is the furthest output's), so a
+    sorted bucket window never sends it back."""
 
     def __init__(self, cutter: Cutter, length_key: Optional[str]):
         self.cutter = cutter
         self.length_key = length_key
         self.cut: Deque[Batch] = deque()  # cut and not yet released
-        self.uncut: Dict[int, Item] = {}  # outputs the cutter holds (a bucket window at most)
+        self.uncut: Dict[int, Item] = {}  # outputs the cutter holds (a bucket window and a batch at most)
         self.count = 0  # batches cut
+        self.complete_frac: Optional[float] = None  # the largest of the batches cut so far
 
     def add(self, item: Item) -> None:
         self.uncut[item.pos] = item
@@ -285,7 +289,13 @@ class StreamCut:
         for positions in cut:
             items = [self.uncut.pop(p) for p in positions]
             for item in items:
+                cf = item.meta.get("complete_frac")
+                if cf is not None and (self.complete_frac is None or cf > self.complete_frac):
+                    self.complete_frac = cf
+            for item in items:
                 item.batch, item.size = self.count, len(items)
+                if self.complete_frac is not None and "complete_frac" in item.meta:
+                    item.meta = {**item.meta, "complete_frac": self.complete_frac}
             self.cut.append(Batch(self.count, items))
             self.count += 1
 

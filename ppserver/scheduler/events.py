@@ -43,7 +43,9 @@ class WorkerEvent(Event):
 
 @dataclass(slots=True)
 class HeartbeatReceived(WorkerEvent):
-    pass
+    """`mapping`: (run, pos, seqs mapped) of the batch the worker maps now, if it maps one."""
+
+    mapping: Optional[Tuple[int, int, int]] = None
 
 
 @dataclass(slots=True)

@@ -135,6 +135,7 @@ class Run:
     cutting: Optional[StreamCut] = None  # stream mode, batching: the merged outputs cut into batches
     total: Optional[int] = None  # outputs of the whole epoch, once known
     held_by: Optional[int] = None  # the lane without room for the next output to release, if one is
+    mapped: int = 0  # seqs of batches under way that workers said they mapped (keepalives carry it)
 
     @property
     def width(self) -> int:

@@ -50,6 +50,7 @@ def keepalives(s: Scheduler, out: List[Instruction]) -> None:
                     workers=len(s.workers),
                     waiting_for=waiting_for,
                     waits_on_readers=on_readers,
+                    mapped=run.mapped,
                 )
                 out.append(ToClient(lane.consumer, msg))
 

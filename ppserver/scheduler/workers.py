@@ -80,6 +80,7 @@ class WorkerState:
     # inputs of tasks in flight when their run ended, by run: kept until the worker drops the run
     retained: Dict[int, List[Any]] = field(default_factory=dict)
     mapping: Optional[Tuple[int, int, Optional[str]]] = None  # (run, pos, seq_tag) its suspect batch maps now
+    progress: Optional[Tuple[int, int, int]] = None  # (run, pos, seqs mapped) of the batch it maps, as last heard
 
     @property
     def name(self) -> str:

@@ -9,7 +9,7 @@ may have held results: a registered worker's seqs and stream partitions are char
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ppclient import protocol
 from ppclient.protocol import Channel, Decoded, Peer
@@ -45,8 +45,14 @@ EVENTS: Dict[type, Builder] = {
         now, wid, m.run, m.partition, m.incarnation, m.seq_tag, m.message, m.traceback
     ),
     protocol.Bye: lambda now, wid, m, d: ev.WorkerLeft(now, wid),
-    protocol.Heartbeat: lambda now, wid, m, d: ev.HeartbeatReceived(now, wid),
+    protocol.Heartbeat: lambda now, wid, m, d: ev.HeartbeatReceived(now, wid, _mapping(m)),
 }
+
+
+def _mapping(beat: protocol.Heartbeat) -> Optional[Tuple[int, int, int]]:
+    """A heartbeat's (run, pos, seqs mapped), if it carries a well-formed one."""
+    m = beat.mapping
+    return (m[0], m[1], m[2]) if m is not None and len(m) == 3 and min(m) >= 0 else None
 
 
 class FromWorkers:
@@ -89,7 +95,7 @@ class FromWorkers:
             if isinstance(msg, protocol.Heartbeat):
                 wid = ident[: -len(protocol.HEARTBEAT_SUFFIX)]
                 self.heartbeat(wid, msg.stats)
-                self.handle(ev.HeartbeatReceived(now, wid))
+                self.handle(ev.HeartbeatReceived(now, wid, _mapping(msg)))
             return
         try:
             decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))

@@ -12,8 +12,9 @@ epoch, so a refused request disturbs nothing; RunChecked tells the scheduler it 
 let the requesting ranks leave their old runs.
 
 A run that batches (map_seq) has batches for positions: the reader cuts its epoch (cutting.py),
-up front where the dataset knows every seq's length (`epoch_lengths`), else as it reads, and
-hands each batch over as a Batch of its seqs once they are all read.
+up front where the dataset knows every seq's length (`epoch_lengths`), else as it reads (keeping
+lengths, reading a batch's seqs again when it is due), and hands each batch over as a Batch of
+its seqs, each carrying the batch's complete_frac.
 
 Every seq is handed over as soon as it is read (the loop batches what it finds waiting),
 so a read that hangs never holds back the seqs read before it. While the reader reads, the
@@ -318,8 +319,11 @@ class Reader(threading.Thread):
             return
         items = self._batch_seqs(batched, batched.batches[index])
         batched.passed(index)
+        frac = self._reach_frac(batched, index, items)
         for item in items:
             item.batch, item.size = index, len(items)
+            if frac is not None:
+                item.meta["complete_frac"] = frac
         positions.popleft()
         self.outbox.put(run, Batch(index, items))
         self.outbox.wake()
@@ -340,6 +344,23 @@ class Reader(threading.Thread):
         self.busy = None
         self.seconds["get_seq"] += monotonic() - since
         return items
+
+    def _reach_frac(self, batched: BatchedRun, index: int, items: List[Item]) -> Any:
+        """Batch `index`'s complete_frac: that of the furthest seq of the epoch in it or a batch
+        before it (cutting.py), so a sorted window never sends it back. That seq is in the batch,
+        or it was the previous batch's; a run that skips batches (a rank's solo run) reads it."""
+        pos = batched.reach[index]
+        for item in items:
+            if item.pos == pos:
+                frac = item.meta.get("complete_frac")
+                break
+        else:
+            if batched.frac is not None and batched.frac[0] == pos:
+                frac = batched.frac[1]
+            else:
+                frac = self._call("get_seq", pos, self.dataset.get_seq, pos).get("complete_frac")
+        batched.frac = (pos, frac)
+        return frac
 
     def _cut_next(self, batched: BatchedRun) -> bool:
         """Read one more seq and cut; False if a command waits (the batch is finished later)."""

@@ -65,6 +65,7 @@ class Worker:
             local_index=local_index,
             shm_mb=cfg.shm_mb,
             stats=lambda: {**heartbeat_stats(self.seqs.clock, self.streams.clock), **self.routes.stats()},
+            mapping=lambda: self.seqs.under_way,
         )
         self.runs: Dict[int, OpenRun] = {}
         templates = lambda: self.session.templates

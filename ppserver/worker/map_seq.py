@@ -3,7 +3,8 @@
 A batch (the seqs of a task that name one) is mapped seq by seq, each with its own rng and meta
 entries, then padded into one array per key (collate.py), written where it travels: into a
 block of the shared-memory segment for a consumer on this host, so padding is the only copy
-between the mapper's output and the trainer.
+between the mapper's output and the trainer. The heartbeats say how many seqs of the batch are
+mapped (`under_way`), so a slow batch is not taken for a stuck one.
 
 Results leave in batches, each straight to its consumer when the task names one the worker
 reaches (with a `completed` to the server), else to the server; a message stays within
@@ -69,6 +70,8 @@ class MapSeqRunner(Runner):
         self.results_header_bytes = 0
         self.flush_every = max(1, min(self.cfg.buf_size // 2, 16))
         self.messages_in = self.messages_out = 0
+        # [run, pos, seqs mapped] of the batch being mapped (its heartbeats carry it; read there)
+        self.under_way: Optional[List[int]] = None
 
     def add(
         self,
@@ -134,6 +137,7 @@ class MapSeqRunner(Runner):
             self._drop_results()
 
     def clear(self) -> None:
+        self.under_way = None
         self.tasks.clear()
         self.partial.clear()
         self.discard.clear()
@@ -255,12 +259,15 @@ class MapSeqRunner(Runner):
                 if task.probe:
                     self.send(protocol.Mapping(run=run_id, pos=task.pos, seq_tag=clip(item.seq_tag)))
                     time.sleep(PROBE_PAUSE_S)
+                self.under_way = [run_id, task.pos, len(outs)]
                 outs.append(self._map(run, item, templates))
+            self.under_way = None
             item = None  # what fails from here fails the batch as a whole
             result, block = self._padded(task.pos, outs, run.pad, dest)
             header_bytes = check_header(result)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
+            self.under_way = None
             if block is not None:
                 block.release()
             bad = item if item is not None else _culprit(exc, task)

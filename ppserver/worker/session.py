@@ -2,7 +2,8 @@
 
 The worker learns the worker endpoint from the control address (DiscoverRequest), registers
 with its protocol version and config fingerprint (Hello) and then keeps a heartbeat thread
-with its own socket, so the server hears from it while a mapper runs. The session is lost
+with its own socket, so the server hears from it while a mapper runs, and how far it is into the
+batch it maps (a slow batch is progress, a stuck mapper is not). The session is lost
 when the server stops answering heartbeats for heartbeat_timeout, says it does not know
 this worker (Unknown), or the connection is reset (a reset loses queued messages both
 ways); the worker then drops its work and registers afresh under a new identity that names
@@ -53,9 +54,11 @@ class Heartbeat(threading.Thread):
         interval: float,
         keys: Optional[ClientKeys],
         stats: Optional[Callable[[], Dict[str, Any]]] = None,
+        mapping: Optional[Callable[[], Optional[List[int]]]] = None,
     ):
         super().__init__(name="heartbeat", daemon=True)
         self.stats = stats  # the worker's counters, sent with every beat
+        self.mapping = mapping  # the batch being mapped and how far, sent with every beat
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.identity = identity + protocol.HEARTBEAT_SUFFIX
@@ -73,7 +76,10 @@ class Heartbeat(threading.Thread):
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 if now >= next_send:
-                    beat = protocol.Heartbeat(stats=self.stats() if self.stats is not None else None)
+                    beat = protocol.Heartbeat(
+                        stats=self.stats() if self.stats is not None else None,
+                        mapping=self.mapping() if self.mapping is not None else None,
+                    )
                     self.sock.send_multipart(protocol.encode(beat), flags=zmq.NOBLOCK)
                     next_send = now + self.interval
                 if self.sock.poll(int(min(self.interval, 0.2) * 1000)):
@@ -105,6 +111,7 @@ class Session:
         local_index: Optional[int] = None,
         shm_mb: int = 0,
         stats: Optional[Callable[[], Dict[str, Any]]] = None,
+        mapping: Optional[Callable[[], Optional[List[int]]]] = None,
     ):
         self.ctx = ctx
         self.connect = connect
@@ -115,6 +122,7 @@ class Session:
         self.worker_endpoint = worker_endpoint
         self.local_index = local_index
         self.stats = stats
+        self.mapping = mapping
         self.host = socket.gethostname()
         self.stopping = False
         self.sock: Optional[zmq.Socket] = None
@@ -211,7 +219,9 @@ class Session:
                 self.sock = sock
                 self.forgotten = False
                 self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._hb = Heartbeat(self.ctx, endpoint, identity, self.heartbeat_interval, self.keys, self.stats)
+                self._hb = Heartbeat(
+                    self.ctx, endpoint, identity, self.heartbeat_interval, self.keys, self.stats, self.mapping
+                )
                 self._hb.start()
                 log.info("registered with %s as %s", endpoint, identity.decode())
                 return True

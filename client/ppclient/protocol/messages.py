@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 from .. import wire
 from ..errors import Error
 
-PROTOCOL = 9
+PROTOCOL = 10
 
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
@@ -289,6 +289,9 @@ class Keepalive(Message):
     # what the client waits for is other readers of the job whose clients live (room in their
     # windows for the seqs before its own): not a failure, it keeps waiting
     waits_on_readers: bool = False
+    # seqs of the run's batches under way that workers have mapped so far, as their heartbeats
+    # say: it grows while a slow batch is mapped, which is progress though no batch came yet
+    mapped: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -427,13 +430,16 @@ class Heartbeat(Message):
     """On the heartbeat socket, both ways; any traffic on the task socket also counts.
 
     `stats`: a worker's cumulative counters since it started (`map_s`: seconds inside the
-    mappers, `mapped`: seqs they returned), so the server can tell mapping from transfer time."""
+    mappers, `mapped`: seqs they returned), so the server can tell mapping from transfer time.
+    `mapping`: `[run, pos, seqs mapped]` of the batch the worker maps now (None: none), so a
+    slow batch shows progress before its result comes and only a stuck mapper stalls its run."""
 
     kind = "hb"
     channel = Channel.WORKER
     sender = (Peer.SERVER, Peer.WORKER)
     receiver = (Peer.SERVER, Peer.WORKER)
     stats: Optional[Dict[str, Any]] = None
+    mapping: Optional[List[int]] = None
 
 
 @dataclass(frozen=True)
