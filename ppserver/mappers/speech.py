@@ -87,15 +87,16 @@ def _repr(obj: Any, **settings: Any) -> str:
 
 
 class _Mapper:
-    """Settings in __dict__, nothing else pickled: what a mapper loads lazily starts with `_`."""
+    """A mapper is its settings (`_settings`, the arguments of its __init__, which keeps each as
+    an attribute of that name): they alone are pickled and shown, what it loads lazily is not."""
 
     _settings: Tuple[str, ...] = ()
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return {k: getattr(self, k) for k in self._settings}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__init__(**state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return _repr(self, **{k: getattr(self, k) for k in self._settings})
