@@ -9,6 +9,7 @@ import io
 import pickle
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -222,6 +223,18 @@ def test_tokenize_with_a_sentencepiece_model(tmp_path):
     assert again({"text": np.array("the server")})["classes"].tolist() == processor.encode("the server")
 
 
+@pytest.mark.unit
+def test_a_missing_speech_package_is_one_line_naming_the_extra(monkeypatch):
+    """At start (the declared outputs) and when a mapper first runs, without importing it before."""
+    monkeypatch.setitem(sys.modules, "soxr", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(
+        ValueError, match=r"^speed_perturb needs soxr, which is not installed: pip install 'ppserver\[speech\]'$"
+    ):
+        speed_perturb().outputs({"audio": {"shape": [None], "dtype": "float32"}})
+    with pytest.raises(ImportError, match=r"^speed_perturb needs soxr: pip install 'ppserver\[speech\]' \("):
+        speed_perturb(factors=(1.1,))({"audio": np.zeros(100, np.float32)}, rng=np.random.RandomState(0))
+
+
 SPEECH_INPUTS = {
     "audio": {"shape": [None], "dtype": "uint8"},
     "text": {"shape": [], "dtype": "string"},
@@ -357,3 +370,14 @@ def test_a_mapper_that_changes_keys_without_map_outputs_is_named_at_start_or_at_
     with run_server(cfg, workers=1) as srv, srv.client(batching={"max_seqs": 2}) as c:
         with pytest.raises(ppclient.MapperError, match=r"missing key 'audio'.*map_outputs is not set"):
             collect(c.epoch(1))
+
+
+@pytest.mark.unit
+def test_the_fingerprint_of_a_builtin_mapper_covers_the_helpers_of_its_module():
+    """speed_perturb's draw is a helper of its module (_randint): the fingerprint hashes the module,
+    not only the class, so a change of the helper changes it too."""
+    from ppserver.config.fingerprint import _source_of
+
+    for mapper, helper in ((speed_perturb(), "def _randint("), (spec_augment, "def _check_count(")):
+        assert helper in "".join(_source_of(mapper, set()))
+    assert "def _randint(" not in "".join(_source_of(_keeps, set()))
