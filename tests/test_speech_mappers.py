@@ -149,8 +149,10 @@ def test_decode_reads_only_the_region_of_offset_and_duration(fmt):
     # read at 16 kHz, the region of a file at 8 kHz resampled
     low = decode(sample_rate=16000)({"audio": encoded(x[::2], 8000, fmt, "PCM_24"), "duration": np.array(0.5)})
     assert abs(len(low["audio"]) - 8000) <= 1
-    with pytest.raises(ValueError, match=r"offset 3\.0 s is outside the audio"):
+    with pytest.raises(ValueError, match=r"^decode: offset 3\.0 s is outside the audio \(2\.000 s\)$"):
         decode()({"audio": data, "offset": np.array(3.0)})
+    with pytest.raises(ValueError, match=r"^decode: duration -1\.0 s is negative$"):
+        decode()({"audio": data, "duration": np.array(-1.0)})
     with pytest.raises(ValueError, match=r"decode: seq\['audio'\] is not audio soundfile reads"):
         decode()({"audio": np.frombuffer(b"not audio at all" * 8, np.uint8)})
 

@@ -82,8 +82,11 @@ def _randint(rng: Any, high: int) -> int:
     return int(rng.integers(high)) if hasattr(rng, "integers") else int(rng.randint(high))
 
 
-def _repr(obj: Any, **settings: Any) -> str:
-    return f"{type(obj).__name__}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+def _quality(who: str, quality: Any) -> str:
+    """soxr's resampling quality, from very high to quick."""
+    if quality not in ("VHQ", "HQ", "MQ", "LQ", "QQ"):
+        raise ValueError(f"{who}: quality must be one of VHQ, HQ, MQ, LQ, QQ, got {quality!r}")
+    return quality
 
 
 class _Mapper:
@@ -99,7 +102,7 @@ class _Mapper:
         self.__init__(**state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
-        return _repr(self, **{k: getattr(self, k) for k in self._settings})
+        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in self._settings)})"
 
 
 class decode(_Mapper):
@@ -126,9 +129,7 @@ class decode(_Mapper):
         self.sample_rate = int(_positive("decode", "sample_rate", sample_rate))
         self.key, self.out = key, out
         self.offset_key, self.duration_key = offset_key, duration_key
-        if quality not in ("VHQ", "HQ", "MQ", "LQ", "QQ"):
-            raise ValueError(f"decode: quality must be one of VHQ, HQ, MQ, LQ, QQ, got {quality!r}")
-        self.quality = quality
+        self.quality = _quality("decode", quality)
 
     def outputs(self, inputs: Templates) -> Templates:
         _check_installed(("soundfile", "soxr"), "decode")
@@ -147,7 +148,9 @@ class decode(_Mapper):
                 rate, total = f.samplerate, f.frames
                 start = round(offset * rate)
                 if not 0 <= start <= total:
-                    raise ValueError(f"offset {offset} s is outside the audio ({total / rate:.3f} s)")
+                    raise ValueError(f"decode: offset {offset} s is outside the audio ({total / rate:.3f} s)")
+                if duration is not None and duration < 0:
+                    raise ValueError(f"decode: duration {duration} s is negative")
                 if start:
                     f.seek(start)
                 frames = -1 if duration is None else round(duration * rate)
@@ -184,7 +187,7 @@ class speed_perturb(_Mapper):
         if not self.factors:
             raise ValueError("speed_perturb: factors must not be empty")
         self.sample_rate = int(_positive("speed_perturb", "sample_rate", sample_rate))
-        self.key, self.quality = key, quality
+        self.key, self.quality = key, _quality("speed_perturb", quality)
 
     def outputs(self, inputs: Templates) -> Templates:
         _check_installed(("soxr",), "speed_perturb")
