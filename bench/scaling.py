@@ -161,10 +161,11 @@ def in_process_baseline(cfg_path: str, seconds: float) -> Dict[str, Any]:
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import apply_map_seq
+    from ppserver.mappers.outputs import output_templates
 
     cfg = load_config(cfg_path)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
-    templates = cfg.map_outputs or ds.data_keys()
+    templates = output_templates(cfg, ds.data_keys())
     ds.init_seq_order(1)
     n, start, cpu = 0, time.monotonic(), time.process_time()
     while time.monotonic() - start < seconds:

@@ -439,11 +439,12 @@ class InProcess:
         from ppserver.config.settings import load_config
         from ppserver.datasets import NumpyDataset
         from ppserver.mappers.apply import apply_map_seq
+        from ppserver.mappers.outputs import output_templates
 
         self.apply = apply_map_seq
         self.cfg = load_config(self.config)
         self.dataset = NumpyDataset(seqs=self.seqs)  # the arrays the server reads from the same npz
-        self.templates = self.cfg.map_outputs or self.dataset.data_keys()
+        self.templates = output_templates(self.cfg, self.dataset.data_keys())
 
     def epoch(self, epoch: int):
         ds, apply, map_seq, seed, templates = self.dataset, self.apply, self.cfg.map_seq, self.cfg.seed, self.templates

@@ -31,12 +31,16 @@ from ppserver.worker.pool import stop_process
 # ---- markers: what a test needs, and a guard that holds the tests to them -----------------------
 # Every test is `unit` (pure code: no process, no socket, no RETURNN or PyTorch; `pytest -m unit`
 # runs them in seconds) or names what it needs with the other markers; pyproject.toml registers them.
-NEEDS = ("processes", "sockets", "netns", "returnn", "torch")
+NEEDS = ("processes", "sockets", "netns", "returnn", "torch", "speech")
 MARKERS = ("unit", *NEEDS)
 # What a unit test may not import, nor a module of unit tests when it is imported (tests/test_markers.py).
 HEAVY = ("returnn", "torch", "torchdata")
-# The modules a test marked `returnn` or `torch` needs: without them it is skipped.
-NEEDED_MODULES = {"returnn": ("returnn",), "torch": ("torch", "torchdata")}
+# The modules a test marked `returnn`, `torch` or `speech` needs: without them it is skipped.
+NEEDED_MODULES = {
+    "returnn": ("returnn",),
+    "torch": ("torch", "torchdata"),
+    "speech": ("soundfile", "soxr", "kaldi_native_fbank"),
+}
 
 
 class ImpureTest(AssertionError):
@@ -601,10 +605,11 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import reference_epoch
+    from ppserver.mappers.outputs import output_templates
 
     cfg = load_config(config)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
-    templates = cfg.map_outputs or ds.data_keys()
+    templates = output_templates(cfg, ds.data_keys())
     os.environ[REFERENCE_RUN] = "1"
     try:
         out = list(reference_epoch(cfg, ds, epoch, templates, **kw))

@@ -44,6 +44,7 @@ SEMANTIC_MODULES = (
     "ppclient.collate",  # padding a batch's seqs into one array per key
     "ppclient.wire",  # which dtypes travel, and how a seq becomes frames
 )
+_OWN_MAPPERS = "ppserver.mappers."  # hashed whole where a config uses them (their source and helpers)
 _OWN_PACKAGES = ("ppserver", "ppclient")  # covered by SEMANTIC_MODULES, wherever they are installed
 # RETURNN's view of its loaded config as a module (the functions a RETURNN config defines name it):
 # the config file itself is hashed as the source
@@ -160,7 +161,10 @@ def _source_of(obj: Any, seen: set) -> List[str]:
         return []
     seen.add(id(obj))
     parts = []
-    target = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+    target: Any = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+    module = inspect.getmodule(target)
+    if module is not None and module.__name__.startswith(_OWN_MAPPERS):
+        target = module  # ppserver's own mappers: the helpers of their module decide the seq too
     try:
         parts.append(inspect.getsource(target))
     except (OSError, TypeError):

@@ -221,7 +221,10 @@ class Config:
     )
     mapper_api: str = setting("dict", _mapper_api, '"dict": mappers take seq dicts; "returnn": TensorDicts')
     map_outputs: Optional[Dict[str, Dict[str, Any]]] = setting(
-        None, _map_outputs, "templates the outputs are checked against", shown="the dataset's keys"
+        None,
+        _map_outputs,
+        "templates the outputs are checked against",
+        shown="what the mappers declare, else the dataset's keys",
     )
     direct_results: bool = setting(True, boolean, "map_seq results go from workers to clients without the server")
     shm_mb: int = setting(64, integer(0, MAX_SHM_MB), "MiB of shared memory per worker and direction (0: none)")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy
 
 from ppserver.config.settings import Config
-from ppserver.mappers.apply import partition_rng
+from ppserver.mappers.apply import TemplateMismatch, partition_rng
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,22 @@ def mappers_for(cfg: Config, in_templates: Dict[str, Any]) -> Mappers:
 
         map_seq, map_seq_stream = dict_mappers(map_seq, map_seq_stream, in_templates)
     return Mappers(map_seq, map_seq_stream, cfg.mapper_api, cfg.seed, cfg.partitions)
+
+
+def failure_hint(cfg: Config, what: str, exc: BaseException) -> str:
+    """What may be missing from the config, for the failure `exc` of its `what` ("" if nothing)."""
+    return missing_returnn_api_hint(cfg, what, exc) or missing_map_outputs_hint(cfg, exc)
+
+
+def missing_map_outputs_hint(cfg: Config, exc: BaseException) -> str:
+    """An output that does not fit the templates where the config sets no map_outputs: they are the
+    dataset's keys, or what its mappers declare, which a mapper that changes keys must say."""
+    if not isinstance(exc, TemplateMismatch) or cfg.map_outputs is not None:
+        return ""
+    return (
+        " (map_outputs is not set: outputs are checked against the dataset's keys, or what the mappers declare;"
+        " set map_outputs to what the mapper returns)"
+    )
 
 
 def missing_returnn_api_hint(cfg: Config, what: str, exc: BaseException) -> str:

@@ -26,6 +26,10 @@ class MappingError(Exception):
         self.seq_tag = seq_tag
 
 
+class TemplateMismatch(MappingError):
+    """An output that does not fit the output templates (a key missing, its ndim, dtype or dims)."""
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -118,30 +122,30 @@ def validate(seq: Any, templates: Dict[str, Dict[str, Any]]) -> None:
             raise MappingError(f"output {key!r} is a {type(value).__name__}, expected a numpy array", tag)
     for key, tpl in templates.items():
         if key not in seq:
-            raise MappingError(f"output is missing key {key!r}", tag)
+            raise TemplateMismatch(f"output is missing key {key!r}", tag)
         value = seq[key]
         shape = tpl["shape"]
         if value.ndim != len(shape):
-            raise MappingError(
+            raise TemplateMismatch(
                 f"ndim mismatch for {key!r}: got {value.ndim}, expected {len(shape)} (shape {tuple(shape)})", tag
             )
         if tpl["dtype"] == STRING:
             if value.dtype.kind != "U":
-                raise MappingError(
+                raise TemplateMismatch(
                     f"dtype mismatch for {key!r}: got {dtype_text(value.dtype)}, expected a str array", tag
                 )
             continue
         want_dtype = _dtype(tpl["dtype"])
         if _native_dtype(value.dtype) != want_dtype:
-            raise MappingError(
+            raise TemplateMismatch(
                 f"dtype mismatch for {key!r}: got {dtype_text(value.dtype)}, expected {dtype_text(want_dtype)}", tag
             )
         for axis, (got, want) in enumerate(zip(value.shape, shape)):
             if want is not None and got != want:
-                raise MappingError(f"dim {axis} mismatch for {key!r}: got {got}, expected {want}", tag)
+                raise TemplateMismatch(f"dim {axis} mismatch for {key!r}: got {got}, expected {want}", tag)
         sparse = tpl.get("sparse_dim")
         if sparse is not None and value.size and (value.min() < 0 or value.max() >= sparse):
-            raise MappingError(f"{key!r} holds class indices outside [0, {sparse}) (its sparse_dim)", tag)
+            raise TemplateMismatch(f"{key!r} holds class indices outside [0, {sparse}) (its sparse_dim)", tag)
     cf = seq.get("complete_frac")
     if cf is not None and not 0.0 <= float(cf) <= 1.0:
         raise MappingError(f"complete_frac must be in [0, 1], got {cf}", tag)

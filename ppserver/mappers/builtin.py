@@ -43,6 +43,15 @@ def spec_augment(
 
     Draws 1..max_*_masks masks of each kind (none if the max is 0), each 1..max_*_width wide,
     and zeroes them. All randomness comes from `rng`, so a seeded rng reproduces the result.
+
+    - max_time_masks: most masks along time (frames, axis 0); 0: none
+    - max_time_width: most frames one time mask zeroes
+    - max_freq_masks: most masks along the features (the last axis); 0: none
+    - max_freq_width: most features one feature mask zeroes
+    - key: the array masked (default ``data``, what ``speech.fbank`` makes)
+
+    Configure it with ``functools.partial(spec_augment, max_time_masks=4, key="feats")``.
+    Its outputs are its inputs (same keys, shapes and dtypes): ``spec_augment.outputs``.
     """
     max_time_masks = _check_count("max_time_masks", max_time_masks)
     max_time_width = _check_count("max_time_width", max_time_width)
@@ -67,6 +76,18 @@ def spec_augment(
     out = dict(seq)
     out[key] = x
     return out
+
+
+def _spec_augment_outputs(inputs: Dict[str, Dict[str, Any]], key: str = "data", **kwargs) -> Dict[str, Dict[str, Any]]:
+    """spec_augment keeps its seqs' templates; the masked key must have a time and a feature axis."""
+    if key not in inputs:
+        raise ValueError(f"spec_augment: its seqs have no key {key!r} (they have {', '.join(map(repr, inputs))})")
+    if len(inputs[key]["shape"]) < 2:
+        raise ValueError(f"spec_augment: {key!r} must have shape (time, ..., features), it has {inputs[key]['shape']}")
+    return inputs
+
+
+spec_augment.outputs = _spec_augment_outputs  # type: ignore[attr-defined]
 
 
 def double(seq: Dict[str, Any], **kwargs) -> Dict[str, Any]:

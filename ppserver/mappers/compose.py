@@ -10,6 +10,8 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any, Callable, Dict, Iterable, Iterator, List
 
+from ppserver.mappers.outputs import Templates, Undeclared, declared_outputs, mapper_name
+
 __all__ = ["Sequential", "LaplaceOrdering"]
 
 Seq = Dict[str, Any]
@@ -17,7 +19,11 @@ _MISSING = object()
 
 
 class Sequential:
-    """``Sequential(f, g)(x, **kw) == g(f(x, **kw), **kw)``."""
+    """``Sequential(f, g)(x, **kw) == g(f(x, **kw), **kw)``.
+
+    Its outputs are those its functions declare, one after the other (nested Sequentials
+    included); a function that declares none is taken to keep the templates it gets, unless one
+    before it changed them (Undeclared: the config then needs map_outputs)."""
 
     def __init__(self, *funcs: Callable):
         for f in funcs:
@@ -35,8 +41,28 @@ class Sequential:
         """True only if every composed function declares it keeps the number of seqs."""
         return all(getattr(f, "preserves_num_seqs", False) for f in self.funcs)
 
+    def outputs(self, inputs: Templates) -> Templates:
+        templates, changed = inputs, None
+        for func in self._flat():
+            out = declared_outputs(func, templates)
+            if out is None:
+                if changed is not None:
+                    raise Undeclared(func, changed)
+                continue
+            if out != templates:
+                changed = func
+            templates = out
+        return templates
+
+    def _flat(self) -> Iterator[Callable]:
+        for func in self.funcs:
+            if isinstance(func, Sequential):
+                yield from func._flat()
+            else:
+                yield func
+
     def __repr__(self) -> str:
-        return f"Sequential({', '.join(map(repr, self.funcs))})"
+        return f"Sequential({', '.join(map(mapper_name, self.funcs))})"
 
 
 class LaplaceOrdering:
@@ -75,6 +101,10 @@ class LaplaceOrdering:
                 break
             descending = not descending
             buffer = next_buffer
+
+    def outputs(self, inputs: Templates) -> Templates:
+        """It reorders seqs and keeps them as they are."""
+        return inputs
 
     def _seq_len(self, seq: Seq) -> int:
         return seq[self.length_key].shape[0]

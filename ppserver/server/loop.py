@@ -36,6 +36,7 @@ from ppclient.throttle import Throttled
 from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError, one_line
+from ppserver.mappers.outputs import output_templates
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
     Instruction,
@@ -109,7 +110,7 @@ class Server:
         self.dataset = make_dataset(cfg.dataset, order_seed=cfg.seed)
         # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
-        self.out_templates = cfg.map_outputs or self.in_templates
+        self.out_templates = output_templates(cfg, self.in_templates)
         self.sched = Scheduler(scheduler_settings(cfg))
         self.ctx = zmq.Context()
         self.malformed = Throttled(log, "dropped a malformed message")

@@ -27,7 +27,7 @@ import numpy
 
 from ppclient import collate, protocol, shm
 from ppclient.protocol import BadItem, Item
-from ppserver.mappers.api import missing_returnn_api_hint
+from ppserver.mappers.api import failure_hint
 from ppserver.mappers.apply import MappingError, apply_map_seq, writable
 from ppserver.worker.outputs import Means, OpenRun, Runner, check_header, check_size, clip, failure_text
 from ppserver.worker.routes import Routes
@@ -215,7 +215,7 @@ class MapSeqRunner(Runner):
         return out
 
     def _failure(self, exc: BaseException) -> str:
-        return failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq", exc)
+        return failure_text(exc) + failure_hint(self.cfg, "map_seq", exc)
 
     def _failed(self, run_id: int, pos: int, tag: Optional[str], text: str) -> None:
         """A task failed (call while handling the exception): its run is over here; the server hears

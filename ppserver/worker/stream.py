@@ -16,7 +16,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from ppclient import protocol
 from ppclient.protocol import Item
-from ppserver.mappers.api import missing_returnn_api_hint
+from ppserver.mappers.api import failure_hint
 from ppserver.mappers.apply import MappingError, run_stream, writable
 from ppserver.worker.outputs import Means, OpenRun, Runner, check_header, check_size, clip, failure_text
 
@@ -142,7 +142,7 @@ class StreamRunner(Runner):
                 return
             self.parts.pop((part.run, part.index), None)
             tag = exc.seq_tag if isinstance(exc, MappingError) and exc.seq_tag else part.last_tag
-            text = failure_text(exc) + missing_returnn_api_hint(self.cfg, "map_seq_stream", exc)
+            text = failure_text(exc) + failure_hint(self.cfg, "map_seq_stream", exc)
             tag, message, tb = clip(tag), clip(text), clip(traceback.format_exc())
             log.error(
                 "stream mapper failed in partition %d (last input %r): %s\n%s", part.index, tag, message, tb.rstrip()
