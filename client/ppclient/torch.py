@@ -126,7 +126,8 @@ class _Turns:
         if parts == 1 or parts > MAX_TURNS:
             return
         resume = state.get("resume") or {}
-        count = resume.get("position", state.get("position", 0))
+        # (a finished state without its count, of an older ppclient, leaves the turns unknown)
+        count = resume.get("position", state.get("position", -1 if state.get("finished") else 0))
         saved = resume.get("subshard", state.get("subshard"))
         shift = (worker - saved[0]) % parts if saved is not None and saved[1] == parts else -1
         self.table[0, worker], self.table[1, worker] = count, shift
@@ -451,8 +452,10 @@ class _Stream(Iterator[Any]):
         shift = self.ds._turns.shift(self.parts, self.after)
         if shift is None:
             raise UsageError(
-                f"the loader's {self.parts} workers did not all load their states before the first item was asked "
-                f"for (or more than {MAX_TURNS}): which of them has the first turn is not known"
+                f"which of the loader's {self.parts} workers has the first turn of epoch {self.epoch} is not known "
+                "(the loaded state does not say how many items they had yielded, or they did not all load it before "
+                f"the first item was asked for, or there are more than {MAX_TURNS}): call set_epoch with the state's "
+                "epoch to finish it, then go on with the next"
             )
         return (self.worker - shift) % self.parts
 
