@@ -16,6 +16,7 @@ import pytest
 import zmq
 from conftest import (
     DATA_PATHS,
+    REPO,
     SLOW_MAPPER,
     assert_data_path,
     assert_same_epoch,
@@ -222,6 +223,54 @@ def test_keygen_names_the_one_key_a_directory_already_holds(tmp_path):
     line = keygen_error(keygen(str(d)))
     assert "client.key" in line and "server.key" not in line, line
     assert sorted(os.listdir(d)) == ["client.key"]
+
+
+def keygen_with_umask_0(*argv: str) -> subprocess.CompletedProcess:
+    """`ppserver keygen ARGV...` in a process whose umask takes no bit away (files are made as
+    readable as the code asks for)."""
+    return subprocess.run(
+        ["sh", "-c", 'umask 000 && exec "$0" -m ppserver keygen "$@"', sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+    )
+
+
+def test_keygen_makes_secrets_its_owners_only_from_the_first_byte(tmp_path):
+    d = str(tmp_path / "keys")
+    res = keygen_with_umask_0(d)
+    assert res.returncode == 0, res.stderr
+    modes = {name: os.stat(os.path.join(d, name)).st_mode & 0o777 for name in ["", "authorized", *KEY_FILES]}
+    assert modes == {
+        "": 0o700,
+        "authorized": 0o700,
+        "server.key": 0o644,
+        "server.key_secret": 0o600,
+        "client.key": 0o644,
+        "client.key_secret": 0o600,
+        "authorized/client.key": 0o644,
+    }
+    assert keyfiles.client_keys(d).server_public == keyfiles.server_keys(d).public
+
+    # Another user who opened the old secret (readable then) keeps a descriptor: replaced keys are
+    # new files, so it never reads the new secrets.
+    before = key_bytes(d)
+    held = {}
+    for name in ("server.key_secret", "client.key_secret"):
+        os.chmod(os.path.join(d, name), 0o644)
+        held[name] = os.open(os.path.join(d, name), os.O_RDONLY)
+    try:
+        res = keygen_with_umask_0(d, "--force")
+        assert res.returncode == 0, res.stderr
+        after = key_bytes(d)
+        for name, fd in held.items():
+            assert after[name] != before[name]
+            assert os.pread(fd, 4096, 0) == before[name]  # the old file, not the new secret
+            assert os.stat(os.path.join(d, name)).st_mode & 0o777 == 0o600
+    finally:
+        for fd in held.values():
+            os.close(fd)
 
 
 @pytest.mark.parametrize("where", ["under a file", "under /proc", "a file"])

@@ -275,14 +275,23 @@ def test_returnns_torch_data_loader_reads_epochs_in_a_spawned_worker(server):
 
 
 @pytest.mark.torch
-def test_data_loader_workers_read_as_shards_of_one_job(server):
-    srv, cfg = server
-    got = unbatch(batches_by_epoch(dataset(srv.address, job="g"), [5], num_workers=2)[5])
-    want = reference(cfg, 5)[:22]  # 2 shards: with drop_last, the 23rd seq goes to no one
+def test_data_loader_workers_are_the_readers_of_their_rank(tmp_path):
+    """RETURNN with torch_dataloader_opts {"num_workers": 2} shards its two DataLoader workers:
+    they read as the two readers of the one rank (the server's log says so), and drop_last takes
+    nothing from them."""
+    cfg = write_config(tmp_path, CONFIG)
+    log = str(tmp_path / "server.log")
+    with run_server(cfg, workers=2, log_path=log) as srv:
+        got = unbatch(batches_by_epoch(dataset(srv.address, job="g"), [5], num_workers=2)[5])
+    want = reference(cfg, 5)  # all 23 seqs: one rank, two readers
     assert sorted(s["seq_tag"] for s in got) == sorted(s["seq_tag"] for s in want)
     by_tag = {s["seq_tag"]: s for s in want}
     for seq in got:
         assert np.array_equal(seq["data"], by_tag[seq["seq_tag"]]["data"])
+    text = read(log)
+    assert "job 'g': world_size 1, drop_last True, 2 readers per rank, i.e. DataLoader num_workers 2" in text, text
+    for reader in (0, 1):
+        assert f"rank 0 (reader {reader} of 2) of job 'g' reads epoch 5" in text, text
 
 
 def test_two_shards_are_two_ranks_of_one_job(server):

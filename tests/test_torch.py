@@ -239,6 +239,87 @@ def test_a_loaded_state_resumes_its_epoch_and_set_epoch_picks_the_next(server, w
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batched", [False, True], ids=["seqs", "batches"])
+def test_a_checkpoint_after_an_epochs_last_item_resumes_with_the_next_epoch(server, workers, batched):
+    """A state taken inside the loop right after the epoch's last seq or batch (the loader has not
+    seen the end yet) is "epoch n finished": resumed with set_epoch(n + 1), that epoch from its
+    start, in order also when the loader's workers had yielded unequal numbers (its next turn is
+    then not worker 0's); resumed with set_epoch(n), nothing more of epoch n."""
+    srv, cfg = server
+    opts: Dict[str, Any] = dict(job=f"t18-{workers}-{batched}", **(BATCHING if batched else {}))
+    want = {e: batches_of(cfg, e) if batched else reference(cfg, e) for e in (2, 3, 4)}
+    # (an odd count: with 2 workers, the next epoch begins with worker 1's turn, not worker 0's)
+    assert len(want[2]) % 2 == 1 or len(want[3]) % 2 == 1
+
+    def same(got: List[Dict[str, Any]], epoch: int) -> None:
+        if batched:
+            assert_same_batches(got, want[epoch])
+        else:
+            assert_same_epoch([as_numpy(s) for s in got], want[epoch])
+
+    def loader(state=None):
+        ds = pptorch.ServerDataset(srv.address, **opts)
+        ld = stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+        if state is not None:
+            ld.load_state_dict(copy.deepcopy(state))  # as from a checkpoint
+        return ds, ld
+
+    def read(ld, epoch: int) -> Tuple[List[Dict[str, Any]], Dict[str, Any], Dict[str, Any]]:
+        """The epoch, with checkpoints after its 3rd and after its last item (inside the loop)."""
+        got, mid, last = [], None, None
+        for item in ld:
+            got.append(item)
+            if len(got) == 3:
+                mid = copy.deepcopy(ld.state_dict())
+            if len(got) == len(want[epoch]):
+                last = copy.deepcopy(ld.state_dict())
+        same(got, epoch)
+        assert mid is not None and last is not None and not last["_iterator_finished"]
+        return got, mid, last
+
+    ds, ld = loader()
+    ds.set_epoch(2)
+    _, _, last2 = read(ld, 2)
+
+    ds, ld = loader(last2)
+    ds.set_epoch(3)
+    first3, mid3, last3 = read(ld, 3)  # epoch 3 from its start
+    ds.set_epoch(4)
+    same(list(ld), 4)  # and on, as without a resume
+
+    ds, ld = loader(mid3)  # a checkpoint of the resumed epoch resumes as any other
+    ds.set_epoch(3)
+    same(first3[:3] + list(ld), 3)
+    ds, ld = loader(last3)
+    ds.set_epoch(4)
+    same(list(ld), 4)
+
+    ds, ld = loader(last2)
+    ds.set_epoch(2)
+    assert list(ld) == []  # the rest of epoch 2: nothing
+    ds.set_epoch(3)
+    same(list(ld), 3)
+
+    # A state that does not say how many items each worker had yielded (an older ppclient's):
+    # without workers that does not matter; with them, whose turn is first is not known.
+    def uncounted(state: Any) -> Any:
+        if isinstance(state, dict):
+            if state.get("finished"):
+                return {k: v for k, v in state.items() if k not in ("position", "subshard")}
+            return {k: uncounted(v) for k, v in state.items()}
+        return state
+
+    ds, ld = loader(uncounted(last2))
+    ds.set_epoch(3)
+    if workers:
+        with pytest.raises(UsageError, match="has the first turn of epoch 3 is not known"):
+            list(ld)
+    else:
+        same(list(ld), 3)
+
+
+@pytest.mark.processes
 @pytest.mark.parametrize("name", ["DataLoader", "StatefulDataLoader"])
 def test_set_epoch_reaches_persistent_workers(server, name):
     cls = data.DataLoader if name == "DataLoader" else stateful.StatefulDataLoader

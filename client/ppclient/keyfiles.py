@@ -2,7 +2,8 @@
 
 ``ppserver keygen DIR`` writes ``server.key``/``server.key_secret`` and
 ``client.key``/``client.key_secret`` and authorises the client key (``DIR/authorized/``); it
-refuses to replace keys DIR already holds unless forced.
+refuses to replace keys DIR already holds unless forced. The folders it makes are 0700 and the
+secret files 0600 from their first byte, whatever the umask.
 The server needs its secret key and the authorised public keys; workers and clients need
 the client pair and the server's public key. Every function raises UsageError with the
 path when a file is missing or unreadable, before any socket exists.
@@ -10,9 +11,9 @@ path when a file is missing or unreadable, before any socket exists.
 
 from __future__ import annotations
 
+import datetime
 import glob
 import os
-import shutil
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -122,14 +123,53 @@ def keygen(directory: str, *, force: bool = False) -> Tuple[str, str]:
     return os.path.join(directory, SERVER_KEY), os.path.join(directory, CLIENT_KEY)
 
 
-def _write_keys(directory: str) -> None:
-    """Both pairs, the authorised copy of the client key, and secrets readable by their owner only."""
-    import zmq.auth
+SECRET_MODE = 0o600  # a secret key file: its owner's only
+PUBLIC_MODE = 0o644
+FOLDER_MODE = 0o700  # a folder keygen makes
 
-    auth_dir = os.path.join(directory, AUTHORIZED)
-    os.makedirs(auth_dir, exist_ok=True)
-    zmq.auth.create_certificates(directory, "server")
-    zmq.auth.create_certificates(directory, "client")
-    shutil.copy(os.path.join(directory, CLIENT_KEY), os.path.join(auth_dir, CLIENT_KEY))
-    for name in (SERVER_SECRET, CLIENT_SECRET):
-        os.chmod(os.path.join(directory, name), 0o600)
+
+def _write_keys(directory: str) -> None:
+    """Both pairs and the authorised copy of the client key. Each file is made anew (a file it
+    replaces is removed first, never written into: a descriptor another user holds on it would
+    read the new key) with its mode from the start, so a secret is never readable by others,
+    not even while it is written; the folders it makes are its owner's only."""
+    import zmq
+
+    _make_folder(directory)
+    _make_folder(os.path.join(directory, AUTHORIZED))
+    now = datetime.datetime.now()
+    for name in ("server", "client"):
+        public, secret = (key.decode("ascii") for key in zmq.curve_keypair())
+        _write_new(os.path.join(directory, name + ".key"), _certificate(now, public), PUBLIC_MODE)
+        _write_new(os.path.join(directory, name + ".key_secret"), _certificate(now, public, secret), SECRET_MODE)
+        if name == "client":
+            _write_new(os.path.join(directory, AUTHORIZED, CLIENT_KEY), _certificate(now, public), PUBLIC_MODE)
+
+
+def _make_folder(path: str) -> None:
+    """A folder made here is 0700 (its parents as os.makedirs makes them); one that exists is kept."""
+    if os.path.isdir(path):
+        return
+    os.makedirs(path, mode=FOLDER_MODE)
+    os.chmod(path, FOLDER_MODE)  # (the umask may have taken the owner's bits: never more than 0700)
+
+
+def _write_new(path: str, text: str, mode: int) -> None:
+    """`text` in a file made anew at `path` with `mode` (O_EXCL: not through a link, not into a
+    file another process holds open), exactly that mode whatever the umask."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        os.fchmod(fd, mode)  # (the umask only takes bits away: never more than `mode`)
+        f.write(text)
+
+
+def _certificate(now: datetime.datetime, public: str, secret: str = "") -> str:
+    """A ZeroMQ certificate, as zmq.auth writes and reads it."""
+    kind = "**Secret** Certificate\n#   DO NOT PROVIDE THIS FILE TO OTHER USERS" if secret else "Public Certificate"
+    lines = [f"#   ****  Generated on {now} by ppserver keygen  ****", f"#   ZeroMQ CURVE {kind}", ""]
+    lines += ["metadata", "curve", f'    public-key = "{public}"']
+    if secret:
+        lines.append(f'    secret-key = "{secret}"')
+    return "\n".join(lines) + "\n"

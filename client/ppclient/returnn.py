@@ -17,11 +17,13 @@ the class and passes the object. RETURNN's epoch n is the server's epoch n; the
 server's dataset decides which seqs an epoch holds and in which order, so `partition_epoch`
 is refused and `seq_ordering` has no effect.
 
-RETURNN's shards (`torch_distributed` with ``"dataset_distribution": "shard"``, and the
-DataLoader workers it shards) become ranks of one job: shard k of n reads the positions i
-with i % n == k (strided, where RETURNN would cut contiguous blocks), each shard
-num_seqs // n of them with `drop_last` (the default). Without "shard", every rank would read
-as the one shard of its job and take it from the others.
+RETURNN's shards (`torch_distributed` with ``"dataset_distribution": "shard"``) become ranks
+of one job: shard k of n reads the positions i with i % n == k (strided, where RETURNN would
+cut contiguous blocks), each shard num_seqs // n of them with `drop_last` (the default).
+The DataLoader workers RETURNN shards (``torch_dataloader_opts = {"num_workers": k}``: shard
+rank * k + w of n * k) are the readers of their rank, as with ppclient.torch: worker w reads
+every k-th seq of the rank's shard from its w-th on, and drop_last takes nothing from them.
+Without "shard", every rank would read as the one shard of its job and take it from the others.
 
 The client connects in the process that reads (a DataLoader worker), when an epoch starts.
 The data keys come from one info request when RETURNN initializes the dataset (its
@@ -215,11 +217,12 @@ class ServerDataset(CachedDataset2):
         return func, (cls, kwargs, state)
 
     # ---- the connection ----------------------------------------------------------------------
-    def _new_client(self, rank: int, world_size: int) -> Client:
+    def _new_client(self, rank: int, world_size: int, subshard: Tuple[int, int] = (0, 1)) -> Client:
         return Client(
             self._address,
             rank=rank,
             world_size=world_size,
+            subshard=subshard,
             job=self._job,
             timeout=self._timeout,
             window=self._prefetch,
@@ -233,9 +236,21 @@ class ServerDataset(CachedDataset2):
         key = (os.getpid(), self._shard_index, self._num_shards)
         if self._client is None or self._client_key != key:
             self._close_client()
-            self._client = self._new_client(self._shard_index, self._num_shards)
+            self._client = self._new_client(*self._reader())
             self._client_key = key
         return self._client
+
+    def _reader(self) -> Tuple[int, int, Tuple[int, int]]:
+        """(rank, world_size, subshard) this copy reads as: its shard as a rank, but in a DataLoader
+        worker RETURNN sharded (shard rank * k + w of world_size * k, in worker w of k) the rank's
+        reader w of k, so that the job is what it is: its ranks, each with k readers."""
+        shard, shards = self._shard_index, self._num_shards
+        data = sys.modules.get("torch.utils.data")  # (imported by RETURNN's loader where it runs)
+        info = data.get_worker_info() if data is not None else None
+        k = info.num_workers if info is not None else 1
+        if info is not None and k > 1 and shards % k == 0 and shard % k == info.id:
+            return shard // k, shards // k, (info.id, k)
+        return shard, shards, (0, 1)
 
     def _close_client(self) -> None:
         client, key = getattr(self, "_client", None), getattr(self, "_client_key", None)

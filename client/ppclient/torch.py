@@ -19,8 +19,9 @@ workers in turn (batch_size=None) yields the rank's part in epoch order. `set_ep
 persistent DataLoader workers too (the epoch lives in shared memory). `state_dict()` /
 `load_state_dict()` follow the stateful protocol of torchdata's StatefulDataLoader: per
 worker, the epoch and the position in its subshard, so a resumed loader delivers exactly what
-the interrupted one would have delivered next; a state applies to its own epoch (after a
-state from an epoch's end, set_epoch's next epoch begins).
+the interrupted one would have delivered next; a state applies to its own epoch (a state
+from an epoch's end, also one taken in the loop right after its last item, resumed with
+set_epoch of another epoch reads that epoch from its start).
 
 Arrays become tensors with `torch.from_numpy`, sharing the received memory (a worker's shared
 memory on one host, else the received frames; writable with pyzmq 27 and later; with older
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+from multiprocessing import util as mp_util
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import numpy
@@ -99,6 +101,47 @@ class _Plan(NamedTuple):
     resume: Optional[Dict[str, Any]] = None  # an EpochIterator state (plus the batching's) to start from
     finished: bool = False  # the state was taken at the epoch's end
     refusal: Optional[str] = None  # why the state cannot apply (raised when the first item is asked for)
+    # after a loaded state: False, the state's own epoch goes on; True, another epoch, from its start
+    after: Optional[bool] = None
+
+
+MAX_TURNS = 256  # DataLoader workers whose turns a restored loader can be told (_Turns)
+
+
+class _Turns:
+    """Which part of the rank's shard each worker of a restored StatefulDataLoader reads.
+
+    A loader takes from its k workers in turn and, restored, goes on with the worker after the
+    one that yielded last; with the epoch from its start, worker 0 reads part 0 of the rank's
+    shard. An epoch begun in a restored iteration must begin with the worker whose turn it is:
+    worker w reads part (w - shift) % k. Each worker is given only its own state, but all of them
+    load theirs before the first item is asked for (the loader collects their states first): each
+    notes here, in memory shared by the loader's processes, how many items its state's epoch had
+    yielded and which part it read; from all of them a worker knows the shift."""
+
+    def __init__(self) -> None:
+        self.table = torch.full((2, MAX_TURNS), -1, dtype=torch.int64).share_memory_()
+
+    def note(self, worker: int, parts: int, state: Dict[str, Any]) -> None:
+        if parts == 1 or parts > MAX_TURNS:
+            return
+        resume = state.get("resume") or {}
+        # (a finished state without its count, of an older ppclient, leaves the turns unknown)
+        count = resume.get("position", state.get("position", -1 if state.get("finished") else 0))
+        saved = resume.get("subshard", state.get("subshard"))
+        shift = (worker - saved[0]) % parts if saved is not None and saved[1] == parts else -1
+        self.table[0, worker], self.table[1, worker] = count, shift
+
+    def shift(self, parts: int, after: bool) -> Optional[int]:
+        """How far the parts are turned for an epoch begun in the restored iteration (`after`: not
+        the state's, but the next one, whose first item is the turn of the worker after the last)."""
+        if parts > MAX_TURNS:
+            return None
+        counts, shifts = self.table[0, :parts].tolist(), self.table[1, :parts].tolist()
+        if min(counts) < 0:
+            return None
+        known = [s for s in shifts if s >= 0]  # (equal: a state's readers turn alike)
+        return ((known[0] if known else 0) + (sum(counts) if after else 0)) % parts
 
 
 class ServerDataset(IterableDataset):
@@ -184,6 +227,8 @@ class ServerDataset(IterableDataset):
         self._stream: Optional[_Stream] = None
         self._client: Optional[Client] = None
         self._client_key: Optional[Tuple[int, ...]] = None
+        self._closer: Optional[mp_util.Finalize] = None  # closes the client, at the latest when its process exits
+        self._turns = _Turns()
 
     def _resolve(self) -> Tuple[int, int]:
         rank, world = self._fixed
@@ -216,9 +261,9 @@ class ServerDataset(IterableDataset):
         It reaches DataLoader workers also with `persistent_workers=True`. A loaded state (e.g.
         `loader.load_state_dict(...)`, which loads lazily, when the next iteration begins) applies
         to its own epoch: the usual loop `ds.set_epoch(epoch); for batch in loader: ...` goes on
-        with the rest of the state's epoch, or, after a state taken at an epoch's end, with the
-        next epoch from its start. A state taken in the middle of another epoch is refused
-        (UsageError) when the iteration begins.
+        with the rest of the state's epoch, or, after a state taken at an epoch's end (after the
+        loop, or in it right after the last item), with set_epoch's epoch from its start. A state
+        taken in the middle of another epoch is refused (UsageError) when the iteration begins.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be an int >= 0, got {epoch!r}")
@@ -229,36 +274,40 @@ class ServerDataset(IterableDataset):
         """Where an iteration that starts from `state` (a loaded state, or None) begins.
 
         The epoch is set_epoch's, if it was called, else the state's, else the one given at
-        construction. A state from the end of an epoch yields nothing more (a StatefulDataLoader
-        restored as finished then begins a new iteration, which reads set_epoch's epoch). A state
-        from the middle of another epoch than set_epoch's is refused when the first item is asked
-        for (the rest of that epoch would be lost); the refusal waits because a loader with
-        workers may restore its workers' last states, which need not say they had finished, and
-        then discard that iteration as finished without taking from it. `apply`: the iteration
-        begins; without set_epoch, the state's epoch then stays the dataset's (in shared memory,
-        for every DataLoader worker and the main process).
+        construction. A state applies to its own epoch: there it goes on from its position, and a
+        state from the end of that epoch yields nothing more (a StatefulDataLoader restored as
+        finished then begins a new iteration, which reads set_epoch's epoch). To another epoch a
+        state that holds nothing of its own epoch (taken at its end, e.g. inside the loop right
+        after the last batch, or before it began) is no state: that epoch from its start. A state
+        from the middle of another epoch is refused when the first item is asked for (the rest of
+        its epoch would be lost); the refusal waits because a loader with workers may restore its
+        workers' last states, which need not say they had finished, and then discard that
+        iteration as finished without taking from it. `apply`: the iteration begins; without
+        set_epoch, the state's epoch then stays the dataset's (in shared memory, for every
+        DataLoader worker and the main process).
         """
         epoch, explicit = int(self._shared[0]), bool(self._shared[1])
         if state is None:
             return _Plan(epoch)
-        saved = int(state["epoch"])
-        if state.get("finished"):  # this reader's part of the epoch was all yielded: nothing more from this
-            # iteration (a loader restored as finished starts a new iteration, which reads set_epoch's epoch)
-            if apply and not explicit:
+        saved, finished, resume = int(state["epoch"]), bool(state.get("finished")), state.get("resume")
+        if not explicit:
+            if apply:
                 self._shared[0] = saved
-            return _Plan(saved if not explicit else epoch, finished=True)
-        if explicit and saved != epoch:
-            refusal = None
-            if state.get("resume") is not None:
-                refusal = (
+            epoch = saved
+        elif saved != epoch:
+            if finished or resume is None:
+                return _Plan(epoch, after=True)
+            return _Plan(
+                epoch,
+                refusal=(
                     f"the loaded state is in the middle of epoch {saved}, but set_epoch({epoch}) was called: "
                     f"call set_epoch({saved}) to finish epoch {saved} from where the state is, or load no state "
                     f"to read epoch {epoch} from its start"
-                )
-            return _Plan(epoch, refusal=refusal)
-        if apply and not explicit:
-            self._shared[0] = saved
-        return _Plan(saved, state.get("resume"), bool(state.get("finished")))
+                ),
+                after=True,
+            )
+        # the state's own epoch: a finished one yields nothing more (this reader's part was all yielded)
+        return _Plan(epoch, None if finished else resume, finished, after=False)
 
     # ---- the stateful protocol (torchdata.stateful_dataloader) --------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -317,23 +366,27 @@ class ServerDataset(IterableDataset):
                 **self.client_options,
             )
             self._client_key = key
+            # A DataLoader worker may end without closing what it read (an iteration the loader
+            # discards unread, a loop left early): its client then closes as the process exits,
+            # instead of holding its place in the job until its timeout of silence.
+            self._closer = mp_util.Finalize(self._client, self._client.close, exitpriority=0)
         return self._client
 
     def __iter__(self) -> _Stream:
         info = get_worker_info()
         part, parts = (info.id, info.num_workers) if info is not None else (0, 1)
         state, self._loaded = self._loaded, None
-        self._stream = _Stream(self, part, parts, self._plan(state))
+        self._stream = _Stream(self, part, parts, state)
         return self._stream
 
     def close(self) -> None:
-        if self._client is not None and self._client_key is not None and self._client_key[0] == os.getpid():
-            self._client.close()
-        self._client = None
+        if self._closer is not None and self._client_key is not None and self._client_key[0] == os.getpid():
+            self._closer()  # (once: Client.close, and no longer at exit)
+        self._client = self._closer = None
 
     def __getstate__(self) -> Dict[str, Any]:  # DataLoader workers get the settings, not the sockets
         state = dict(self.__dict__)
-        state.update(_client=None, _client_key=None, _stream=None)
+        state.update(_client=None, _client_key=None, _closer=None, _stream=None)
         return state
 
 
@@ -344,23 +397,19 @@ class _Stream(Iterator[Any]):
     of the shard, in seqs or batches), so a resumed loader yields exactly what the interrupted
     one would have yielded next: the server's cut is the same every time."""
 
-    def __init__(self, ds: ServerDataset, part: int, parts: int, plan: _Plan):
+    def __init__(self, ds: ServerDataset, worker: int, workers: int, state: Optional[Dict[str, Any]]):
         self.ds = ds
-        self.part, self.parts = part, parts
-        self.epoch = plan.epoch
-        self.resume = plan.resume  # an EpochIterator state to start from
-        self.refusal = plan.refusal
+        self.worker, self.parts = worker, workers
         # pinned memory survives only in the process that uses the tensors: the main one
-        self.pin = ds.pin_memory and parts == 1 and get_worker_info() is None
+        self.pin = ds.pin_memory and workers == 1 and get_worker_info() is None
         if ds.pin_memory and not self.pin:
             _warn_once(
                 "pin in a worker",
                 "ServerDataset(pin_memory=True) pins nothing in a DataLoader worker (the batches are copied to "
                 "the main process, unpinned): pass pin_memory=True to the DataLoader, which pins in the main process",
             )
-        self.it: Optional[EpochIterator] = None
         self.error: Optional[Error] = None  # what ended the iteration, raised again by every later next()
-        self.finished = plan.finished
+        self.load_state_dict(state)
 
     def __len__(self) -> int:
         """What this iteration yields in all (seqs or batches), once its epoch has begun."""
@@ -369,27 +418,52 @@ class _Stream(Iterator[Any]):
     def state_dict(self) -> Dict[str, Any]:
         it = self.it
         if self.finished or (it is not None and it.num_seqs is not None and it.position >= it.start + it.num_seqs):
-            return {"epoch": self.epoch, "resume": None, "finished": True}  # (all yielded, the end not asked for)
+            # (all yielded, the end perhaps not asked for yet): how many, by which part, for _Turns
+            end = {"position": it.position, "subshard": [self.part, self.parts]} if it is not None else self.ended
+            return {"epoch": self.epoch, "resume": None, "finished": True, **end}
         if it is None:
             return {"epoch": self.epoch, "resume": self.resume}
         return {"epoch": self.epoch, "resume": it.state_dict()}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         plan = self.ds._plan(state)
         self.epoch, self.resume, self.finished, self.refusal = plan.epoch, plan.resume, plan.finished, plan.refusal
-        self.it = None
+        self.after = plan.after
+        self.it: Optional[EpochIterator] = None
+        self.part: Optional[int] = None  # the part of the rank's shard it reads, once it opens
+        self.ended: Dict[str, Any] = {}
+        if state is not None:
+            self.ended = {k: state[k] for k in ("position", "subshard") if k in state} if plan.finished else {}
+            self.ds._turns.note(self.worker, self.parts, state)
 
-    def _open(self) -> EpochIterator:
-        client = self.ds._client_for(self.part, self.parts)
-        resume = self.resume
-        if resume is not None:
-            saved = list(resume.get("subshard", [0, 1]))
-            if saved != [self.part, self.parts]:
+    def _reader(self) -> int:
+        """The part of the rank's shard this stream reads: its worker's, but for a state's (a resume),
+        or one turned as the restored loader takes its workers' turns (_Turns)."""
+        if self.resume is not None:
+            saved = list(self.resume.get("subshard", [0, 1]))
+            if saved[1] != self.parts:
                 raise UsageError(
                     f"the state was saved by reader {saved[0]} of {saved[1]} of the rank (DataLoader num_workers "
-                    f"{saved[1]}); this is reader {self.part} of {self.parts}: resume with the same num_workers"
+                    f"{saved[1]}); this is reader {self.worker} of {self.parts}: resume with the same num_workers"
                 )
-            self.it = client.epoch(state=resume)
+            return int(saved[0])
+        if self.after is None or self.parts == 1:
+            return self.worker  # (an iteration without a state: the loader begins with worker 0)
+        shift = self.ds._turns.shift(self.parts, self.after)
+        if shift is None:
+            raise UsageError(
+                f"which of the loader's {self.parts} workers has the first turn of epoch {self.epoch} is not known "
+                "(the loaded state does not say how many items they had yielded, or they did not all load it before "
+                f"the first item was asked for, or there are more than {MAX_TURNS}): call set_epoch with the state's "
+                "epoch to finish it, then go on with the next"
+            )
+        return (self.worker - shift) % self.parts
+
+    def _open(self) -> EpochIterator:
+        self.part = self._reader()
+        client = self.ds._client_for(self.part, self.parts)
+        if self.resume is not None:
+            self.it = client.epoch(state=self.resume)
         else:
             self.it = client.epoch(self.epoch)
         return self.it

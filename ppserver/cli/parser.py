@@ -105,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
         help="write CURVE key pairs",
         description="Write server.key/server.key_secret and client.key/client.key_secret into DIR "
         "and authorise the client key (DIR/authorized/). If DIR already holds any of these files, "
-        "nothing is written and the exit code is 2, unless --force.",
+        "nothing is written and the exit code is 2, unless --force. The secret files are 0600 and the "
+        "folders it makes 0700 from the start, whatever the umask.",
     )
     k.add_argument("dir", metavar="DIR", help="the keys directory (made if missing)")
     k.add_argument(
