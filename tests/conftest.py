@@ -19,14 +19,19 @@ import time
 from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set
 
-import numpy as np
-import pytest
-import zmq
-from netns import children_of, wait_for, wait_gone  # noqa: F401  (re-exported to the tests)
+# The checkout these tests belong to comes first, in this process as in the ones the tests start
+# (an editable install may point at another checkout).
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [p for p in (_HERE, os.path.join(_HERE, "client")) if p not in sys.path[:2]]
 
-from ppclient import Client
-from ppserver.cli import wait_ready
-from ppserver.worker.pool import stop_process
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import zmq  # noqa: E402
+from netns import children_of, wait_for, wait_gone  # noqa: E402, F401  (re-exported to the tests)
+
+from ppclient import Client  # noqa: E402
+from ppserver.cli import wait_ready  # noqa: E402
+from ppserver.worker.pool import stop_process  # noqa: E402
 
 # ---- markers: what a test needs, and a guard that holds the tests to them -----------------------
 # Every test is `unit` (pure code: no process, no socket, no RETURNN or PyTorch; `pytest -m unit`
