@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
@@ -158,15 +159,22 @@ class DirectResults:
             self.sock.close(linger=0)
             self.sock = None
 
-    def close(self) -> None:
-        """Stop, and give back every segment, the authenticator and an ipc endpoint's directory."""
+    def close(self) -> bool:
+        """Stop, and give back every segment, the authenticator and an ipc endpoint's directory.
+        False: the authenticator's thread could not be stopped (the interpreter finalizes, so the
+        thread runs no more), and its socket stays open."""
         self.stop()
         mappings, self._mappings = list(self._mappings.values()), {}
         for mapping in mappings:
             mapping.close()
+        stopped = True
         if self._auth is not None:
-            self._auth.stop()
+            if sys.is_finalizing():  # its stop() would join the thread without a timeout
+                stopped = False
+            else:
+                self._auth.stop()
             self._auth = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        return stopped
