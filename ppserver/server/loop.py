@@ -35,7 +35,7 @@ from ppclient.protocol import Channel, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
-from ppserver.errors import ConfigError, one_line
+from ppserver.errors import ConfigError, Stopped, one_line
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
     Instruction,
@@ -379,6 +379,17 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
         raise ConfigError("dataset", f"{type(dataset).__name__} failed to describe its data: {one_line(exc)}") from None
 
 
+def stop_on_signals() -> None:
+    """Until the server installs its own handlers, SIGTERM and SIGINT raise Stopped: also the
+    SIGTERM that the owner watch sends itself when the trainer died during the start."""
+
+    def _stopped(signum: int, frame: Any) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGINT, _stopped)
+
+
 def serve(
     cfg: Config,
     *,
@@ -389,41 +400,35 @@ def serve(
     insecure: bool,
     metrics: Optional[Tuple[str, int]] = None,
     ready: Optional[TextIO] = None,
-    owners: Optional[str] = None,
+    watch: Optional[OwnerWatch] = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`.
-    `owners`: also until no process registered in that folder lives (see owners.py)."""
+    `watch`: the owners of a local server (see owners.py), told once it serves; its caller started
+    it, and closes it after this returns."""
     memory.keep_freed_memory()
-    watch = OwnerWatch(owners, bind) if owners else None
-    if watch is not None:
-        watch.start()  # before the dataset opens: a trainer that dies meanwhile ends this process too
+    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
+
+    def _stop(signum: int, frame: Any) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
-        server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
-
-        def _stop(signum: int, frame: Any) -> None:
-            server.stopping = True
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-        try:
-            server.monitor.start()
-            server.start_local_workers(workers)
-            log.info(
-                "serving %s on %s (workers connect to %s); %d local workers",
-                cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
-                server.address,
-                server.worker_address,
-                workers,
-            )
-            print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
-            if watch is not None:
-                watch.ready(server.address)
-            server.serve_forever()
-        finally:
-            server.shutdown()
-    finally:
+        server.monitor.start()
+        server.start_local_workers(workers)
+        log.info(
+            "serving %s on %s (workers connect to %s); %d local workers",
+            cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
+            server.address,
+            server.worker_address,
+            workers,
+        )
+        print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
         if watch is not None:
-            watch.close()
+            watch.ready(server.address)
+        server.serve_forever()
+    finally:
+        server.shutdown()
     return 0
 
 
