@@ -594,3 +594,33 @@ def test_trainer_killed_during_its_servers_start_leaves_no_folder(tmp_path, shor
     (log,) = glob.glob(os.path.join(base, "logs", "*.log"))
     assert os.listdir(base) == ["logs"], (os.listdir(base), read(log))
     assert "no process registered" in read(log) and "before serving" in read(log), read(log)[-2000:]
+
+
+READER = """
+import sys
+from ppclient import Client
+from ppclient.local_server import local_address
+
+address = local_address(sys.argv[1], job="long", shared=False)
+with Client(address) as client:
+    print(address, len(list(client.epoch(1))), flush=True)
+"""
+
+
+def test_a_long_temp_folder_serves_over_loopback_tcp(tmp_path, short_tmp):
+    """$TMPDIR too long for Unix sockets (90 characters): the local server and the socket of its
+    local workers bind loopback TCP, an epoch is read, and the server's folder goes with the reader."""
+    tmp = os.path.join(short_tmp, "t" * (90 - len(short_tmp) - 1))
+    os.makedirs(tmp)
+    assert len(tmp) == 90
+    cfg = numpy_config(tmp_path, "map_seq = lambda seq, **kwargs: seq\n", n=7, extra="num_workers = 2\n")
+    env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    res = run_group([sys.executable, "-c", READER, cfg], text=True, timeout=60, cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    address, count = res.stdout.split()
+    assert address.startswith("tcp://127.0.0.1:") and count == "7", res.stdout
+    base = os.path.join(tmp, f"ppserver-{os.getuid()}")
+    assert os.listdir(base) == ["logs"]
+    (log,) = glob.glob(os.path.join(base, "logs", "*.log"))
+    assert "2 local workers" in read(log) and "(workers connect to tcp://127.0.0.1:" in read(log), read(log)[-2000:]
+    assert [name for name in os.listdir(tmp) if name != f"ppserver-{os.getuid()}"] == []

@@ -31,6 +31,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from . import endpoints
 from .errors import Error, UsageError
 from .local_group import (
     alive,
@@ -53,7 +54,6 @@ __all__ = ["local_address"]
 START_TIMEOUT_S = 300.0  # the server loads the config and opens the dataset before it is ready
 VERDICT_WAIT_S = 20.0  # a joined process, its server gone while starting: how long the starter has to say why
 STOP_WAIT_S = 10.0  # at exit: the server sees its last user gone (0.25 s) and stops its workers (3 s at most)
-MAX_IPC_PATH = 100  # a Unix socket's path holds 107 bytes; a longer temp folder falls back to loopback TCP
 # torch.distributed's launcher variables: the server and its workers are no rank
 RANK_ENV = {
     "RANK",
@@ -231,7 +231,7 @@ def _spawn(group: str, path: str, returnn_dataset: Optional[str]) -> Tuple[subpr
     """Start the server (under the group's lock) and publish it as starting."""
     sockets = tempfile.mkdtemp(prefix="s", dir=group)
     control = f"ipc://{sockets}/control"
-    if len(control) - len("ipc://") <= MAX_IPC_PATH:
+    if endpoints.ipc_fits(f"{sockets}/workers"):  # else (a long temp folder) loopback TCP
         bind = ["--bind", control, "--worker-bind", f"ipc://{sockets}/workers"]
     else:
         os.rmdir(sockets)

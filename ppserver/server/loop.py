@@ -117,7 +117,7 @@ class Server:
         self.auth = sockets.authenticator(self.ctx, self.keys, self.refused)
         self.control = sockets.router(self.ctx, bind, cfg.max_request_bytes, self.keys)
         if worker_bind is None:
-            worker_bind = bind + ".workers" if bind.startswith("ipc://") else f"tcp://{endpoints.host_port(bind)[0]}:0"
+            worker_bind = _worker_bind(bind)
         self.workers_sock = sockets.router(self.ctx, worker_bind, cfg.max_message_bytes, self.keys)
         self.address = sockets.endpoint_of(self.control)
         self.worker_address = sockets.endpoint_of(self.workers_sock)
@@ -166,14 +166,12 @@ class Server:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
-        """Local workers reach the worker socket over a Unix socket in a private directory:
-        cheaper than loopback TCP for large seqs."""
+        """Local workers reach the worker socket over a Unix socket where one fits: cheaper than
+        loopback TCP for large seqs."""
         if n <= 0:
             return
         connect = endpoints.reachable(self.address, self.address)
-        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
-        local = f"ipc://{self.ipc_dir}/workers"
-        self.workers_sock.bind(local)
+        local = self._local_worker_endpoint()
         self.pool = ProcessPool(
             lambda i: worker_argv(
                 self.cfg.path,
@@ -189,6 +187,22 @@ class Server:
             env=thread_env(self.cfg.worker_threads),
         )
         self.pool.start()
+
+    def _local_worker_endpoint(self) -> str:
+        """Where local workers connect: the worker socket's own Unix socket, else one bound in a
+        private temp directory, else (a temp path too long for a Unix socket) loopback TCP."""
+        if self.worker_address.startswith("ipc://"):
+            return self.worker_address
+        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
+        if endpoints.ipc_fits(f"{self.ipc_dir}/workers"):
+            self.workers_sock.bind(f"ipc://{self.ipc_dir}/workers")
+            return f"ipc://{self.ipc_dir}/workers"
+        os.rmdir(self.ipc_dir)
+        self.ipc_dir = None
+        if endpoints.is_loopback(self.worker_address):
+            return self.worker_address
+        self.workers_sock.bind("tcp://127.0.0.1:0")
+        return sockets.endpoint_of(self.workers_sock)
 
     def serve_forever(self) -> None:
         # The reader thread holds the GIL while it reads and encodes seqs; with the default
@@ -377,6 +391,15 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
         raise
     except Exception as exc:
         raise ConfigError("dataset", f"{type(dataset).__name__} failed to describe its data: {one_line(exc)}") from None
+
+
+def _worker_bind(bind: str) -> str:
+    """The worker socket beside the control socket `bind`: an ipc path beside it where that fits,
+    else loopback TCP for an ipc server, else the same host's TCP, any free port."""
+    if bind.startswith("ipc://"):
+        path = bind[len("ipc://") :] + ".workers"
+        return f"ipc://{path}" if endpoints.ipc_fits(path) else "tcp://127.0.0.1:0"
+    return f"tcp://{endpoints.host_port(bind)[0]}:0"
 
 
 def stop_on_signals() -> None:
