@@ -554,7 +554,7 @@ def test_ddp_ranks_of_a_failed_start_get_its_error_and_leave_no_folder(tmp_path,
     (the rank that joined waits for the starter's word, not only for the pid to go), and the
     group's folder (server.json, users, lock, sockets) is gone once both have left."""
     cfg = write_config(tmp_path, 'dataset = {"class": "DemoDataset", "num_seqs": 5}\nmap_seq = 42\n')
-    env = dict(os.environ, TMPDIR=short_tmp, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    env = dict(os.environ, TMPDIR=short_tmp)
     res = run_group([sys.executable, "-c", LAUNCHER, STARTER, cfg], timeout=120, text=True, cwd=str(tmp_path), env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     errors = [line for line in res.stdout.splitlines() if line.startswith("ERROR")]
@@ -576,13 +576,13 @@ def test_trainer_killed_during_its_servers_start_leaves_no_folder(tmp_path, shor
         """,
     )
     base = os.path.join(short_tmp, f"ppserver-{os.getuid()}")
-    env = dict(os.environ, TMPDIR=short_tmp, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    env = dict(os.environ, TMPDIR=short_tmp)
     with adopting_orphans() as adopted:
         proc = subprocess.Popen(
             [sys.executable, "-c", STARTER, cfg, "alone"], cwd=str(tmp_path), env=env, stdout=subprocess.DEVNULL
         )
         try:
-            states = lambda: glob.glob(os.path.join(base, "*", "server.json"))  # noqa: E731
+            states = lambda: glob.glob(os.path.join(base, "*", "server.json"))
             wait_for(lambda: bool(states()), 30, "the server's start")
             with open(states()[0]) as f:
                 server = json.load(f)["pid"]
@@ -614,7 +614,7 @@ def test_a_long_temp_folder_serves_over_loopback_tcp(tmp_path, short_tmp):
     os.makedirs(tmp)
     assert len(tmp) == 90
     cfg = numpy_config(tmp_path, "map_seq = lambda seq, **kwargs: seq\n", n=7, extra="num_workers = 2\n")
-    env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    env = dict(os.environ, TMPDIR=tmp)
     res = run_group([sys.executable, "-c", READER, cfg], text=True, timeout=60, cwd=str(tmp_path), env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     address, count = res.stdout.split()

@@ -13,7 +13,6 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import pytest
 from conftest import (
-    REPO,
     RETURNN_TRAINING,
     assert_same_epoch,
     children_of,
@@ -450,7 +449,7 @@ def test_a_script_that_reads_without_finishing_the_epoch_exits(server, tmp_path,
             target = srv.address
         else:
             target = write_config(tmp_path, LOCAL_RETURNN_CONFIG.lstrip(), name="local.config")
-        env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+        env = dict(os.environ, TMPDIR=tmp)
         res = run_group(
             [sys.executable, "-c", INSPECT, target, str(epoch), *extra],
             timeout=60 if source == "local" else 20,

@@ -34,7 +34,7 @@ ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at mos
 
 # Clients not closed yet: closed at interpreter exit while their threads still run (a client left to
 # __del__ during finalization would find its alive thread frozen, its socket open for good).
-_open: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_open: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 @atexit.register
