@@ -60,6 +60,8 @@ def why_silent(endpoint: str, wait_s: float = 1.0) -> str:
     it connects in the background and tries again): for a ServerUnavailable message."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
+        if path.startswith("@"):  # a Linux abstract socket: no file to look for
+            return ""
         return "" if os.path.exists(path) else f"no socket file at {path}: nothing serves there"
     if not endpoint.startswith("tcp://"):
         return ""
