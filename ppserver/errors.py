@@ -19,6 +19,12 @@ class ConfigError(Exception):
         self.key = key
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGINT before the server serves (server.loop.stop_on_signals). A BaseException,
+    and not the config's doing: no `except Exception` of a dataset or config that is loading
+    catches it, and a config's load lets it through. The start is abandoned; what tidies still runs."""
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line naming its type, for an error that names a key instead of a traceback."""
     text = " ".join(str(exc).split())

@@ -19,19 +19,21 @@ import time
 from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set
 
-# The checkout these tests belong to comes first, in this process as in the ones the tests start
-# (an editable install may point at another checkout).
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (_HERE, os.path.join(_HERE, "client")) if p not in sys.path[:2]]
+import numpy as np
+import pytest
+import zmq
+from netns import children_of, wait_for, wait_gone  # noqa: F401  (re-exported to the tests)
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import zmq  # noqa: E402
-from netns import children_of, wait_for, wait_gone  # noqa: E402, F401  (re-exported to the tests)
+from ppclient import Client
+from ppserver.cli import wait_ready
+from ppserver.worker.pool import stop_process
 
-from ppclient import Client  # noqa: E402
-from ppserver.cli import wait_ready  # noqa: E402
-from ppserver.worker.pool import stop_process  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every process a test starts imports this checkout's ppserver and ppclient (in its client folder),
+# not installed ones, wherever it runs (pyproject.toml's pythonpath does the same for this one).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [REPO, os.path.join(REPO, "client")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+)
 
 # ---- markers: what a test needs, and a guard that holds the tests to them -----------------------
 # Every test is `unit` (pure code: no process, no socket, no RETURNN or PyTorch; `pytest -m unit`
@@ -294,21 +296,8 @@ def assert_data_path(log: str, path: str) -> None:
     assert ("sending results directly" in log) == (path == "direct"), path
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The folder the servers and worker hosts the tests start run in (see in_temporary_cwd).
 PROC_CWD = REPO
-
-
-def _proc_env(cwd: str) -> Optional[dict]:
-    """The environment of a started process: outside the repository, the repository's code is
-    put first on its import path (`python -m ppserver` would otherwise not find it there)."""
-    if os.path.abspath(cwd) == REPO:
-        return None
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [REPO, os.path.join(REPO, "client")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    return env
 
 
 def sitecustomize_env(tmp_path, body: str) -> Dict[str, str]:
@@ -317,9 +306,7 @@ def sitecustomize_env(tmp_path, body: str) -> Dict[str, str]:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(textwrap.dedent(body))
-    base = _proc_env(PROC_CWD) or os.environ
-    path = [str(site), REPO, os.path.join(REPO, "client")] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
-    return {"PYTHONPATH": os.pathsep.join(path)}
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ["PYTHONPATH"]])}
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +396,7 @@ def run_server(
         stderr=log_file,
         text=True,
         cwd=PROC_CWD,
-        env={**(_proc_env(PROC_CWD) or os.environ), **(env or {})},
+        env={**os.environ, **(env or {})},
         start_new_session=new_session,
     )
     kids: List[int] = []
@@ -733,7 +720,7 @@ def run_worker_host(
         stdout=subprocess.DEVNULL if stdout is None else stdout,
         stderr=log_file,
         cwd=PROC_CWD,
-        env=_proc_env(PROC_CWD),
+        env=None,
     )
     try:
         yield proc

@@ -4,9 +4,11 @@ through shared memory on one host, and what happens to both when processes die."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from contextlib import contextmanager
 from typing import Iterator
@@ -15,6 +17,7 @@ import pytest
 from conftest import (
     REPO,
     SLOW_MAPPER,
+    assert_data_path,
     assert_same_epoch,
     children_of,
     collect,
@@ -29,6 +32,7 @@ from conftest import (
     run_server,
     run_worker_host,
     sitecustomize_env,
+    wait_child,
     wait_for,
     wait_gone,
 )
@@ -514,3 +518,98 @@ def test_clients_closed_mid_epoch_give_their_blocks_back(tmp_path):
     assert kept
     for epoch, i, seq in kept:
         assert_same_epoch([seq], reference(cfg, epoch)[i : i + 1])
+
+
+# A client that reads an epoch straight from the workers of an ipc server, then ends without its
+# cleanup: os._exit (as a DataLoader worker ends) or kill -9.
+READ_AND_VANISH = """
+import os, signal, sys
+from ppclient import Client
+
+client = Client(sys.argv[1])
+tags = [seq["seq_tag"] for seq in client.epoch(1)]
+print(client._results.endpoint, " ".join(tags), flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_a_client_beside_an_ipc_server_leaves_no_socket_file(tmp_path, end):
+    """The result socket of a client of an ipc server is an abstract Unix socket: its results come
+    straight from the workers, and a client that ends without closing leaves nothing in $TMPDIR."""
+    short = tempfile.mkdtemp(prefix="pp", dir="/tmp")  # pytest's folders are too long for Unix sockets
+    try:
+        client_tmp = os.path.join(short, "tmp")
+        os.mkdir(client_tmp)
+        log_path = str(tmp_path / "server.log")
+        cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=12)
+        with run_server(cfg, workers=2, bind=f"ipc://{short}/server", log_path=log_path) as srv:
+            env = dict(os.environ, TMPDIR=client_tmp)
+            res = subprocess.run(
+                [sys.executable, "-c", READ_AND_VANISH, srv.address, end],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=env,
+            )
+        assert res.returncode == (0 if end == "exit" else -signal.SIGKILL), res.stderr[-3000:]
+        endpoint, *tags = res.stdout.split()
+        assert endpoint.startswith("ipc://@ppclient-"), endpoint
+        assert tags == [seq["seq_tag"] for seq in reference(cfg, 1)]
+        assert_data_path(read(log_path), "direct")
+        assert os.listdir(client_tmp) == []
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not sys.platform.startswith("linux"), reason="needs root on Linux")
+def test_the_abstract_result_socket_hears_only_this_user():
+    """An abstract socket has no folder whose mode keeps other users out: a hello from a process of
+    another user is refused (and gets no welcome), one of this user is welcomed."""
+    import zmq
+
+    from ppclient import protocol
+    from ppclient.results import DirectResults
+
+    hello = protocol.encode(protocol.DirectHello(worker=b"w"))
+    ctx = zmq.Context()
+    results = DirectResults(ctx, None, None)
+    try:
+        assert results.bind("ipc:///nowhere/server") and results.endpoint.startswith("ipc://@")
+        assert results.sock is not None
+        pid = os.fork()
+        if pid == 0:  # another user's process: says hello, and must get no answer
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                child = zmq.Context()
+                peer = child.socket(zmq.DEALER)
+                peer.linger = 0
+                peer.connect(results.endpoint)
+                peer.send_multipart(hello)
+                code = 1 if peer.poll(1500) else 0
+                peer.close()
+                child.term()
+            finally:
+                os._exit(code)
+        assert results.sock.poll(10_000)
+        assert results.receive(results.sock.recv_multipart(copy=False)) is None
+        assert results.refused.count == 1
+        assert wait_child(pid, 20) == 0, "the other user's hello was answered"
+        peer = ctx.socket(zmq.DEALER)
+        peer.linger = 0
+        peer.connect(results.endpoint)
+        peer.send_multipart(hello)
+        assert results.sock.poll(10_000)
+        assert results.receive(results.sock.recv_multipart(copy=False)) is None
+        assert results.refused.count == 1
+        assert peer.poll(5000), "this user's hello got no welcome"
+        welcome = protocol.decode(peer.recv_multipart(), protocol.Peer.WORKER, (protocol.Channel.DIRECT,)).msg
+        assert isinstance(welcome, protocol.DirectWelcome) and welcome.pid == os.getpid()
+        peer.close()
+    finally:
+        results.close()
+        ctx.destroy(linger=0)

@@ -522,3 +522,105 @@ def test_fingerprint_covers_the_returnn_config_its_local_modules_and_the_dataset
     assert second != first
     config.write_text("#!returnn.py\n" + RETURNN_CONFIG_WITH_MODULE + "\nnum_epochs = 3\n")
     assert fingerprint() != second
+
+
+STARTER = """
+import sys
+from ppclient import Error
+from ppclient.local_server import local_address
+
+try:
+    print("ADDRESS", local_address(sys.argv[1], job="j", shared=sys.argv[2] == "shared"), flush=True)
+except Error as exc:
+    print("ERROR", exc, flush=True)
+"""
+
+# Two ranks of one launcher (as torchrun's), starting at once: one starts the server, one joins it.
+LAUNCHER = """
+import os, subprocess, sys
+env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+ranks = [
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], "shared"], env=dict(env, RANK=str(r)),
+                     stdout=subprocess.PIPE, text=True)
+    for r in range(2)
+]
+for rank in ranks:
+    print(rank.communicate(timeout=90)[0], end="", flush=True)
+"""
+
+
+def test_ddp_ranks_of_a_failed_start_get_its_error_and_leave_no_folder(tmp_path, short_tmp):
+    """A config the server refuses, two ranks: each gets the same one line with the server's error
+    (the rank that joined waits for the starter's word, not only for the pid to go), and the
+    group's folder (server.json, users, lock, sockets) is gone once both have left."""
+    cfg = write_config(tmp_path, 'dataset = {"class": "DemoDataset", "num_seqs": 5}\nmap_seq = 42\n')
+    env = dict(os.environ, TMPDIR=short_tmp)
+    res = run_group([sys.executable, "-c", LAUNCHER, STARTER, cfg], timeout=120, text=True, cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    errors = [line for line in res.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 2 and errors[0] == errors[1], res.stdout
+    assert "failed to start (exit code 2)" in errors[0] and "'map_seq'" in errors[0], errors[0]
+    assert os.listdir(os.path.join(short_tmp, f"ppserver-{os.getuid()}")) == ["logs"]
+
+
+def test_trainer_killed_during_its_servers_start_leaves_no_folder(tmp_path, short_tmp):
+    """kill -9 of the trainer while its server still loads the config (2 s): the server, whose owner
+    watch then finds no process, stops before serving and removes the group's folder."""
+    cfg = write_config(
+        tmp_path,
+        """
+        import time
+        time.sleep(2)
+        dataset = {"class": "DemoDataset", "num_seqs": 5}
+        map_seq = lambda seq, **kwargs: seq
+        """,
+    )
+    base = os.path.join(short_tmp, f"ppserver-{os.getuid()}")
+    env = dict(os.environ, TMPDIR=short_tmp)
+    with adopting_orphans() as adopted:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STARTER, cfg, "alone"], cwd=str(tmp_path), env=env, stdout=subprocess.DEVNULL
+        )
+        try:
+            states = lambda: glob.glob(os.path.join(base, "*", "server.json"))
+            wait_for(lambda: bool(states()), 30, "the server's start")
+            with open(states()[0]) as f:
+                server = json.load(f)["pid"]
+            proc.kill()
+        finally:
+            proc.wait(timeout=10)
+        adopted.append(server)
+        assert not wait_gone([server], 20.0), "the server outlived its trainer"
+    (log,) = glob.glob(os.path.join(base, "logs", "*.log"))
+    assert os.listdir(base) == ["logs"], (os.listdir(base), read(log))
+    assert "no process registered" in read(log) and "before serving" in read(log), read(log)[-2000:]
+
+
+READER = """
+import sys
+from ppclient import Client
+from ppclient.local_server import local_address
+
+address = local_address(sys.argv[1], job="long", shared=False)
+with Client(address) as client:
+    print(address, len(list(client.epoch(1))), flush=True)
+"""
+
+
+def test_a_long_temp_folder_serves_over_loopback_tcp(tmp_path, short_tmp):
+    """$TMPDIR too long for Unix sockets (90 characters): the local server and the socket of its
+    local workers bind loopback TCP, an epoch is read, and the server's folder goes with the reader."""
+    tmp = os.path.join(short_tmp, "t" * (90 - len(short_tmp) - 1))
+    os.makedirs(tmp)
+    assert len(tmp) == 90
+    cfg = numpy_config(tmp_path, "map_seq = lambda seq, **kwargs: seq\n", n=7, extra="num_workers = 2\n")
+    env = dict(os.environ, TMPDIR=tmp)
+    res = run_group([sys.executable, "-c", READER, cfg], text=True, timeout=60, cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    address, count = res.stdout.split()
+    assert address.startswith("tcp://127.0.0.1:") and count == "7", res.stdout
+    base = os.path.join(tmp, f"ppserver-{os.getuid()}")
+    assert os.listdir(base) == ["logs"]
+    (log,) = glob.glob(os.path.join(base, "logs", "*.log"))
+    assert "2 local workers" in read(log) and "(workers connect to tcp://127.0.0.1:" in read(log), read(log)[-2000:]
+    assert [name for name in os.listdir(tmp) if name != f"ppserver-{os.getuid()}"] == []

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
+import sys
+import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -18,6 +21,7 @@ from conftest import (
     read,
     reference,
     restartable,
+    run_group,
     run_returnn,
     run_server,
     wait_gone,
@@ -392,3 +396,80 @@ def test_the_dataset_reads_on_through_a_server_restart(tmp_path):
             ds.finish_epoch(free_resources=True)
         assert re.search(r"reads epoch 1 \(run \d+\) from seq [1-9]", read(service.log(2)))  # went on mid-epoch
     assert_same_epoch(got, want)
+
+
+# A user's inspection script: a dataset as a global, a few seqs read, no finish_epoch; the client is
+# closed at exit (from atexit, or from ServerDataset.__del__ while the interpreter finalizes).
+INSPECT = """
+import sys
+import ppclient
+from returnn.config import Config, set_global_config
+from returnn.datasets.basic import init_dataset
+from ppclient.returnn import ServerDataset
+
+source, epoch = sys.argv[1], int(sys.argv[2])
+if source.startswith("tcp://"):
+    ds = init_dataset({"class": ServerDataset, "address": source})
+else:  # a RETURNN config whose train dataset starts a local server
+    config = Config()
+    config.load_file(source)
+    set_global_config(config)
+    ds = init_dataset(config.typed_value("train"))
+ds.init_seq_order(epoch=epoch)
+try:
+    ds.load_seqs(0, 5)
+except ppclient.MapperError as exc:
+    error = exc  # kept, with its traceback (and the dataset in it), as a notebook would
+    print("MapperError", flush=True)
+if sys.argv[3:] == ["no-atexit"]:  # left to __del__ alone, after the threads were frozen
+    import atexit, ppclient.client
+    atexit.unregister(ppclient.client._close_open)
+print("read", flush=True)
+"""
+
+LOCAL_RETURNN_CONFIG = """
+#!returnn.py
+from ppclient.returnn import ServerDataset
+
+def same(tdict, **kwargs):
+    return tdict
+
+train = {
+    "class": ServerDataset,
+    "dataset": {"class": "DummyDataset", "input_dim": 3, "output_dim": 2, "num_seqs": 6, "seq_len": 4},
+    "map_seq": same,
+    "num_workers": 1,
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "source, epoch, extra",
+    [("daemon", 1, []), ("daemon", 1, ["no-atexit"]), ("daemon", 9, ["no-atexit"]), ("local", 1, ["no-atexit"])],
+)
+def test_a_script_that_reads_without_finishing_the_epoch_exits(server, tmp_path, source, epoch, extra):
+    """A script that reads a few seqs and ends (no finish_epoch) exits at once: its client is closed
+    without waiting on a socket, also from __del__ while the interpreter finalizes, after a
+    MapperError (epoch 9), and with a local server (gone with the script, its folder too)."""
+    srv, _ = server
+    tmp = tempfile.mkdtemp(prefix="pp", dir="/tmp")  # short: the local server's Unix sockets
+    try:
+        if source == "daemon":
+            target = srv.address
+        else:
+            target = write_config(tmp_path, LOCAL_RETURNN_CONFIG.lstrip(), name="local.config")
+        env = dict(os.environ, TMPDIR=tmp)
+        res = run_group(
+            [sys.executable, "-c", INSPECT, target, str(epoch), *extra],
+            timeout=60 if source == "local" else 20,
+            text=True,
+            cwd=str(tmp_path),
+            env=env,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert ("MapperError" in res.stdout) == (epoch == 9) and "read" in res.stdout, res.stdout
+        base = os.path.join(tmp, f"ppserver-{os.getuid()}")
+        assert not os.path.exists(base) or os.listdir(base) == ["logs"], os.listdir(base)
+        assert not [name for name in os.listdir(tmp) if name.startswith("ppclient-")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,7 @@ something else for a while (a validation pass, a checkpoint) keeps its shard and
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Optional
 
@@ -39,6 +40,11 @@ class AliveThread(threading.Thread):
         finally:
             self.sock.close(linger=0)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop and wait (at most `timeout`); True once the thread has ended and closed its socket.
+        While the interpreter finalizes, a daemon thread runs no more: False at once."""
         self.stopped.set()
-        self.join(timeout=2.0)
+        if sys.is_finalizing():
+            return False
+        self.join(timeout)
+        return not self.is_alive()

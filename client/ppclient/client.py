@@ -11,7 +11,9 @@ its job.
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import zmq
@@ -29,6 +31,16 @@ from .results import DirectResults
 __all__ = ["Client", "EpochIterator"]
 
 ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at most a quarter of its timeout)
+
+# Clients not closed yet: closed at interpreter exit while their threads still run (a client left to
+# __del__ during finalization would find its alive thread frozen, its socket open for good).
+_open: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    for client in list(_open):
+        client.close()
 
 
 class Client:
@@ -94,6 +106,7 @@ class Client:
         at = endpoints.check(direct, "direct") if isinstance(direct, str) else ""
         self.direct = bool(direct)
         self._results = DirectResults(self._ctx, keys, self._keys, at) if self.direct else None
+        _open.add(self)
 
     # ---- sockets ------------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.Socket:
@@ -264,13 +277,18 @@ class Client:
             self._alive.start()
 
     def close(self) -> None:
-        """Tell the server (its shards may be taken over at once) and close every socket."""
+        """Tell the server (its shards may be taken over at once) and close every socket. Never
+        blocks for long: every socket has LINGER 0 (the data socket 0.1 s), threads are waited for
+        with a timeout, and a context with a socket still open in a thread that did not end (as
+        while the interpreter finalizes) is left as it is, not terminated."""
+        _open.discard(self)
         if os.getpid() != self._pid:  # a forked child: the sockets are its parent's, which goes on using them
             self._requests.sock = self._results = self._alive = self._current = None
             self._inbox = Inbox(self.address)
             return
+        stopped = True  # every thread with a socket of the context has ended
         if self._alive is not None:
-            self._alive.stop()
+            stopped = self._alive.stop()
             self._alive = None
         self._drop_unread()
         data, self._inbox.data = self._inbox.data, None
@@ -286,9 +304,9 @@ class Client:
         self._requests.close()
         self._current = None
         if self._results is not None:
-            self._results.close()
-        if not self._ctx.closed:
-            self._ctx.term()
+            stopped = self._results.close() and stopped
+        if stopped and not self._ctx.closed:
+            self._ctx.destroy(linger=0)  # closes any socket left (no thread uses one), then terminates
 
     def _drop_unread(self) -> None:
         """Take no more results, and let go of those not yielded: their shared-memory blocks are

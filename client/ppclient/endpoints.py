@@ -13,6 +13,9 @@ from typing import Tuple
 from .errors import UsageError
 
 WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+# A Unix socket's path holds 107 bytes (sockaddr_un); a longer one cannot be bound: such a socket
+# falls back to loopback TCP, or lives where its path fits.
+MAX_IPC_PATH = 100
 LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
 
 
@@ -28,6 +31,11 @@ def check(endpoint: object, what: str = "address") -> str:
     if proto != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise UsageError(f"{what}: expected tcp://HOST:PORT with PORT 0-65535 (or ipc://PATH), got {endpoint!r}")
     return endpoint
+
+
+def ipc_fits(path: str) -> bool:
+    """Whether a Unix socket can be bound at `path` (its bytes fit sockaddr_un, with room to spare)."""
+    return len(os.fsencode(path)) <= MAX_IPC_PATH
 
 
 def host_port(endpoint: str) -> Tuple[str, str]:
@@ -52,6 +60,8 @@ def why_silent(endpoint: str, wait_s: float = 1.0) -> str:
     it connects in the background and tries again): for a ServerUnavailable message."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
+        if path.startswith("@"):  # a Linux abstract socket: no file to look for
+            return ""
         return "" if os.path.exists(path) else f"no socket file at {path}: nothing serves there"
     if not endpoint.startswith("tcp://"):
         return ""

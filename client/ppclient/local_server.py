@@ -31,6 +31,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from . import endpoints
 from .errors import Error, UsageError
 from .local_group import (
     alive,
@@ -51,8 +52,8 @@ log = logging.getLogger("ppclient.local_server")
 __all__ = ["local_address"]
 
 START_TIMEOUT_S = 300.0  # the server loads the config and opens the dataset before it is ready
+VERDICT_WAIT_S = 20.0  # a joined process, its server gone while starting: how long the starter has to say why
 STOP_WAIT_S = 10.0  # at exit: the server sees its last user gone (0.25 s) and stops its workers (3 s at most)
-MAX_IPC_PATH = 100  # a Unix socket's path holds 107 bytes; a longer temp folder falls back to loopback TCP
 # torch.distributed's launcher variables: the server and its workers are no rank
 RANK_ENV = {
     "RANK",
@@ -221,8 +222,7 @@ def _open(group: str, what: str, path: str, returnn_dataset: Optional[str], say:
     except BaseException:
         with contextlib.suppress(Error, OSError), locked(group, 5.0):
             unregister(group, me)
-        if proc is not None:
-            tidy(group)
+        tidy(group)  # whoever leaves a failed start last removes the folder
         raise
     return _Server(group, what, state, proc)
 
@@ -231,7 +231,7 @@ def _spawn(group: str, path: str, returnn_dataset: Optional[str]) -> Tuple[subpr
     """Start the server (under the group's lock) and publish it as starting."""
     sockets = tempfile.mkdtemp(prefix="s", dir=group)
     control = f"ipc://{sockets}/control"
-    if len(control) - len("ipc://") <= MAX_IPC_PATH:
+    if endpoints.ipc_fits(f"{sockets}/workers"):  # else (a long temp folder) loopback TCP
         bind = ["--bind", control, "--worker-bind", f"ipc://{sockets}/workers"]
     else:
         os.rmdir(sockets)
@@ -261,6 +261,7 @@ def _spawn(group: str, path: str, returnn_dataset: Optional[str]) -> Tuple[subpr
         "address": control,
         "log": log_path,
         "by": os.getpid(),
+        "by_since": started(os.getpid()),
     }
     write_state(group, state)
     return proc, state
@@ -312,7 +313,10 @@ def _wait_started(
 
 
 def _wait_joined(group: str, state: Dict[str, Any], what: str, deadline: float) -> Dict[str, Any]:
-    """Wait for the server another process of the training started."""
+    """Wait for the server another process of the training started. A server that fails is the
+    starter's one line (it alone learns the exit code): a server gone while its starter lives
+    waits for that line (VERDICT_WAIT_S at most)."""
+    gone_at: Optional[float] = None
     while True:
         now = read_state(group)
         if now is not None and now.get("pid") == state["pid"]:
@@ -322,10 +326,14 @@ def _wait_joined(group: str, state: Dict[str, Any], what: str, deadline: float) 
                 raise Error(now.get("error") or f"the local ppserver for {what} failed to start")
             state = now
         if not alive(state["pid"], state.get("since")):
-            raise Error(
-                f"the local ppserver for {what} (pid {state['pid']}, started by pid {state.get('by')}) exited "
-                f"before it was ready (its log: {state.get('log')})"
-            )
+            gone_at = time.monotonic() if gone_at is None else gone_at
+            by = state.get("by")
+            starter = isinstance(by, int) and alive(by, state.get("by_since"))
+            if not starter or time.monotonic() - gone_at > VERDICT_WAIT_S:
+                raise Error(
+                    f"the local ppserver for {what} (pid {state['pid']}, started by pid {by}) exited before it was "
+                    f"ready: {_log_tail_line(state['log'])} (its log: {state.get('log')})"
+                )
         if time.monotonic() > deadline:
             raise Error(
                 f"the local ppserver for {what} (pid {state['pid']}, started by pid {state.get('by')}) was not "

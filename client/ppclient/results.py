@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
 import zmq
 
-from . import curve, endpoints, keyfiles, protocol, shm
+from . import abstract, curve, endpoints, keyfiles, protocol, shm
 from .protocol import Channel, Peer
 from .throttle import Throttled
 
@@ -36,6 +37,7 @@ class DirectResults:
         self.endpoint = ""  # where workers connect, once bound
         self.host = ""  # shared-memory host id, once bound ("": segments do not work here)
         self._dir: Optional[str] = None  # of an ipc endpoint
+        self._same_user = False  # an abstract socket: only peers of this user are heard
         self._auth: Any = None
         self._mappings: Dict[bytes, shm.Mapping] = {}  # worker identity -> its result segment, mapped
         self.malformed = Throttled(log, "dropped a malformed direct result")
@@ -51,14 +53,11 @@ class DirectResults:
             sock.curve_server = True
             sock.curve_publickey = self._keys.public
             sock.curve_secretkey = self._keys.secret
-        if server.startswith("ipc://"):
-            self._dir = tempfile.mkdtemp(prefix="ppclient-")
-        endpoint = self._at or endpoints.direct_bind(server, self._dir or "", "direct")
         try:
-            sock.bind(endpoint)
+            self._bind(sock, server)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            log.warning("cannot bind %s for direct results (%s): they come through the server", endpoint, str(exc))
+            log.warning("cannot bind the socket for direct results (%s): they come through the server", str(exc))
             return False
         last = sock.getsockopt(zmq.LAST_ENDPOINT)
         bound = last.decode() if isinstance(last, bytes) else str(last)
@@ -70,10 +69,23 @@ class DirectResults:
         self.host = shm.usable_host_id(log, "results from workers on this host come")
         return True
 
+    def _bind(self, sock: zmq.Socket, server: str) -> None:
+        """Bind where workers reach the socket: the address asked for; beside an ipc server an
+        abstract socket (no file to leave behind), else one in a private folder; else TCP."""
+        if not self._at and server.startswith("ipc://"):
+            if abstract.bind(self._ctx, sock, "ppclient", check_user=self._keys is None):
+                self._same_user = self._keys is None  # with keys, CURVE admits the workers
+                return
+            self._dir = tempfile.mkdtemp(prefix="ppclient-")
+        sock.bind(self._at or endpoints.direct_bind(server, self._dir or "", "direct"))
+
     def receive(self, frames: List[Any]) -> Optional[protocol.Decoded]:
         """A worker's message (`frames`: its identity, then the message) as the client takes it;
         None for a hello (welcomed) or a message dropped as malformed."""
         if len(frames) < 2:
+            return None
+        if self._same_user and abstract.peer_uid(frames[-1]) != os.getuid():
+            self.refused.hit(f"a peer of user {abstract.peer_uid(frames[-1])} is not this user")
             return None
         try:
             decoded = protocol.decode(frames[1:], Peer.CLIENT, (Channel.DIRECT,))
@@ -158,15 +170,22 @@ class DirectResults:
             self.sock.close(linger=0)
             self.sock = None
 
-    def close(self) -> None:
-        """Stop, and give back every segment, the authenticator and an ipc endpoint's directory."""
+    def close(self) -> bool:
+        """Stop, and give back every segment, the authenticator and an ipc endpoint's directory.
+        False: the authenticator's thread could not be stopped (the interpreter finalizes, so the
+        thread runs no more), and its socket stays open."""
         self.stop()
         mappings, self._mappings = list(self._mappings.values()), {}
         for mapping in mappings:
             mapping.close()
+        stopped = True
         if self._auth is not None:
-            self._auth.stop()
+            if sys.is_finalizing():  # its stop() would join the thread without a timeout
+                stopped = False
+            else:
+                self._auth.stop()
             self._auth = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        return stopped

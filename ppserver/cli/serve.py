@@ -4,6 +4,7 @@ demo, the tests and the benchmarks do."""
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 import sys
 import time
@@ -16,13 +17,20 @@ from ppserver.cli.parser import config_source
 def run(args: argparse.Namespace) -> int:
     from ppclient import UsageError, endpoints, keyfiles
     from ppserver.config.settings import load
-    from ppserver.errors import ConfigError
+    from ppserver.errors import ConfigError, Stopped
     from ppserver.observe.metrics import parse_address
-    from ppserver.server.loop import serve, setup_logging
+    from ppserver.server.loop import serve, setup_logging, stop_on_signals
+    from ppserver.server.owners import OwnerWatch
 
     ready = ready_stream()
     stdout_to_stderr()
     setup_logging()
+    stop_on_signals()  # before the owner watch starts: a stop it sends during the start still tidies
+    # first and last: a trainer that dies while the config loads ends this process too, which then
+    # removes the folder, also after a start that failed
+    watch = OwnerWatch(args.owners, args.bind) if args.owners else None
+    if watch is not None:
+        watch.start()
     try:
         endpoints.check(args.bind, "--bind")
         if args.worker_bind:
@@ -46,13 +54,19 @@ def run(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             metrics=metrics,
             ready=ready,
-            owners=args.owners,
+            watch=watch,
         )
     except (ConfigError, UsageError) as exc:
         return fail_config("serve", exc)
     except OSError as exc:
         print(f"ppserver serve: error: {exc}", file=sys.stderr)
         return 1
+    except Stopped as exc:
+        logging.getLogger("ppserver").info("stopped by %s before serving", exc)
+        return 0
+    finally:
+        if watch is not None:
+            watch.close()
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float, skipped: Optional[List[str]] = None) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from ppserver.config.fingerprint import fingerprint
 from ppserver.config.table import KNOWN_KEYS, SETTINGS, Config
-from ppserver.errors import ConfigError, one_line
+from ppserver.errors import ConfigError, Stopped, one_line
 
 # Config and KNOWN_KEYS are table.py's, here too for the modules that load configs
 __all__ = ["KNOWN_KEYS", "Config", "executing", "from_settings", "load", "load_config", "read_source"]
@@ -91,6 +91,8 @@ def executing(path: str, key: str) -> Iterator[None]:
         yield
     except Exception as exc:
         raise ConfigError(key, f"{path!r} failed to load{_error_line(exc, path)}: {one_line(exc)}") from None
+    except Stopped:
+        raise
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: must not end the server silently
         if isinstance(exc, SystemExit):
             what = "called sys.exit()" if exc.code is None else f"called sys.exit({exc.code!r})"

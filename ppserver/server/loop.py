@@ -35,7 +35,7 @@ from ppclient.protocol import Channel, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
-from ppserver.errors import ConfigError, one_line
+from ppserver.errors import ConfigError, Stopped, one_line
 from ppserver.mappers.outputs import output_templates
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
@@ -118,7 +118,7 @@ class Server:
         self.auth = sockets.authenticator(self.ctx, self.keys, self.refused)
         self.control = sockets.router(self.ctx, bind, cfg.max_request_bytes, self.keys)
         if worker_bind is None:
-            worker_bind = bind + ".workers" if bind.startswith("ipc://") else f"tcp://{endpoints.host_port(bind)[0]}:0"
+            worker_bind = _worker_bind(bind)
         self.workers_sock = sockets.router(self.ctx, worker_bind, cfg.max_message_bytes, self.keys)
         self.address = sockets.endpoint_of(self.control)
         self.worker_address = sockets.endpoint_of(self.workers_sock)
@@ -171,14 +171,12 @@ class Server:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
-        """Local workers reach the worker socket over a Unix socket in a private directory:
-        cheaper than loopback TCP for large seqs."""
+        """Local workers reach the worker socket over a Unix socket where one fits: cheaper than
+        loopback TCP for large seqs."""
         if n <= 0:
             return
         connect = endpoints.reachable(self.address, self.address)
-        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
-        local = f"ipc://{self.ipc_dir}/workers"
-        self.workers_sock.bind(local)
+        local = self._local_worker_endpoint()
         self.pool = ProcessPool(
             lambda i: worker_argv(
                 self.cfg.path,
@@ -194,6 +192,22 @@ class Server:
             env=thread_env(self.cfg.worker_threads),
         )
         self.pool.start()
+
+    def _local_worker_endpoint(self) -> str:
+        """Where local workers connect: the worker socket's own Unix socket, else one bound in a
+        private temp directory, else (a temp path too long for a Unix socket) loopback TCP."""
+        if self.worker_address.startswith("ipc://"):
+            return self.worker_address
+        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
+        if endpoints.ipc_fits(f"{self.ipc_dir}/workers"):
+            self.workers_sock.bind(f"ipc://{self.ipc_dir}/workers")
+            return f"ipc://{self.ipc_dir}/workers"
+        os.rmdir(self.ipc_dir)
+        self.ipc_dir = None
+        if endpoints.is_loopback(self.worker_address):
+            return self.worker_address
+        self.workers_sock.bind("tcp://127.0.0.1:0")
+        return sockets.endpoint_of(self.workers_sock)
 
     def serve_forever(self) -> None:
         # The reader thread holds the GIL while it reads and encodes seqs; with the default
@@ -384,6 +398,26 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
         raise ConfigError("dataset", f"{type(dataset).__name__} failed to describe its data: {one_line(exc)}") from None
 
 
+def _worker_bind(bind: str) -> str:
+    """The worker socket beside the control socket `bind`: an ipc path beside it where that fits,
+    else loopback TCP for an ipc server, else the same host's TCP, any free port."""
+    if bind.startswith("ipc://"):
+        path = bind[len("ipc://") :] + ".workers"
+        return f"ipc://{path}" if endpoints.ipc_fits(path) else "tcp://127.0.0.1:0"
+    return f"tcp://{endpoints.host_port(bind)[0]}:0"
+
+
+def stop_on_signals() -> None:
+    """Until the server installs its own handlers, SIGTERM and SIGINT raise Stopped: also the
+    SIGTERM that the owner watch sends itself when the trainer died during the start."""
+
+    def _stopped(signum: int, frame: Any) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGINT, _stopped)
+
+
 def serve(
     cfg: Config,
     *,
@@ -394,41 +428,35 @@ def serve(
     insecure: bool,
     metrics: Optional[Tuple[str, int]] = None,
     ready: Optional[TextIO] = None,
-    owners: Optional[str] = None,
+    watch: Optional[OwnerWatch] = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`.
-    `owners`: also until no process registered in that folder lives (see owners.py)."""
+    `watch`: the owners of a local server (see owners.py), told once it serves; its caller started
+    it, and closes it after this returns."""
     memory.keep_freed_memory()
-    watch = OwnerWatch(owners, bind) if owners else None
-    if watch is not None:
-        watch.start()  # before the dataset opens: a trainer that dies meanwhile ends this process too
+    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
+
+    def _stop(signum: int, frame: Any) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
-        server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
-
-        def _stop(signum: int, frame: Any) -> None:
-            server.stopping = True
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-        try:
-            server.monitor.start()
-            server.start_local_workers(workers)
-            log.info(
-                "serving %s on %s (workers connect to %s); %d local workers",
-                cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
-                server.address,
-                server.worker_address,
-                workers,
-            )
-            print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
-            if watch is not None:
-                watch.ready(server.address)
-            server.serve_forever()
-        finally:
-            server.shutdown()
-    finally:
+        server.monitor.start()
+        server.start_local_workers(workers)
+        log.info(
+            "serving %s on %s (workers connect to %s); %d local workers",
+            cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
+            server.address,
+            server.worker_address,
+            workers,
+        )
+        print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
         if watch is not None:
-            watch.close()
+            watch.ready(server.address)
+        server.serve_forever()
+    finally:
+        server.shutdown()
     return 0
 
 
