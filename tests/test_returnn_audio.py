@@ -1,0 +1,178 @@
+"""An OggZipDataset's audio features computed in the workers: the server's reader sends the zip
+members' encoded bytes, the workers compute RETURNN's features from them, and the seqs equal
+those of RETURNN's own OggZipDataset reading the same zip (bit for bit)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import textwrap
+import zipfile
+
+import numpy as np
+import pytest
+from conftest import collect, run_server
+from returnn.datasets.basic import init_dataset
+
+from ppserver.datasets import returnn_audio
+from ppserver.datasets.returnn import ReturnnDataset
+
+pytestmark = [pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
+
+try:
+    import librosa  # noqa: F401  (RETURNN's log-mel features need it; no extra installs it)
+
+    HAVE_LIBROSA = True
+except ImportError:
+    HAVE_LIBROSA = False
+
+RAW = {"features": "raw", "num_feature_filters": 1, "sample_rate": 16000, "join_frames": 160,
+       "norm_mean": "per_seq", "norm_std_dev": "per_seq"}  # fmt: skip
+LOG_MEL = {"features": "log_mel_filterbank", "num_feature_filters": 80, "window_len": 0.025, "step_len": 0.010,
+           "norm_mean": 0.5, "norm_std_dev": 2.0}  # fmt: skip
+PERMUTED = {**LOG_MEL, "random_permute": {"rnd_scale_lower": 0.5, "rnd_zoom_switch": 0.5,
+                                          "rnd_stretch_switch": 0.0, "rnd_pitch_switch": 0.0}}  # fmt: skip
+needs_librosa = pytest.mark.skipif(not HAVE_LIBROSA, reason="RETURNN's log-mel features need librosa")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A zip as OggZipDataset reads it: speech from espeak-ng where it is installed, chirps and noise
+    otherwise, as Ogg and FLAC members; the zip's .txt lists them."""
+    import soundfile
+
+    root = tmp_path_factory.mktemp("audio")
+    rng = np.random.RandomState(3)
+    entries = []
+    path = root / "corpus.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        for i in range(7):
+            signal = _speech(root, i) if i < 2 else None
+            if signal is None:
+                n = int(16000 * rng.uniform(0.3, 0.9))
+                t = np.arange(n) / 16000
+                signal = 0.4 * np.sin(2 * np.pi * (200 + 900 * t) * t) + 0.05 * rng.randn(n)
+            fmt = "OGG" if i % 2 == 0 else "FLAC"
+            buf = io.BytesIO()
+            soundfile.write(buf, signal.astype("float32"), 16000, format=fmt)
+            name = f"utt{i}.{fmt.lower()}"
+            z.writestr(f"corpus/{name}", buf.getvalue())
+            entries.append({"text": f"utterance {i}", "duration": len(signal) / 16000, "file": name,
+                            "seq_name": f"corpus/utt{i}"})  # fmt: skip
+        z.writestr("corpus.txt", repr(entries))
+    return str(path)
+
+
+def _speech(root, i):
+    import soundfile
+
+    if shutil.which("espeak-ng") is None:
+        return None
+    wav = root / f"say{i}.wav"
+    text = ["the quick brown fox", "jumps over the lazy dog"][i]
+    if subprocess.run(["espeak-ng", "-w", str(wav), text], capture_output=True, timeout=30).returncode != 0:
+        return None
+    audio, rate = soundfile.read(str(wav))
+    if rate != 16000:  # espeak-ng speaks at 22050 Hz: take every n-th sample, pitch does not matter here
+        audio = audio[:: max(1, round(rate / 16000))][: int(len(audio) * 16000 / rate)]
+    return audio
+
+
+def oggzip(corpus, audio, ordering="random"):
+    return {"class": "OggZipDataset", "path": corpus, "audio": audio, "targets": None, "seq_ordering": ordering}
+
+
+def meta(corpus, audio):
+    return {
+        "class": "MetaDataset",
+        "datasets": {"zip": oggzip(corpus, audio, "laplace:3")},
+        "data_map": {"features": ("zip", "data"), "orth": ("zip", "orth")},
+        "seq_order_control_dataset": "zip",
+    }
+
+
+def returnn_epoch(spec, epoch):
+    """RETURNN's own dataset read directly: [(tag, {key: array})]."""
+    ds = init_dataset(spec)
+    ds.init_seq_order(epoch=epoch)
+    out, i = [], 0
+    while ds.is_less_than_num_seqs(i):
+        ds.load_seqs(i, i + 1)
+        out.append((ds.get_tag(i), {k: np.array(ds.get_data(i, k)) for k in ds.get_data_keys()}))
+        i += 1
+    return out
+
+
+def _config(tmp_path, spec):
+    path = tmp_path / "serve.py"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            mapper_api = "returnn"
+            dataset = {{"class": "returnn", "dataset": {spec!r}}}
+
+            def map_seq(tdict, **kwargs):
+                return tdict
+            """
+        )
+    )
+    return str(path)
+
+
+CASES = [
+    pytest.param("oggzip", RAW, id="oggzip-raw"),
+    pytest.param("meta", RAW, id="meta-raw"),
+    pytest.param("oggzip", LOG_MEL, id="oggzip-log-mel", marks=needs_librosa),
+    pytest.param("meta", PERMUTED, id="meta-log-mel-random-permute", marks=needs_librosa),
+]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("kind, audio", CASES)
+def test_features_computed_by_the_workers_equal_returnn_oggzip(corpus, tmp_path, kind, audio):
+    spec = (oggzip if kind == "oggzip" else meta)(corpus, audio)
+    want = {epoch: returnn_epoch(spec, epoch) for epoch in (1, 2)}
+    key = "data" if kind == "oggzip" else "features"
+    for workers in (1, 2):
+        with run_server(_config(tmp_path, spec), workers=workers, log_path=str(tmp_path / "server.log")) as srv:
+            with srv.client() as c:
+                info = c.info()
+                got = {epoch: collect(c.epoch(epoch)) for epoch in want}
+        dim = init_dataset(spec).get_data_dim(key)
+        assert info["data_keys"][key] == {"shape": [None, dim], "dtype": "float32"}  # RETURNN's template
+        for epoch, seqs in got.items():
+            assert [s["seq_tag"] for s in seqs] == [tag for tag, _ in want[epoch]]
+            for seq, (tag, arrays) in zip(seqs, want[epoch]):
+                for k, arr in arrays.items():
+                    assert seq[k].dtype == arr.dtype, (tag, k)
+                    np.testing.assert_array_equal(seq[k], arr, err_msg=f"epoch {epoch} {tag} {k} ({workers} workers)")
+
+
+def test_the_reader_sends_the_zip_members_encoded_bytes(corpus):
+    """The served dataset's seqs carry the members' bytes (no decoding, no features in the reader);
+    RETURNN's own dataset in the same process still computes its features."""
+    spec = oggzip(corpus, RAW)
+    ds = ReturnnDataset(dataset=spec)
+    ds.init_seq_order(1)
+    members = {}
+    with zipfile.ZipFile(corpus) as z:
+        for name in z.namelist():
+            if not name.endswith(".txt"):
+                members["corpus/" + os.path.splitext(os.path.basename(name))[0]] = z.read(name)
+    want = dict(returnn_epoch(spec, 1))
+    for pos in range(ds.num_seqs):
+        seq = ds.get_seq(pos)
+        payload = seq["data"]
+        assert returnn_audio.is_payload(payload)
+        assert payload.tobytes().endswith(members[seq["seq_tag"]])
+        np.testing.assert_array_equal(returnn_audio.features_of(payload), want[seq["seq_tag"]]["data"])
+    assert ds.data_keys()["data"] == {"shape": [None, 160], "dtype": "float32"}
+
+
+def test_audio_in_workers_off_reads_features_in_the_reader(corpus):
+    ds = ReturnnDataset(dataset=oggzip(corpus, RAW), audio_in_workers=False)
+    ds.init_seq_order(1)
+    seq = ds.get_seq(0)
+    assert seq["data"].dtype == np.float32 and seq["data"].shape[1] == 160
