@@ -8,6 +8,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 import zipfile
 
@@ -19,7 +20,11 @@ from returnn.datasets.basic import init_dataset
 from ppserver.datasets import returnn_audio
 from ppserver.datasets.returnn import ReturnnDataset
 
-pytestmark = [pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
+pytestmark = [
+    pytest.mark.returnn,
+    pytest.mark.processes,
+    pytest.mark.usefixtures("in_temporary_cwd"),
+]  # espeak-ng, servers
 
 try:
     import librosa  # noqa: F401  (RETURNN's log-mel features need it; no extra installs it)
@@ -39,16 +44,35 @@ needs_librosa = pytest.mark.skipif(not HAVE_LIBROSA, reason="RETURNN's log-mel f
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A zip as OggZipDataset reads it: speech from espeak-ng where it is installed, chirps and noise
-    otherwise, as Ogg and FLAC members; the zip's .txt lists them."""
-    import soundfile
-
+    """Zips as OggZipDataset reads them (corpus.zip, and extra.zip for DistributeFilesDataset):
+    speech from espeak-ng where it is installed, chirps and noise otherwise, as Ogg and FLAC
+    members; each zip's .txt lists them. Its folder holds dfd.py, with a get_sub_epoch_dataset."""
     root = tmp_path_factory.mktemp("audio")
     rng = np.random.RandomState(3)
+    _zip(root, "corpus", range(7), rng)
+    _zip(root, "extra", range(7, 10), rng)
+    (root / "dfd.py").write_text(DFD)
+    sys.path.insert(0, str(root))
+    yield str(root / "corpus.zip")
+    sys.path.remove(str(root))
+
+
+DFD = """
+def oggzips(audio):
+    def get_sub_epoch_dataset(files):
+        zips = {"class": "OggZipDataset", "path": files, "audio": audio, "targets": None, "seq_ordering": "random"}
+        return {"class": "MetaDataset", "datasets": {"zip": zips}, "data_map": {"data": ("zip", "data")},
+                "seq_order_control_dataset": "zip"}
+    return get_sub_epoch_dataset
+"""
+
+
+def _zip(root, name, indices, rng):
+    import soundfile
+
     entries = []
-    path = root / "corpus.zip"
-    with zipfile.ZipFile(path, "w") as z:
-        for i in range(7):
+    with zipfile.ZipFile(root / f"{name}.zip", "w") as z:
+        for i in indices:
             signal = _speech(root, i) if i < 2 else None
             if signal is None:
                 n = int(16000 * rng.uniform(0.3, 0.9))
@@ -57,12 +81,11 @@ def corpus(tmp_path_factory):
             fmt = "OGG" if i % 2 == 0 else "FLAC"
             buf = io.BytesIO()
             soundfile.write(buf, signal.astype("float32"), 16000, format=fmt)
-            name = f"utt{i}.{fmt.lower()}"
-            z.writestr(f"corpus/{name}", buf.getvalue())
-            entries.append({"text": f"utterance {i}", "duration": len(signal) / 16000, "file": name,
-                            "seq_name": f"corpus/utt{i}"})  # fmt: skip
-        z.writestr("corpus.txt", repr(entries))
-    return str(path)
+            member = f"utt{i}.{fmt.lower()}"
+            z.writestr(f"{name}/{member}", buf.getvalue())
+            entries.append({"text": f"utterance {i}", "duration": len(signal) / 16000, "file": member,
+                            "seq_name": f"{name}/utt{i}"})  # fmt: skip
+        z.writestr(f"{name}.txt", repr(entries))
 
 
 def _speech(root, i):
@@ -93,54 +116,81 @@ def meta(corpus, audio):
     }
 
 
+def dfd(corpus, audio):
+    """A DistributeFilesDataset over both zips, its sub-epochs read in processes of its own."""
+    folder = os.path.dirname(corpus)
+    return {
+        "class": "DistributeFilesDataset",
+        "files": [corpus, os.path.join(folder, "extra.zip")],
+        "get_sub_epoch_dataset": f"dfd.oggzips({audio!r})",  # an expression: the config file evaluates it
+        "partition_epoch": 1,
+        "seq_ordering": "random",
+    }
+
+
+def _resolved(spec):
+    """The spec as this process's RETURNN takes it (the function a config file makes of the expression)."""
+    if isinstance(spec.get("get_sub_epoch_dataset"), str):
+        import dfd as module
+
+        return {**spec, "get_sub_epoch_dataset": eval(spec["get_sub_epoch_dataset"], {"dfd": module})}
+    return spec
+
+
 def returnn_epoch(spec, epoch):
     """RETURNN's own dataset read directly: [(tag, {key: array})]."""
-    ds = init_dataset(spec)
+    ds = init_dataset(_resolved(spec))
     ds.init_seq_order(epoch=epoch)
     out, i = [], 0
     while ds.is_less_than_num_seqs(i):
         ds.load_seqs(i, i + 1)
         out.append((ds.get_tag(i), {k: np.array(ds.get_data(i, k)) for k in ds.get_data_keys()}))
         i += 1
+    ds.finish_epoch(free_resources=True)
     return out
 
 
-def _config(tmp_path, spec):
-    path = tmp_path / "serve.py"
-    path.write_text(
-        textwrap.dedent(
-            f"""
+def _config(corpus, spec):
+    path = os.path.join(os.path.dirname(corpus), "serve.py")  # next to dfd.py
+    dataset = repr(spec)
+    if isinstance(spec.get("get_sub_epoch_dataset"), str):
+        dataset = dataset.replace(repr(spec["get_sub_epoch_dataset"]), spec["get_sub_epoch_dataset"])
+    with open(path, "w") as f:
+        f.write(
+            textwrap.dedent(
+                f"""
+            import dfd
             mapper_api = "returnn"
-            dataset = {{"class": "returnn", "dataset": {spec!r}}}
+            dataset = {{"class": "returnn", "dataset": {dataset}}}
 
             def map_seq(tdict, **kwargs):
                 return tdict
             """
+            )
         )
-    )
-    return str(path)
+    return path
 
 
 CASES = [
     pytest.param("oggzip", RAW, id="oggzip-raw"),
     pytest.param("meta", RAW, id="meta-raw"),
+    pytest.param("dfd", RAW, id="distributed-files-raw"),
     pytest.param("oggzip", LOG_MEL, id="oggzip-log-mel", marks=needs_librosa),
     pytest.param("meta", PERMUTED, id="meta-log-mel-random-permute", marks=needs_librosa),
 ]
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("kind, audio", CASES)
 def test_features_computed_by_the_workers_equal_returnn_oggzip(corpus, tmp_path, kind, audio):
-    spec = (oggzip if kind == "oggzip" else meta)(corpus, audio)
+    spec = {"oggzip": oggzip, "meta": meta, "dfd": dfd}[kind](corpus, audio)
     want = {epoch: returnn_epoch(spec, epoch) for epoch in (1, 2)}
-    key = "data" if kind == "oggzip" else "features"
+    key = "features" if kind == "meta" else "data"
     for workers in (1, 2):
-        with run_server(_config(tmp_path, spec), workers=workers, log_path=str(tmp_path / "server.log")) as srv:
+        with run_server(_config(corpus, spec), workers=workers, log_path=str(tmp_path / "server.log")) as srv:
             with srv.client() as c:
                 info = c.info()
                 got = {epoch: collect(c.epoch(epoch)) for epoch in want}
-        dim = init_dataset(spec).get_data_dim(key)
+        dim = {"data": 160, "features": 160 if audio is RAW else 80}[key]
         assert info["data_keys"][key] == {"shape": [None, dim], "dtype": "float32"}  # RETURNN's template
         for epoch, seqs in got.items():
             assert [s["seq_tag"] for s in seqs] == [tag for tag, _ in want[epoch]]
@@ -150,25 +200,32 @@ def test_features_computed_by_the_workers_equal_returnn_oggzip(corpus, tmp_path,
                     np.testing.assert_array_equal(seq[k], arr, err_msg=f"epoch {epoch} {tag} {k} ({workers} workers)")
 
 
-def test_the_reader_sends_the_zip_members_encoded_bytes(corpus):
-    """The served dataset's seqs carry the members' bytes (no decoding, no features in the reader);
-    RETURNN's own dataset in the same process still computes its features."""
-    spec = oggzip(corpus, RAW)
-    ds = ReturnnDataset(dataset=spec)
+@pytest.mark.parametrize("kind", ["oggzip", "meta", "dfd"])
+def test_the_reader_sends_the_zip_members_encoded_bytes(corpus, kind):
+    """The served dataset's seqs carry the members' bytes (no decoding, no features in the reader,
+    nor in a DistributeFilesDataset's sub-epoch processes); RETURNN's own dataset in the same
+    process still computes its features."""
+    spec = {"oggzip": oggzip, "meta": meta, "dfd": dfd}[kind](corpus, RAW)
+    key = "features" if kind == "meta" else "data"
+    ds = ReturnnDataset(dataset=_resolved(spec))
+    assert ds.data_keys()[key] == {"shape": [None, 160], "dtype": "float32"}
     ds.init_seq_order(1)
     members = {}
-    with zipfile.ZipFile(corpus) as z:
-        for name in z.namelist():
-            if not name.endswith(".txt"):
-                members["corpus/" + os.path.splitext(os.path.basename(name))[0]] = z.read(name)
+    for name in ("corpus", "extra"):
+        with zipfile.ZipFile(os.path.join(os.path.dirname(corpus), f"{name}.zip")) as z:
+            for member in z.namelist():
+                if not member.endswith(".txt"):
+                    members[f"{name}/" + os.path.splitext(os.path.basename(member))[0]] = z.read(member)
     want = dict(returnn_epoch(spec, 1))
-    for pos in range(ds.num_seqs):
+    assert ds.num_seqs is None or ds.num_seqs == len(want)
+    for pos in range(len(want)):
         seq = ds.get_seq(pos)
-        payload = seq["data"]
+        payload = seq[key]
         assert returnn_audio.is_payload(payload)
         assert payload.tobytes().endswith(members[seq["seq_tag"]])
-        np.testing.assert_array_equal(returnn_audio.features_of(payload), want[seq["seq_tag"]]["data"])
-    assert ds.data_keys()["data"] == {"shape": [None, 160], "dtype": "float32"}
+        np.testing.assert_array_equal(returnn_audio.features_of(payload), want[seq["seq_tag"]][key])
+    if kind == "dfd":
+        ds.ds.finish_epoch(free_resources=True)  # its sub-epoch processes
 
 
 def test_audio_in_workers_off_reads_features_in_the_reader(corpus):

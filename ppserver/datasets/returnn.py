@@ -131,10 +131,13 @@ class ReturnnDataset(Dataset):
             try:
                 self._templates = templates_of(self.ds)
             except Exception:
-                # Some datasets (DistributeFilesDataset) know their keys only once an epoch is set up.
+                # Some datasets (DistributeFilesDataset) know their keys only once an epoch is set up,
+                # and some read a seq for its dtype: read as RETURNN reads, features and all.
                 self.ds.init_seq_order(epoch=1)
                 self._args = None  # the reader sets up the epoch it serves again
                 self._templates = templates_of(self.ds)
+                if self.audio_in_workers:  # sub-epoch processes started here compute features: not those
+                    self.ds.finish_epoch(free_resources=True)
             self._keys = list(self._templates)
         return {k: dict(v) for k, v in self._templates.items()}
 
@@ -205,7 +208,8 @@ class ReturnnDataset(Dataset):
         """Set the wrapped dataset's epoch up and read it from its start again. The cache and the end
         found are not touched: a rewind reads the same epoch, so they stay valid."""
         epoch, seq_list, seq_order = args
-        self.ds.init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
+        with self._reading():  # a DistributeFilesDataset starts its sub-epochs' processes
+            self.ds.init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
         if not self._keys:
             self.data_keys()
         self._args = args

@@ -17,6 +17,9 @@ draws themselves, so the reader replays those draws (no audio work) and ships ea
 state: the features are RETURNN's, bit for bit. An extractor with a callable (``features``,
 ``pre_process``, ``post_process`` as functions) is not moved: the reader computes it, as
 RETURNN does, and the log says so once.
+
+A DistributeFilesDataset reads its sub-epochs in processes of its own (``use_worker_proc``):
+those processes start with ``install(everywhere=True)``, as all they do is read.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ MAGIC = b"\x00ppserver-audio\x01"
 _HEAD = struct.Struct("<I")  # the header's length
 _STATE_WORDS = 624  # MT19937's key
 _reading = threading.local()
+_everywhere = False  # a process that only reads (a DistributeFilesDataset's sub-epoch process)
 _installed: Dict[str, Callable] = {}
 _refused: set = set()
 _extractors: Dict[bytes, Any] = {}  # header -> extractor, in a worker
@@ -46,24 +50,61 @@ _MAX_EXTRACTORS = 64
 # ---- the server: payloads instead of features ------------------------------------------------
 
 
-def install() -> None:
+def install(everywhere: bool = False) -> None:
     """Let ExtractAudioFeatures return payloads inside ``reading()`` (once per process; outside it, and
-    in other threads, the extractor works as RETURNN's)."""
+    in other threads, the extractor works as RETURNN's), or in every call with `everywhere`.
+    DistributeFilesDataset's sub-epoch processes start so."""
+    global _everywhere
+    _everywhere = _everywhere or everywhere
     if _installed:
         return
     from returnn.datasets.util.feature_extraction import ExtractAudioFeatures
 
+    _sub_epoch_processes_too()
     original = ExtractAudioFeatures.get_audio_features_from_raw_bytes
     _installed["original"] = original
 
     def get_audio_features_from_raw_bytes(self: Any, raw_bytes: Any, seq_name: Optional[str] = None) -> Any:
-        if getattr(_reading, "on", False):
+        if _everywhere or getattr(_reading, "on", False):
             payload = payload_of(self, raw_bytes)
             if payload is not None:
                 return payload
         return original(self, raw_bytes, seq_name=seq_name)
 
     ExtractAudioFeatures.get_audio_features_from_raw_bytes = get_audio_features_from_raw_bytes
+
+
+class _PreInit:
+    """A sub-epoch process's start: RETURNN's own, then install(everywhere=True)."""
+
+    def __init__(self, before: Optional[Callable[[], None]]):
+        self.before = before
+
+    def __call__(self) -> None:
+        if self.before is not None:
+            self.before()
+        install(everywhere=True)
+
+
+def _sub_epoch_processes_too() -> None:
+    """DistributeFilesDataset's sub-epoch processes started while the reader reads send payloads too."""
+    try:
+        from returnn.datasets import distrib_files
+        from returnn.util.multi_proc_non_daemonic_spawn import NonDaemonicSpawnContext
+    except ImportError:
+        return
+    ctx = getattr(distrib_files, "_mp", None)
+    if type(ctx) is not NonDaemonicSpawnContext:
+        return
+
+    class ReadingContext(NonDaemonicSpawnContext):
+        def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+            proc = super().Process(*args, **kwargs)
+            if getattr(_reading, "on", False):
+                proc.pre_init_func = _PreInit(self.process_pre_init_func)
+            return proc
+
+    distrib_files._mp = ReadingContext(process_pre_init_func=ctx.process_pre_init_func)
 
 
 @contextmanager
