@@ -77,13 +77,35 @@ def identity(tdict, **kwargs):
 """
 
 
+def _cpu_of(pid: int) -> float:
+    """utime + stime of one process in seconds (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> List[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[1] == str(pid):
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
 class Returnn:
     name = "RETURNN"
 
     def __init__(self, spec: Dict[str, Any], workers: int):
-        from returnn.datasets.basic import init_dataset
-
         import oggzip_mappers
+        from returnn.datasets.basic import init_dataset
 
         self.ds = init_dataset(
             {
@@ -104,6 +126,10 @@ class Returnn:
             ds.get_data(i, "data")
             i += 1
         return i
+
+    def cpu(self) -> Dict[str, float]:
+        """CPU seconds so far: this process (where the features run) and RETURNN's workers."""
+        return {"main": _cpu_of(os.getpid()), "workers": sum(_cpu_of(p) for p in _children(os.getpid()))}
 
     def close(self) -> None:
         self.ds.finish_epoch(free_resources=True)
@@ -130,6 +156,10 @@ class Server:
 
     def epoch(self, epoch: int) -> int:
         return sum(1 for _ in self.client.epoch(epoch))
+
+    def cpu(self) -> Dict[str, float]:
+        """CPU seconds so far: the server (its reader) and its workers."""
+        return {"main": _cpu_of(self.proc.pid), "workers": sum(_cpu_of(p) for p in _children(self.proc.pid))}
 
     def close(self) -> None:
         client = getattr(self, "client", None)
@@ -218,12 +248,16 @@ def main() -> int:
             log(f"{pipeline.name}: warm-up epoch of {n} seqs in {time.perf_counter() - t0:.1f} s")
         seconds: Dict[str, float] = {p.name: 0.0 for p in pipelines}
         seqs: Dict[str, int] = {p.name: 0 for p in pipelines}
+        cpu: Dict[str, Dict[str, float]] = {p.name: {"main": 0.0, "workers": 0.0} for p in pipelines}
         for epoch in range(2, 2 + args.epochs):
             for pipeline in pipelines:
-                t0 = time.perf_counter()
+                c0, t0 = pipeline.cpu(), time.perf_counter()
                 seqs[pipeline.name] += pipeline.epoch(epoch)
                 seconds[pipeline.name] += time.perf_counter() - t0
+                for k, v in pipeline.cpu().items():
+                    cpu[pipeline.name][k] += v - c0[k]
         rates = {name: seqs[name] / seconds[name] for name in seqs}
+        cpu_ms = {name: {k: 1000 * v / seqs[name] for k, v in c.items()} for name, c in cpu.items()}
         base = rates["RETURNN"]
         threads = "unset" if args.threads is None else args.threads
         print(
@@ -231,10 +265,21 @@ def main() -> int:
             f"BLAS threads {threads}"
         )
         for name, rate in rates.items():
-            print(f"  {name:<16} {rate:8.1f} seqs/s   x{rate / base:.2f} vs RETURNN")
+            c = cpu_ms[name]
+            print(
+                f"  {name:<16} {rate:8.1f} seqs/s   x{rate / base:.2f} vs RETURNN   CPU ms per seq: "
+                f"{c['main']:.2f} in the reading process, {c['workers']:.2f} in the workers"
+            )
         if args.json:
             text = json.dumps(
-                {"rates": rates, "seqs": args.seqs, "workers": args.workers, "epochs": args.epochs, "threads": threads}
+                {
+                    "rates": rates,
+                    "cpu_ms_per_seq": cpu_ms,
+                    "seqs": args.seqs,
+                    "workers": args.workers,
+                    "epochs": args.epochs,
+                    "threads": threads,
+                }
             )
             if args.json == "-":
                 print(text)
