@@ -14,8 +14,8 @@ from ppserver.observe.metrics import families, parse_address
 from ppserver.observe.progress import (
     Sample,
     Window,
-    format_eta,
     advice,
+    format_eta,
     held_back_by,
     progress_line,
     run_progress,

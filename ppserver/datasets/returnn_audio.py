@@ -93,12 +93,12 @@ def _sub_epoch_processes_too() -> None:
         from returnn.util.multi_proc_non_daemonic_spawn import NonDaemonicSpawnContext
     except ImportError:
         return
-    ctx = getattr(distrib_files, "_mp", None)
+    ctx: Any = getattr(distrib_files, "_mp", None)
     if type(ctx) is not NonDaemonicSpawnContext:
-        return
+        return  # a RETURNN that starts them otherwise: they compute the features, as RETURNN does
 
     class ReadingContext(NonDaemonicSpawnContext):
-        def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+        def Process(self, *args: Any, **kwargs: Any) -> Any:
             proc = super().Process(*args, **kwargs)
             if getattr(_reading, "on", False):
                 proc.pre_init_func = _PreInit(self.process_pre_init_func)
@@ -179,7 +179,7 @@ def payload_of(extractor: Any, raw_bytes: Any) -> Optional[numpy.ndarray]:
     opts = extractor.random_permute_opts
     if opts and opts.truth_value:
         rs = extractor.random_state
-        kind, keys, pos, has_gauss, gauss = rs.get_state()
+        _, keys, pos, has_gauss, gauss = rs.get_state()
         header["state"] = [int(pos), int(has_gauss), float(gauss)]
         state = numpy.asarray(keys, dtype="<u4").tobytes()
         _replay_random_permute(rs, opts)
