@@ -200,12 +200,14 @@ def test_features_computed_by_the_workers_equal_returnn_oggzip(corpus, tmp_path,
                     np.testing.assert_array_equal(seq[k], arr, err_msg=f"epoch {epoch} {tag} {k} ({workers} workers)")
 
 
-@pytest.mark.parametrize("kind", ["oggzip", "meta", "dfd"])
+@pytest.mark.parametrize("kind", ["oggzip", "meta", "dfd", "dfd-in-process"])
 def test_the_reader_sends_the_zip_members_encoded_bytes(corpus, kind):
     """The served dataset's seqs carry the members' bytes (no decoding, no features in the reader,
     nor in a DistributeFilesDataset's sub-epoch processes); RETURNN's own dataset in the same
     process still computes its features."""
-    spec = {"oggzip": oggzip, "meta": meta, "dfd": dfd}[kind](corpus, RAW)
+    spec = {"oggzip": oggzip, "meta": meta}.get(kind, dfd)(corpus, RAW)
+    if kind == "dfd-in-process":
+        spec["use_worker_proc"] = False
     key = "features" if kind == "meta" else "data"
     ds = ReturnnDataset(dataset=_resolved(spec))
     assert ds.data_keys()[key] == {"shape": [None, 160], "dtype": "float32"}
@@ -224,7 +226,7 @@ def test_the_reader_sends_the_zip_members_encoded_bytes(corpus, kind):
         assert returnn_audio.is_payload(payload)
         assert payload.tobytes().endswith(members[seq["seq_tag"]])
         np.testing.assert_array_equal(returnn_audio.features_of(payload), want[seq["seq_tag"]][key])
-    if kind == "dfd":
+    if kind.startswith("dfd"):
         ds.ds.finish_epoch(free_resources=True)  # its sub-epoch processes
 
 

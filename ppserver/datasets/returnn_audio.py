@@ -30,7 +30,7 @@ import logging
 import struct
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy
 
@@ -43,6 +43,7 @@ _reading = threading.local()
 _everywhere = False  # a process that only reads (a DistributeFilesDataset's sub-epoch process)
 _installed: Dict[str, Callable] = {}
 _refused: set = set()
+_moved: List[bool] = []  # logged once: the features are computed by the workers
 _extractors: Dict[bytes, Any] = {}  # header -> extractor, in a worker
 _MAX_EXTRACTORS = 64
 
@@ -183,6 +184,12 @@ def payload_of(extractor: Any, raw_bytes: Any) -> Optional[numpy.ndarray]:
         header["state"] = [int(pos), int(has_gauss), float(gauss)]
         state = numpy.asarray(keys, dtype="<u4").tobytes()
         _replay_random_permute(rs, opts)
+    if not _moved:
+        _moved.append(True)
+        log.info(
+            "OggZipDataset's audio leaves the reader encoded: its %r features are computed by the workers",
+            extractor.features,
+        )
     head = json.dumps(header).encode()
     data = raw_bytes.getvalue() if hasattr(raw_bytes, "getvalue") else bytes(raw_bytes.read())
     return numpy.frombuffer(b"".join((MAGIC, _HEAD.pack(len(head)), head, state, data)), numpy.uint8)
