@@ -150,7 +150,18 @@ def returnn_epoch(spec, epoch):
     return out
 
 
-def _config(corpus, spec):
+MAP_SEQ = """
+def map_seq(tdict, **kwargs):
+    return tdict
+"""
+MAP_SEQ_STREAM = """
+def map_seq_stream(tdicts, **kwargs):
+    return tdicts
+map_seq_stream_preserves_num_seqs = True
+"""
+
+
+def _config(corpus, spec, mapper=MAP_SEQ):
     path = os.path.join(os.path.dirname(corpus), "serve.py")  # next to dfd.py
     dataset = repr(spec)
     if isinstance(spec.get("get_sub_epoch_dataset"), str):
@@ -162,11 +173,9 @@ def _config(corpus, spec):
             import dfd
             mapper_api = "returnn"
             dataset = {{"class": "returnn", "dataset": {dataset}}}
-
-            def map_seq(tdict, **kwargs):
-                return tdict
             """
             )
+            + mapper
         )
     return path
 
@@ -175,6 +184,7 @@ CASES = [
     pytest.param("oggzip", RAW, id="oggzip-raw"),
     pytest.param("meta", RAW, id="meta-raw"),
     pytest.param("dfd", RAW, id="distributed-files-raw"),
+    pytest.param("stream", RAW, id="oggzip-raw-map-seq-stream"),
     pytest.param("oggzip", LOG_MEL, id="oggzip-log-mel", marks=needs_librosa),
     pytest.param("meta", PERMUTED, id="meta-log-mel-random-permute", marks=needs_librosa),
 ]
@@ -182,11 +192,12 @@ CASES = [
 
 @pytest.mark.parametrize("kind, audio", CASES)
 def test_features_computed_by_the_workers_equal_returnn_oggzip(corpus, tmp_path, kind, audio):
-    spec = {"oggzip": oggzip, "meta": meta, "dfd": dfd}[kind](corpus, audio)
+    spec = {"meta": meta, "dfd": dfd}.get(kind, oggzip)(corpus, audio)
+    mapper = MAP_SEQ_STREAM if kind == "stream" else MAP_SEQ
     want = {epoch: returnn_epoch(spec, epoch) for epoch in (1, 2)}
     key = "features" if kind == "meta" else "data"
     for workers in (1, 2):
-        with run_server(_config(corpus, spec), workers=workers, log_path=str(tmp_path / "server.log")) as srv:
+        with run_server(_config(corpus, spec, mapper), workers=workers, log_path=str(tmp_path / "server.log")) as srv:
             with srv.client() as c:
                 info = c.info()
                 got = {epoch: collect(c.epoch(epoch)) for epoch in want}
