@@ -207,6 +207,9 @@ def test_status_shows_rate_eta_and_the_side_that_holds_the_epoch_back(tmp_path, 
     assert set(st["stage_ms"]) == set(STAGES)
     assert res.returncode == 0, res.stderr
     assert f"held back by the {side}" in res.stdout and "ETA" in res.stdout and "ms per seq" in res.stdout
+    # the reader's dataset computing is the one side more workers cannot help: status says what to do
+    assert (st["advice"] is not None) == (side == "dataset")
+    assert ("the reader holds the epoch back" in res.stdout) == (side == "dataset"), res.stdout
 
 
 def test_progress_line_in_the_server_log(tmp_path):

@@ -14,6 +14,7 @@ from ppserver.observe.metrics import families, parse_address
 from ppserver.observe.progress import (
     Sample,
     Window,
+    advice,
     format_eta,
     held_back_by,
     progress_line,
@@ -195,6 +196,16 @@ def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
     assert fields["eta_s"] == 16.0 and fields["rate_seqs_per_sec"] == 10.0 and fields["held_back_by"] == "workers"
     assert fields["rate_window_s"] == 4.0 and len(fields["progress"]) == 1
     assert status_fields({"ranks": [], "run": None, "waiting_for": None}, Window(), {})["held_back_by"] is None
+
+
+def test_advice_only_for_a_reader_that_holds_the_epoch_back():
+    text = advice("dataset", {"read": 3.25, "mapper": 0.1})
+    assert text is not None and text.startswith("the reader holds the epoch back") and "3.2 ms per seq" in text
+    assert "map_seq" in text and "\n" not in text
+    assert advice("dataset", {}) is not None and advice("workers", {"read": 3.0}) is None and advice(None, {}) is None
+    st = {"ranks": [], "run": 7, "waiting_for": "the dataset (in get_seq(5) for 1.0 s)"}
+    w = window(*(sample(t, 10 * t, read=0.9 * t) for t in range(10)))
+    assert status_fields(st, w, {7: 1})["advice"] == advice("dataset", w.stage_ms())
 
 
 @pytest.mark.parametrize("seconds, text", [(None, "?"), (4.4, "4 s"), (125, "2 min 05 s"), (7260, "2 h 01 min")])

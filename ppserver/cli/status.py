@@ -82,4 +82,6 @@ def _progress_lines(st: Dict[str, Any]) -> List[str]:
     stages = [f"{name} {ms:.2f}" for name, ms in (st.get("stage_ms") or {}).items() if ms is not None]
     if stages:
         lines.append(f"stages      ms per seq: {'  '.join(stages)}")
+    if st.get("advice"):
+        lines.append(f"advice      {st['advice']}")
     return lines

@@ -25,10 +25,12 @@ cost of a replay at most a few passes over the prefix. Random-access datasets
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from contextlib import nullcontext
+from typing import Any, ContextManager, Dict, List, Optional
 
 import numpy as np
 
+from ppserver.datasets import returnn_audio
 from ppserver.datasets.base import Dataset, UnknownSeqTagError, is_int
 from ppserver.errors import ConfigError, one_line
 from ppserver.mappers.apply import STRING, dtype_text
@@ -85,6 +87,7 @@ class ReturnnDataset(Dataset):
         cache_mb: float = 256,
         random_access: Optional[bool] = None,
         order_seed: int = 0,
+        audio_in_workers: bool = True,
     ):
         super().__init__(order_seed=order_seed)  # the order is the RETURNN dataset's, not ours
         basic = _import_returnn()
@@ -92,7 +95,12 @@ class ReturnnDataset(Dataset):
             raise ConfigError("dataset", "'dataset' of class 'returnn' must be a RETURNN dataset dict with a 'class'")
         if isinstance(cache_mb, bool) or not isinstance(cache_mb, (int, float)) or cache_mb < 0:
             raise ConfigError("dataset", f"'cache_mb' must be a number >= 0, got {cache_mb!r}")
+        if not isinstance(audio_in_workers, bool):
+            raise ConfigError("dataset", f"'audio_in_workers' must be True or False, got {audio_in_workers!r}")
         self.spec = dict(dataset)
+        self.audio_in_workers = audio_in_workers
+        if audio_in_workers:
+            returnn_audio.install()
         if order_seed and "random_seed_offset" not in self.spec:
             # the config's seed is the offset of every seed, as RETURNN's random_seed_offset is
             self.spec["random_seed_offset"] = order_seed
@@ -123,10 +131,13 @@ class ReturnnDataset(Dataset):
             try:
                 self._templates = templates_of(self.ds)
             except Exception:
-                # Some datasets (DistributeFilesDataset) know their keys only once an epoch is set up.
+                # Some datasets (DistributeFilesDataset) know their keys only once an epoch is set up,
+                # and some read a seq for its dtype: read as RETURNN reads, features and all.
                 self.ds.init_seq_order(epoch=1)
                 self._args = None  # the reader sets up the epoch it serves again
                 self._templates = templates_of(self.ds)
+                if self.audio_in_workers:  # sub-epoch processes started here compute features: not those
+                    self.ds.finish_epoch(free_resources=True)
             self._keys = list(self._templates)
         return {k: dict(v) for k, v in self._templates.items()}
 
@@ -197,7 +208,8 @@ class ReturnnDataset(Dataset):
         """Set the wrapped dataset's epoch up and read it from its start again. The cache and the end
         found are not touched: a rewind reads the same epoch, so they stay valid."""
         epoch, seq_list, seq_order = args
-        self.ds.init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
+        with self._reading():  # a DistributeFilesDataset starts its sub-epochs' processes
+            self.ds.init_seq_order(epoch=epoch, seq_list=seq_list, seq_order=seq_order)
         if not self._keys:
             self.data_keys()
         self._args = args
@@ -224,7 +236,16 @@ class ReturnnDataset(Dataset):
     def order(self) -> List[int]:
         raise NotImplementedError("a RETURNN dataset's order is its own")
 
+    def _reading(self) -> ContextManager[None]:
+        """The dataset's calls that may read seqs: an OggZipDataset's audio leaves them encoded, for
+        the workers (returnn_audio.py), unless audio_in_workers is off."""
+        return returnn_audio.reading() if self.audio_in_workers else nullcontext()
+
     def is_less_than_num_seqs(self, n: int) -> bool:
+        with self._reading():
+            return self._is_less_than_num_seqs(n)
+
+    def _is_less_than_num_seqs(self, n: int) -> bool:
         self._require_args()
         if self._count is not None:
             return n < self._count
@@ -257,6 +278,10 @@ class ReturnnDataset(Dataset):
             return None
 
     def get_seq(self, pos: int) -> Dict[str, Any]:
+        with self._reading():
+            return self._get_seq(pos)
+
+    def _get_seq(self, pos: int) -> Dict[str, Any]:
         self._require_args()
         if not is_int(pos) or pos < 0 or (self._count is not None and pos >= self._count):
             raise IndexError(f"seq position {pos!r} out of range [0, {self._count})")

@@ -3,7 +3,9 @@
 With ``mapper_api = "dict"`` (the default) they are the config's own functions; with
 ``"returnn"`` they are wrapped to take and return RETURNN TensorDicts (returnn_mappers.py),
 which needs the input templates the server sends. The rng of a stream partition follows
-the API: ppserver's own seeding, or PostprocessingDataset's for RETURNN mappers.
+the API: ppserver's own seeding, or PostprocessingDataset's for RETURNN mappers. A RETURNN
+dataset's audio that left the reader encoded becomes its features before the mappers see
+the seq (datasets/returnn_audio.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def mappers_for(cfg: Config, in_templates: Dict[str, Any]) -> Mappers:
         from ppserver.mappers.returnn import dict_mappers
 
         map_seq, map_seq_stream = dict_mappers(map_seq, map_seq_stream, in_templates)
+    if _audio_in_workers(cfg.dataset):
+        map_seq, map_seq_stream = _after_features(map_seq), _stream_after_features(map_seq_stream)
     return Mappers(map_seq, map_seq_stream, cfg.mapper_api, cfg.seed, cfg.partitions)
 
 
@@ -58,6 +62,32 @@ def missing_map_outputs_hint(cfg: Config, exc: BaseException) -> str:
         " (map_outputs is not set: outputs are checked against the dataset's keys, or what the mappers declare;"
         " set map_outputs to what the mapper returns)"
     )
+
+
+def _audio_in_workers(dataset: Dict[str, Any]) -> bool:
+    return dataset.get("class") == "returnn" and dataset.get("audio_in_workers", True) is True
+
+
+def _after_features(map_seq: Optional[Callable]) -> Optional[Callable]:
+    if map_seq is None:
+        return None
+    from ppserver.datasets.returnn_audio import with_features
+
+    def mapped(seq: Dict[str, Any], **kwargs: Any) -> Any:
+        return map_seq(with_features(seq), **kwargs)
+
+    return mapped
+
+
+def _stream_after_features(map_seq_stream: Optional[Callable]) -> Optional[Callable]:
+    if map_seq_stream is None:
+        return None
+    from ppserver.datasets.returnn_audio import with_features
+
+    def mapped(seqs: Any, **kwargs: Any) -> Any:
+        return map_seq_stream((with_features(s) for s in seqs), **kwargs)
+
+    return mapped
 
 
 def missing_returnn_api_hint(cfg: Config, what: str, exc: BaseException) -> str:

@@ -164,14 +164,31 @@ def status_fields(st: Dict[str, Any], window: Window, running: Dict[int, int]) -
     runs = run_progress(st, window, running)
     last = next((r for r in runs if r["run"] == st.get("run")), None)
     rate = window.rate()
+    held = held_back_by(window, st.get("waiting_for"), st.get("run"))
+    stages = window.stage_ms()
     return {
         "rate_seqs_per_sec": round(rate, 2) if rate is not None else 0.0,
         "rate_window_s": round(window.span(), 1),
         "eta_s": last["eta_s"] if last is not None else None,
-        "held_back_by": held_back_by(window, st.get("waiting_for"), st.get("run")),
-        "stage_ms": window.stage_ms(),
+        "held_back_by": held,
+        "advice": advice(held, stages),
+        "stage_ms": stages,
         "progress": runs,
     }
+
+
+def advice(held_back: Optional[str], stage_ms: Dict[str, Optional[float]]) -> Optional[str]:
+    """What to do about the side holding the epoch back, where ppserver can tell: the dataset, whose
+    reading runs in the server's one reader thread, so more workers do not help."""
+    if held_back != "dataset":
+        return None
+    read = stage_ms.get("read")
+    per_seq = f" ({read:.1f} ms per seq)" if read is not None else ""
+    return (
+        f"the reader holds the epoch back: its dataset computes in the server's one reader thread{per_seq}, "
+        "which more workers do not speed up; move that work into map_seq, which the workers run "
+        "(docs/returnn.md: work in the reader)"
+    )
 
 
 def format_eta(seconds: Optional[float]) -> str:
