@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 from .. import wire
 from ..errors import Error
 
-PROTOCOL = 9
+PROTOCOL = 10
 
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
@@ -162,7 +162,8 @@ class InfoReply(Message):
     stream_partitions: Optional[int] = None
     buf_size: int = 1
     version: str = ""
-    fingerprint: str = ""
+    fingerprint: str = ""  # the served one: resume states are checked against it
+    config_fingerprint: str = ""  # the config's alone, as whoever holds the config computes it
     instance: str = ""
     batching: Optional[Dict[str, Any]] = None  # the config's default batching (None: one seq at a time)
 
