@@ -26,7 +26,7 @@ import os
 from typing import Any, Dict, Optional
 
 from ppserver.config.fingerprint import RETURNN_CONFIG_MODULE
-from ppserver.config.settings import executing, from_settings, read_source
+from ppserver.config.settings import executing, from_settings, read_source, remember_source
 from ppserver.config.table import KNOWN_KEYS, Config, integer
 from ppserver.errors import ConfigError
 
@@ -79,6 +79,7 @@ def _exec_source(rc: Any, path: str, source: bytes) -> None:
     from returnn.util.basic import custom_exec
 
     rc.files.append(path)
+    remember_source(path, source)
     user_ns = rc.typed_dict
     user_ns.update({"config": rc, "__file__": path, "__name__": RETURNN_CONFIG_MODULE})
     custom_exec(source.decode("utf8").strip(), path, user_ns, user_ns)

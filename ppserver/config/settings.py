@@ -11,6 +11,7 @@ import __future__
 
 import contextlib
 import difflib
+import linecache
 import os
 import re
 import sys
@@ -48,6 +49,7 @@ def load_config(path: str, source: Optional[bytes] = None) -> Config:
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    remember_source(path, source)
     with executing(path, "config"):
         exec(compile(source, path, "exec"), namespace)
     settings = {k: v for k, v in namespace.items() if k != "__builtins__" and not _is_helper(k, v)}
@@ -96,6 +98,13 @@ def read_source(path: str, key: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise ConfigError(key, f"{path!r} cannot be read: {exc.strerror}") from None
+
+
+def remember_source(path: str, source: bytes) -> None:
+    """Make `source` what Python shows as the lines of file `path` (inspect.getsource of the
+    config's functions, tracebacks): the content that runs, even where the file was edited since."""
+    lines = source.decode("utf8", "replace").splitlines(keepends=True)
+    linecache.cache[path] = (len(source), None, lines, path)  # no mtime: never checked against the file
 
 
 @contextlib.contextmanager
