@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 from conftest import (
     REPO,
+    SCALE_MAPPER,
+    assert_same_epoch,
     collect,
     error_line,
     free_port,
@@ -20,6 +23,7 @@ from conftest import (
     run_cli,
     run_server,
     run_worker_host,
+    wait_for,
     write_config,
 )
 
@@ -503,6 +507,30 @@ def test_fingerprint_covers_names_only_through_the_config(tmp_path):
     with open(os.path.join(tmp_path, "a", "fp_unrelated.py"), "a") as f:
         f.write("X = 2\n")
     assert fresh_fingerprint(cfg) == fp
+
+
+@pytest.mark.processes
+def test_a_local_worker_respawned_after_the_config_was_edited_runs_the_servers_config(tmp_path):
+    """The next experiment's config is written over the file while the server runs; a local worker
+    that dies is started again with the config the server loaded (not refused for the edited one)."""
+    cfg = numpy_config(tmp_path, SCALE_MAPPER, n=20, extra="heartbeat_interval = 0.2\nheartbeat_timeout = 1.0\n")
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=1) as srv:
+        with open(cfg) as f:
+            text = f.read()
+        with open(cfg, "w") as f:
+            f.write(text.replace('seq["data"] * rng.uniform(0.5, 1.5)', 'seq["data"] * 100'))
+        (old,) = srv.worker_pids()
+        os.kill(old, signal.SIGKILL)
+        with srv.client() as c:
+            wait_for(
+                lambda: c.status()["local_worker_respawns"] >= 1 and c.status()["workers_alive"] == 1,
+                30,
+                "the local worker to be respawned and join",
+            )
+            assert srv.worker_pids() != [old]
+            got = collect(c.epoch(1))
+    assert_same_epoch(got, want)
 
 
 DATASET_MODULE = """
