@@ -625,6 +625,18 @@ def test_canonical_values_are_equal_where_the_values_are():
     cycle: list = []
     cycle.append(cycle)
     assert canonical(cycle) == canonical(cycle)
+    deep: list = []
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        deep = [deep]
+    assert canonical(deep) == canonical(deep)
+
+    def scaled(factor):
+        def map_seq(seq, **kwargs):
+            return seq * factor
+
+        return map_seq
+
+    assert canonical(scaled(2)) == canonical(scaled(2)) != canonical(scaled(3))  # closures count
 
 
 @pytest.mark.unit

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -41,7 +42,7 @@ import sys
 import sysconfig
 import textwrap
 import types
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy
 
@@ -241,6 +242,7 @@ def canonical(value: Any) -> bytes:
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
+_MAX_DEPTH = 64  # object graphs nested deeper are cut there (a value is a setting, not a data structure)
 
 
 def _canonical(value: Any, out: List[bytes], active: Set[int], installed: List[str]) -> None:
@@ -249,6 +251,9 @@ def _canonical(value: Any, out: List[bytes], active: Set[int], installed: List[s
         return
     if id(value) in active:
         out.append(b"<cycle>;")
+        return
+    if len(active) >= _MAX_DEPTH:  # `active` is the path down to here
+        out.append(f"<deep {type(value).__name__}>;".encode())
         return
     active.add(id(value))
     try:
@@ -286,14 +291,18 @@ def _compound(value: Any, out: List[bytes], active: Set[int], installed: List[st
         out.append(f"module:{value.__name__};".encode())
         return
     if inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value):
-        out.append(_code_of(value, installed))
+        code, local = _code_of(value, installed)
+        out.append(code)
+        if local and inspect.isfunction(value):  # what its source does not say: bound defaults, closures
+            cells = [c.cell_contents if _cell_is_set(c) else None for c in value.__closure__ or ()]
+            _canonical([value.__defaults__, value.__kwdefaults__, cells], out, active, installed)
         return
     if inspect.ismethod(value):
         _compound(value.__func__, out, active, installed)
         _canonical(value.__self__, out, active, installed)
         return
     # another object: its class, and what it holds
-    out.append(_code_of(type(value), installed))
+    out.append(_code_of(type(value), installed)[0])
     state = _state_of(value)
     if state is not None:
         _canonical(state, out, active, installed)
@@ -320,18 +329,20 @@ def _state_of(value: Any) -> Optional[Dict[str, Any]]:
     return state or None
 
 
-def _code_of(obj: Any, installed: List[str]) -> bytes:
-    """A function or class: its source where it is the config's or a local module's, else its name."""
+def _code_of(obj: Any, installed: List[str]) -> Tuple[bytes, bool]:
+    """A function or class: its source where it is the config's or a local module's (and True),
+    else its name (and False: installed code counts by its name)."""
     module_name = getattr(obj, "__module__", None)
     name = f"{module_name}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
     module = sys.modules.get(module_name) if isinstance(module_name, str) else None
     if module_name not in _CONFIG_MODULES and (module is None or not _is_local(module, installed)):
-        return f"code:{name};".encode()
+        return f"code:{name};".encode(), False
     try:
         source = inspect.getsource(obj)
     except (OSError, TypeError):
-        return f"code:{name};".encode()
-    return f"code:{name}:".encode() + hashlib.sha256(normalized(source.encode("utf8", "replace"))).digest() + b";"
+        return f"code:{name};".encode(), True
+    digest = hashlib.sha256(normalized(source.encode("utf8", "replace"))).digest()
+    return f"code:{name}:".encode() + digest + b";", True
 
 
 # ---- local modules ---------------------------------------------------------------------------
@@ -478,8 +489,10 @@ def _search_path(package: str) -> Optional[List[str]]:
     return list(spec.submodule_search_locations or []) or None if spec is not None else None
 
 
+@functools.lru_cache(maxsize=1)
 def _installed_dirs() -> List[str]:
-    """Folders whose modules are the interpreter's or installed packages: the same on hosts that agree."""
+    """Folders whose modules are the interpreter's or installed packages: the same on hosts that agree
+    (asked once per process: sysconfig and realpath take milliseconds)."""
     paths = sysconfig.get_paths()
     dirs = [paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     try:
