@@ -431,7 +431,7 @@ class Restartable:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def start(self, config: Optional[str] = None) -> ServerProc:
+    def start(self, config: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> ServerProc:
         self.starts += 1
         self.srv = self._stack.enter_context(
             run_server(
@@ -440,6 +440,7 @@ class Restartable:
                 bind=self.address,
                 log_path=self.log(self.starts),
                 new_session=True,
+                env=env,
             )
         )
         return self.srv
@@ -453,16 +454,18 @@ class Restartable:
         os.killpg(self.srv.proc.pid, signal.SIGKILL)
         self.srv.proc.wait(timeout=10)
 
-    def restart_after(self, delay: float = 3.0, config: Optional[str] = None) -> None:
-        """Kill the server now and start a new one at its address `delay` seconds later, in the
-        background (the client under test goes on meanwhile)."""
+    def restart_after(
+        self, delay: float = 3.0, config: Optional[str] = None, env: Optional[Dict[str, str]] = None
+    ) -> None:
+        """Kill the server now and start a new one at its address `delay` seconds later (`env`
+        added to its environment), in the background (the client under test goes on meanwhile)."""
         self.join()
         self.kill()
 
         def later() -> None:
             try:
                 time.sleep(delay)
-                self.start(config)
+                self.start(config, env)
             except BaseException as exc:  # raised in the test by join()
                 self._error = exc
 
@@ -686,6 +689,61 @@ def numpy_config(
         NUMPY_DATA.format(n=n, ordering=ordering) + textwrap.dedent(mapper_body) + textwrap.dedent(extra),
         name=name,
     )
+
+
+# A config folder whose served fingerprint each of FINGERPRINT_CHANGES changes while the config
+# file stays as it is: its seed comes from the environment, its dataset class from a module next to
+# it, its data from an npz file, and its mapper imports a helper module when it runs.
+CHANGING_CONFIG = """
+import os, sys, time
+sys.path.insert(0, os.path.dirname(__file__))
+seed = int(os.environ.get("PP_SEED", "0"))
+dataset = {{"class": "fp_data:Data", "path": os.path.join(os.path.dirname(__file__), "data.npz")}}
+heartbeat_interval = 0.2
+heartbeat_timeout = 1.0
+def map_seq(seq, *, rng, **kwargs):
+    import fp_lazy
+    if not os.environ.get("REFERENCE_RUN"):
+        time.sleep({delay})
+    return fp_lazy.apply(seq, rng)
+""".replace("REFERENCE_RUN", REFERENCE_RUN)
+CHANGING_FILES = {
+    "fp_data.py": "from ppserver.datasets.arrays import NumpyDataset\n\n\nclass Data(NumpyDataset):\n    pass\n",
+    "fp_lazy.py": "def apply(seq, rng):\n    seq['data'] = seq['data'] * rng.uniform(0.5, 1.5)\n    return seq\n",
+}
+FINGERPRINT_CHANGES = ("seed from the environment", "dataset module", "lazily imported module", "data file")
+
+
+def changing_config(tmp_path, n: int = 40, delay: float = 0.0) -> str:
+    """CHANGING_CONFIG with its modules and `n` seqs in its npz file; returns the config's path."""
+    for name, text in CHANGING_FILES.items():
+        with open(os.path.join(str(tmp_path), name), "w") as f:
+            f.write(text)
+    _changing_data(tmp_path, n)
+    return write_config(tmp_path, CHANGING_CONFIG.format(delay=delay))
+
+
+def _changing_data(tmp_path, n: int) -> None:
+    from ppserver.datasets.arrays import save_npz
+
+    r = np.random.RandomState(7)
+    save_npz(
+        os.path.join(str(tmp_path), "data.npz"), [{"data": r.randn(5 + i % 7, 4).astype("float32")} for i in range(n)]
+    )
+
+
+def change_fingerprint(tmp_path, change: str, n: int = 40) -> Dict[str, str]:
+    """Make one of FINGERPRINT_CHANGES to a changing_config folder; returns the environment a server
+    started now runs with."""
+    if change == "seed from the environment":
+        return {"PP_SEED": "5"}
+    if change == "data file":
+        _changing_data(tmp_path, n + 1)
+        return {}
+    name = {"dataset module": "fp_data.py", "lazily imported module": "fp_lazy.py"}[change]
+    with open(os.path.join(str(tmp_path), name), "a") as f:
+        f.write("EDITED = 1\n")  # code, not a comment
+    return {}
 
 
 def free_port() -> int:

@@ -1,5 +1,6 @@
 """A client used wrongly gets one clear UsageError at once, against a real server: a resume state
-with another seq selection, numbers a message cannot carry, a client inherited through fork()."""
+with another seq selection or of another config, numbers a message cannot carry, a client
+inherited through fork()."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import time
 
 import pytest
 from conftest import (
+    FINGERPRINT_CHANGES,
     SLOW_MAPPER,
     assert_same_epoch,
+    change_fingerprint,
+    changing_config,
     collect,
     free_port,
     numpy_config,
@@ -54,6 +58,28 @@ def test_a_resume_state_keeps_its_seq_selection(server, selection):
         rest = collect(c.epoch(state=state, **chosen))
     assert len(rest) == 4
     assert_same_epoch(first + rest, want)
+
+
+@pytest.mark.parametrize("change", (None, *FINGERPRINT_CHANGES))
+def test_a_resume_state_is_refused_by_a_server_whose_values_code_or_data_changed(tmp_path, change):
+    """A state taken from one server, resumed at another started from the same config file: where
+    the seed from the environment, a module the config uses or the data file changed meanwhile the
+    state is refused, naming its fingerprint; where nothing did, the rest of the epoch follows."""
+    cfg = changing_config(tmp_path, n=12)
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        it = c.epoch(1)
+        first = [next(it) for _ in range(3)]
+        state = it.state_dict()
+    env = change_fingerprint(tmp_path, change, n=12) if change else {}
+    with run_server(cfg, workers=1, env=env) as srv, srv.client() as c:
+        if change is None:
+            assert_same_epoch(first + collect(c.epoch(state=state)), want)
+            return
+        with pytest.raises(
+            ppclient.Error, match=f"the resume state was made with config fingerprint '{state['fingerprint']}'"
+        ):
+            c.epoch(state=state)
 
 
 def test_a_whole_epochs_state_is_refused_with_a_seq_list(server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 from conftest import (
     REPO,
+    SCALE_MAPPER,
+    assert_same_epoch,
     collect,
     error_line,
     free_port,
@@ -20,6 +23,7 @@ from conftest import (
     run_cli,
     run_server,
     run_worker_host,
+    wait_for,
     write_config,
 )
 
@@ -348,6 +352,7 @@ HELPER_FILES = {
     "fp_pkg/__init__.py": "FACTOR = 2\n",
     "fp_pkg/sub.py": "def map_seq(seq, **kwargs):\n    return seq\n",
     "fp_unrelated.py": "X = 1\n",
+    "fp_lazy.py": "def map_seq(seq, **kwargs):\n    import fp_deep\n\n    return fp_deep.scale(seq)\n",
 }
 
 # How the config reaches a local module, and which file a host may have edited.
@@ -364,6 +369,15 @@ REACH = {
         "fp_helper.py",
     ),
     "package": ("import numpy as np\nfrom fp_pkg.sub import map_seq", "fp_pkg/__init__.py"),
+    # imported only when the mapper runs (in a worker, after the fingerprint is made)
+    "lazy": (
+        "import numpy as np\ndef map_seq(seq, **kwargs):\n    import fp_deep\n    return fp_deep.scale(seq)",
+        "fp_deep.py",
+    ),
+    "lazy in a helper": (
+        "import numpy as np\nimport fp_lazy\nmap_seq = fp_lazy.map_seq",
+        "fp_deep.py",
+    ),
 }
 
 
@@ -378,13 +392,21 @@ def helper_dir(root, reach: str) -> str:
     return os.path.join(root, "config.py")
 
 
-def fresh_fingerprint(cfg: str, pre_import: str = "") -> str:
-    """The fingerprint as a new process computes it (as server and worker do), after `pre_import`."""
+def fresh_fingerprint(cfg: str, pre_import: str = "", which: str = "fingerprint", env=None) -> str:
+    """The fingerprint (`which`: or the worker_fingerprint) as a new process computes it (as server and
+    worker do), after `pre_import`, with `env` added to the environment."""
     code = (
         f"{pre_import}\nimport sys\nfrom ppserver.config.settings import load_config\n"
-        "print(load_config(sys.argv[1]).fingerprint)"
+        f"print(load_config(sys.argv[1]).{which})"
     )
-    res = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-c", code, cfg],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=None if env is None else {**os.environ, **env},
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout.strip()
 
@@ -485,6 +507,188 @@ def test_fingerprint_covers_names_only_through_the_config(tmp_path):
     with open(os.path.join(tmp_path, "a", "fp_unrelated.py"), "a") as f:
         f.write("X = 2\n")
     assert fresh_fingerprint(cfg) == fp
+
+
+@pytest.mark.processes
+def test_a_local_worker_respawned_after_the_config_was_edited_runs_the_servers_config(tmp_path):
+    """The next experiment's config is written over the file while the server runs; a local worker
+    that dies is started again with the config the server loaded (not refused for the edited one)."""
+    cfg = numpy_config(tmp_path, SCALE_MAPPER, n=20, extra="heartbeat_interval = 0.2\nheartbeat_timeout = 1.0\n")
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=1) as srv:
+        with open(cfg) as f:
+            text = f.read()
+        with open(cfg, "w") as f:
+            f.write(text.replace('seq["data"] * rng.uniform(0.5, 1.5)', 'seq["data"] * 100'))
+        (old,) = srv.worker_pids()
+        os.kill(old, signal.SIGKILL)
+        with srv.client() as c:
+            wait_for(
+                lambda: c.status()["local_worker_respawns"] >= 1 and c.status()["workers_alive"] == 1,
+                30,
+                "the local worker to be respawned and join",
+            )
+            assert srv.worker_pids() != [old]
+            got = collect(c.epoch(1))
+    assert_same_epoch(got, want)
+
+
+DATASET_MODULE = """
+import numpy as np
+from ppserver.datasets.arrays import NumpyDataset
+
+
+class Data(NumpyDataset):
+    def __init__(self, **kwargs):
+        r = np.random.RandomState(3)
+        super().__init__(seqs=[{"data": r.randn(6, 2).astype("float32") * SCALE} for _ in range(8)], **kwargs)
+
+
+SCALE = 1
+"""
+
+
+@pytest.mark.processes
+def test_the_config_fingerprint_covers_a_dataset_module_named_in_the_dict(tmp_path):
+    """'module:Name': the module is imported by the server only, after the fingerprint is made; the
+    workers never import it, so it counts in the config fingerprint and not in the workers'."""
+    (tmp_path / "fp_data.py").write_text(DATASET_MODULE)
+    cfg = write_config(
+        tmp_path,
+        "import os, sys\nsys.path.insert(0, os.path.dirname(__file__))\n"
+        "dataset = {'class': 'fp_data:Data'}\ndef map_seq(seq, **kwargs):\n    return seq\n",
+    )
+    fp, worker = fresh_fingerprint(cfg), fresh_fingerprint(cfg, which="worker_fingerprint")
+    (tmp_path / "fp_data.py").write_text(DATASET_MODULE.replace("SCALE = 1", "SCALE = 2"))
+    assert fresh_fingerprint(cfg) != fp
+    assert fresh_fingerprint(cfg, which="worker_fingerprint") == worker
+
+
+ENV_CONFIG = """
+import os
+dataset = {"class": "DemoDataset", "num_seqs": int(os.environ.get("PP_SEQS", "10"))}
+seed = int(os.environ.get("PP_SEED", "0"))
+num_workers = int(os.environ.get("PP_WORKERS", "1"))
+def map_seq(seq, **kwargs):
+    return seq
+"""
+
+
+@pytest.mark.processes
+def test_fingerprints_cover_what_the_config_evaluates_to(tmp_path):
+    """One source, values from the environment: the seed counts for the workers, the dataset dict
+    for the config, the number of local workers (a resource) for neither."""
+    cfg = write_config(tmp_path, ENV_CONFIG)
+
+    def both(**env) -> tuple:
+        return fresh_fingerprint(cfg, env=env), fresh_fingerprint(cfg, which="worker_fingerprint", env=env)
+
+    fp, worker = both()
+    assert both(PP_SEED="0") == (fp, worker)
+    seeded = both(PP_SEED="5")
+    assert seeded[0] != fp and seeded[1] != worker
+    more = both(PP_SEQS="11")
+    assert more[0] != fp and more[1] == worker
+    assert both(PP_WORKERS="3") == (fp, worker)
+
+
+@pytest.mark.unit
+def test_canonical_values_are_equal_where_the_values_are():
+    from ppserver.config.fingerprint import canonical
+
+    class Holder:  # its default repr has a memory address: never hashed
+        def __init__(self, x):
+            self.x = x
+
+    same = [
+        ({"a": 1, "b": [1.5, "x"]}, {"b": [1.5, "x"], "a": 1}),
+        (np.arange(6, dtype="int32").reshape(2, 3), np.arange(6, dtype="int32").reshape(2, 3)),
+        (Holder(3), Holder(3)),
+        ({1, 2, 3}, {3, 2, 1}),
+        (os.path.join, os.path.join),
+    ]
+    for a, b in same:
+        assert canonical(a) == canonical(b), a
+    differ = [
+        (1, 1.0),
+        (1, True),
+        ("1", 1),
+        ([1, 2], (1, 2)),
+        (np.arange(6, dtype="int32"), np.arange(6, dtype="int64")),
+        (np.zeros(3), np.ones(3)),
+        (Holder(3), Holder(4)),
+        (os.path.join, os.path.split),
+        ({"a": 1}, {"a": 2}),
+    ]
+    for a, b in differ:
+        assert canonical(a) != canonical(b), (a, b)
+    cycle: list = []
+    cycle.append(cycle)
+    assert canonical(cycle) == canonical(cycle)
+    deep: list = []
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        deep = [deep]
+    assert canonical(deep) == canonical(deep)
+
+    def scaled(factor):
+        def map_seq(seq, **kwargs):
+            return seq * factor
+
+        return map_seq
+
+    assert canonical(scaled(2)) == canonical(scaled(2)) != canonical(scaled(3))  # closures count
+
+
+@pytest.mark.unit
+def test_worker_and_config_fingerprints_cover_output_settings_not_resources():
+    base = from_settings(settings())
+    again = from_settings(settings())
+    assert (again.fingerprint, again.worker_fingerprint) == (base.fingerprint, base.worker_fingerprint)
+    for key, value in (("seed", 3), ("mapper_api", "dict"), ("batching", {"max_seqs": 2})):
+        cfg = from_settings(settings(**{key: value}))
+        if key == "mapper_api":  # its default: the same value
+            assert cfg.worker_fingerprint == base.worker_fingerprint
+            continue
+        assert cfg.worker_fingerprint != base.worker_fingerprint and cfg.fingerprint != base.fingerprint, key
+    for key, value in (("buf_size", 4), ("num_workers", 7), ("heartbeat_timeout", 9.0), ("worker_threads", 2)):
+        cfg = from_settings(settings(**{key: value}))
+        assert (cfg.fingerprint, cfg.worker_fingerprint) == (base.fingerprint, base.worker_fingerprint), key
+    other = from_settings(settings(dataset={"class": "DemoDataset", "num_seqs": 3}))
+    assert other.worker_fingerprint == base.worker_fingerprint and other.fingerprint != base.fingerprint
+
+
+@pytest.mark.unit
+def test_imports_are_found_statically_wherever_they_are_written():
+    from ppserver.config.fingerprint import _imports, _parse
+
+    source = b"""
+import a.b as ab
+def f():
+    import lazy
+    from pkg import mod, name
+    from . import sibling
+    from ..up import thing
+"""
+    names = _imports(_parse(source), "top.inner")
+    for name in ("a.b", "lazy", "pkg", "pkg.mod", "pkg.name", "top.inner.sibling", "top.up", "top.up.thing"):
+        assert name in names, name
+
+
+@pytest.mark.unit
+def test_the_served_fingerprint_covers_the_data_files(tmp_path):
+    from ppserver.config.fingerprint import served_fingerprint
+    from ppserver.datasets.arrays import NumpyDataset, save_npz
+
+    path = str(tmp_path / "data.npz")
+    save_npz(path, [{"data": np.zeros((3, 2), "float32")}])
+    ds = NumpyDataset(path=path)
+    assert ds.data_files() == [path]
+    first = served_fingerprint("cfg", ds.identity())
+    assert served_fingerprint("cfg", NumpyDataset(path=path).identity()) == first
+    save_npz(path, [{"data": np.ones((3, 2), "float32")}, {"data": np.ones((2, 2), "float32")}])
+    assert served_fingerprint("cfg", NumpyDataset(path=path).identity()) != first
+    inline = NumpyDataset(seqs=[{"data": np.zeros((3, 2), "float32")}])
+    assert inline.identity() == [] and served_fingerprint("cfg", inline.identity()) == "cfg"
 
 
 # ---- the settings table ---------------------------------------------------------------------

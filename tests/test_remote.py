@@ -17,9 +17,11 @@ import zmq
 from conftest import (
     DATA_PATHS,
     REPO,
+    SCALE_MAPPER,
     SLOW_MAPPER,
     assert_data_path,
     assert_same_epoch,
+    children_of,
     collect,
     collect_with,
     error_line,
@@ -97,6 +99,53 @@ def test_config_fingerprint_mismatch_is_refused(tmp_path):
         with srv.client() as c:
             assert c.status()["workers_alive"] == 1
             assert len(collect(c.epoch(1))) == 10
+
+
+ENV_CONFIG = """
+import os
+seed = int(os.environ["PP_SEED"])
+num_workers = int(os.environ.get("PP_WORKERS", "1"))
+"""
+
+
+def test_a_worker_host_whose_environment_gives_another_seed_is_refused(tmp_path, monkeypatch):
+    """The same file, evaluated on a host with another seed in its environment, would map every seq
+    otherwise: refused. Another number of local workers (a resource, not an output) is welcome."""
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.0), n=12, extra=ENV_CONFIG)
+    slog, wlog = str(tmp_path / "server.log"), str(tmp_path / "worker.log")
+    with run_server(cfg, workers=0, log_path=slog, env={"PP_SEED": "1"}, wait_workers=False) as srv:
+        with run_worker_host(cfg, srv.address, procs=1, log_path=wlog, prefix=["env", "PP_SEED=2"]) as host:
+            assert host.wait(timeout=30) == 2
+        assert "config fingerprint mismatch" in read(wlog) and "refused worker" in read(slog)
+        with run_worker_host(cfg, srv.address, procs=1, prefix=["env", "PP_SEED=1", "PP_WORKERS=3"]) as host:
+            srv.wait_workers(1)
+            with srv.client() as c:
+                got = collect(c.epoch(1))
+            assert host.poll() is None
+    monkeypatch.setenv("PP_SEED", "1")
+    assert_same_epoch(got, reference(cfg, 1))
+
+
+def test_a_worker_host_runs_the_config_it_loaded_after_the_file_was_edited(tmp_path):
+    """A host's worker process that dies is started again with the config the host loaded, not with
+    the file edited meanwhile (which the server would refuse)."""
+    cfg = numpy_config(tmp_path, SCALE_MAPPER, n=16, extra=FAST_HB)
+    want = reference(cfg, 1)
+    with run_server(cfg, workers=0, wait_workers=False) as srv:
+        with run_worker_host(cfg, srv.address, procs=1) as host:
+            srv.wait_workers(1)
+            with open(cfg) as f:
+                text = f.read()
+            with open(cfg, "w") as f:
+                f.write(text.replace('seq["data"] * rng.uniform(0.5, 1.5)', 'seq["data"] * 100'))
+            (old,) = children_of(host.pid)
+            os.kill(old, signal.SIGKILL)
+            wait_for(lambda: children_of(host.pid) not in ([], [old]), 20, "the host to start its worker again")
+            srv.wait_workers(1)
+            with srv.client() as c:
+                got = collect(c.epoch(1))
+            assert host.poll() is None
+    assert_same_epoch(got, want)
 
 
 def _worker_endpoint(srv) -> str:

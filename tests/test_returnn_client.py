@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
@@ -13,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import pytest
 from conftest import (
+    REPO,
     RETURNN_TRAINING,
     assert_same_epoch,
     children_of,
@@ -378,6 +380,57 @@ def test_a_returnn_training_reads_its_epochs_from_the_server(server, tmp_path):
         assert got == want, "batches came in epoch order, each holding consecutive seqs"
         assert all(1 <= len(b) <= 3 for b in batches[epoch])
     assert "sequences: 23" in out + open(str(tmp_path / "returnn.log")).read()
+
+
+DAEMON_CONFIG = """#!returnn.py
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shared
+from ppclient.returnn import ServerDataset
+
+train = {{
+    "class": ServerDataset,
+    "address": {address!r},
+    "dataset": {{"class": "DummyDataset", "input_dim": 3, "output_dim": 4, "num_seqs": 6, "seq_len": 4}},
+    "map_seq": shared.scale,
+}}
+"""
+# A trainer's start: RETURNN's global config, and its train dataset made from it.
+TRAINER = """
+import sys
+from returnn.config import Config, set_global_config
+from returnn.datasets.basic import init_dataset
+config = Config()
+config.load_file(sys.argv[1])
+set_global_config(config)
+print("keys", sorted(init_dataset(config.typed_value("train")).get_data_keys()))
+"""
+
+
+def test_a_trainer_whose_dict_the_server_does_not_serve_is_an_error_naming_both_fingerprints(tmp_path):
+    """`ppserver serve --returnn-config` ran on the file before its shared module was edited; a trainer
+    started on the edited file computes its dict's config fingerprint and stops at its first request."""
+    (tmp_path / "shared.py").write_text("def scale(tdict, **kwargs):\n    return tdict\n")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = write_config(tmp_path, DAEMON_CONFIG.format(address=address), name="train.config")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "client")])}
+
+    def trainer() -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-c", TRAINER, config]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+
+    with run_server(f"--returnn-config={config}", workers=1, bind=address, extra=["--dataset", "train"]) as srv:
+        with srv.client() as c:
+            served = c.info()["config_fingerprint"]
+        res = trainer()
+        assert res.returncode == 0 and "keys ['classes', 'data']" in res.stdout, res.stderr[-3000:]
+        (tmp_path / "shared.py").write_text("def scale(tdict, **kwargs):\n    return tdict\n\nEDITED = 1\n")
+        res = trainer()
+    assert res.returncode != 0
+    error = res.stderr.strip().splitlines()[-1]
+    assert f"serves another config than this trainer's 'train' dict: its config fingerprint is {served!r}" in error
+    theirs = re.search(r"this dict's is '([0-9a-f]+)'", error)
+    assert theirs and theirs.group(1) != served
 
 
 def test_the_dataset_reads_on_through_a_server_restart(tmp_path):

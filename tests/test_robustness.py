@@ -426,7 +426,7 @@ class FakeWorker:
 def _fingerprint(cfg: str) -> str:
     from ppserver.config.settings import load_config
 
-    return load_config(cfg).fingerprint
+    return load_config(cfg).worker_fingerprint
 
 
 @contextmanager

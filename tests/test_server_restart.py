@@ -22,6 +22,8 @@ from conftest import (
     STREAM_MAPPER,
     assert_data_path,
     assert_same_epoch,
+    change_fingerprint,
+    changing_config,
     children_of,
     collect,
     collect_with,
@@ -172,6 +174,26 @@ def test_a_server_with_another_config_at_the_address_is_an_error_naming_both(tmp
         it = c.epoch(1)
         next(it)
         service.restart_after(1.0, config=other)
+        service.join()
+        with ppclient.Client(service.address) as probe:
+            after = probe.info()["fingerprint"]
+        assert before != after
+        with pytest.raises(ppclient.Error, match="restarted with another config") as info:
+            collect(it)
+        assert before in str(info.value) and after in str(info.value)
+
+
+@pytest.mark.parametrize("change", ["seed from the environment", "dataset module"])
+def test_a_server_restarted_with_the_same_file_but_other_values_code_or_data_is_an_error(tmp_path, change):
+    """The config file is the same; the seed from the environment or a module it uses is not: the
+    restarted server is not taken for the same one (its seqs would differ). (The other changes of
+    FINGERPRINT_CHANGES change the same served fingerprint: test_client_misuse.py's resume test.)"""
+    cfg = changing_config(tmp_path, delay=0.04)
+    with restartable(cfg, tmp_path) as service, ppclient.Client(service.address, timeout=30) as c:
+        before = c.info()["fingerprint"]
+        it = c.epoch(1)
+        next(it)
+        service.restart_after(1.0, env=change_fingerprint(tmp_path, change))
         service.join()
         with ppclient.Client(service.address) as probe:
             after = probe.info()["fingerprint"]

@@ -170,7 +170,8 @@ class Client:
     # ---- API ----------------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
         """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, the
-        config fingerprint (what a resume state is checked against) and the config's batching."""
+        served fingerprint (what a resume state is checked against: the config's with the data files
+        its dataset reads), the config's own fingerprint and the config's batching."""
         reply = self._requests.ask(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
@@ -182,6 +183,7 @@ class Client:
             "version": reply.version,
             "protocol": protocol.PROTOCOL,
             "fingerprint": reply.fingerprint,
+            "config_fingerprint": reply.config_fingerprint,
             "batching": reply.batching,
         }
 

@@ -242,8 +242,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._raise(
                 Error(
                     f"the server at {client.address} restarted with another config: its fingerprint is "
-                    f"{info.fingerprint!r}, epoch {self.epoch} was read with {self.fingerprint!r} (the config, its "
-                    "mappers or ppserver differ), so the rest of the epoch would not be the same"
+                    f"{info.fingerprint!r}, epoch {self.epoch} was read with {self.fingerprint!r} (the config, "
+                    "its values, the modules it uses, its data files or ppserver differ), so the rest of the epoch "
+                    "would not be the same"
                 )
             )
         return info.instance != self._instance

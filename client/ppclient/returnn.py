@@ -44,7 +44,7 @@ from returnn.util.basic import OptionalNotImplementedError
 
 from . import endpoints
 from .client import Client, EpochIterator
-from .errors import UsageError
+from .errors import Error, UsageError
 from .wire import META_KEYS
 
 __all__ = ["ServerDataset", "config_entry", "returnn_dtype"]
@@ -110,7 +110,10 @@ class ServerDataset(CachedDataset2):
     `buf_size`) are served by a local ppserver started for this dataset of the RETURNN config
     (which the server loads too, for the same functions) and stopped with the trainer;
     `server_settings` adds other ppserver settings (e.g. ``{"worker_threads": 2}``). With
-    `address` those keys are for `ppserver serve --returnn-config` and not used here.
+    `address` those keys are for `ppserver serve --returnn-config` and not used here, but where
+    ppserver is installed they tell what the server should serve: its config fingerprint must be
+    the one of this dict in this process's RETURNN config file, or the first request is an Error
+    naming both (a daemon still serving the config as it was before an edit).
 
     `timeout`, `keys`, `drop_last` and `direct` are the Client's; `prefetch` is its `window` (the seqs
     the server may send ahead; RETURNN's Dataset already has an argument named `window`).
@@ -146,6 +149,7 @@ class ServerDataset(CachedDataset2):
                 "split it there (or ask for shorter epochs) instead"
             )
         super().__init__(**kwargs)
+        self._expect: Optional[Tuple[str, str]] = None  # (name, config fingerprint) the server must serve
         if address is None:
             if dataset is None:
                 raise UsageError(
@@ -153,6 +157,8 @@ class ServerDataset(CachedDataset2):
                     "('dataset', 'map_seq' or 'map_seq_stream', ...) for a local server"
                 )
             address = self._local_server(dataset, job)
+        elif dataset is not None:
+            self._expect = self._fingerprint_of(dataset)
         endpoints.check(address, "address")  # a bad address fails at config time, before any socket
         # Every argument is kept as `_<name>`: RETURNN's Dataset.__reduce__ builds the copy from them.
         self._address = address
@@ -190,6 +196,29 @@ class ServerDataset(CachedDataset2):
 
         # several shards in this process's training (torch_distributed): its ranks share one server
         return local_address(files[0], returnn_dataset=name, job=job, shared=self._num_shards > 1, say=say)
+
+    def _fingerprint_of(self, dataset: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+        """(name, config fingerprint) of this dataset's dict in this process's RETURNN config, as
+        `ppserver serve --returnn-config FILE --dataset NAME` computes it; None where this process
+        cannot tell (ppserver not installed, no single config file, the dict not found in it)."""
+        try:
+            from returnn.config import get_global_config
+
+            from ppserver.config.returnn import loaded_returnn_config
+            from ppserver.config.settings import read_source
+            from ppserver.errors import ConfigError
+        except ImportError:
+            return None
+        config = get_global_config(raise_exception=False)
+        files = list(getattr(config, "files", None) or [])
+        if config is None or len(files) != 1:
+            return None
+        try:
+            name = self._name_in(config.typed_dict, dataset)
+            path = files[0]
+            return name, loaded_returnn_config(path, read_source(path, "config"), config, name).fingerprint
+        except (UsageError, ConfigError):
+            return None
 
     def _name_in(self, config: Dict[str, Any], dataset: Dict[str, Any]) -> str:
         """The name the server finds this dataset's dict under: RETURNN's name for it, else any whose
@@ -266,12 +295,24 @@ class ServerDataset(CachedDataset2):
             else:
                 with self._new_client(0, 1) as client:
                     info = client.info()
+            self._check_serves(info)
             templates = {k: v for k, v in info["data_keys"].items() if k not in META_KEYS}
             self._info = {"templates": templates, "num_seqs": info.get("num_seqs")}
             self.num_outputs = {k: num_outputs_entry(t) for k, t in templates.items()}
             self.num_inputs = self.num_outputs["data"][0] if "data" in self.num_outputs else 0
             self.labels = {k: [str(s) for s in t["labels"]] for k, t in templates.items() if t.get("labels")}
         return self._info
+
+    def _check_serves(self, info: Dict[str, Any]) -> None:
+        """The server at the address must serve this dataset's dict as this process's config has it."""
+        expect = self._expect
+        if expect is not None and info.get("config_fingerprint") != expect[1]:
+            raise Error(
+                f"{self}: the server at {self._address} serves another config than this trainer's {expect[0]!r} "
+                f"dict: its config fingerprint is {info.get('config_fingerprint')!r}, this dict's is {expect[1]!r} "
+                "(the RETURNN config file, the local modules it uses or what the dict holds differ: restart the "
+                "server with this config)"
+            )
 
     def _template(self, key: str) -> Dict[str, Any]:
         templates = self._describe()["templates"]

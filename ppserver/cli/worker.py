@@ -7,10 +7,15 @@ import argparse
 import logging
 import os
 import signal
+import tempfile
 import time
+from typing import TYPE_CHECKING, Optional
 
 from ppserver.cli.output import fail_config, stdout_to_stderr
 from ppserver.cli.parser import config_source
+
+if TYPE_CHECKING:
+    from ppserver.config.table import Config
 
 log = logging.getLogger("ppserver.cli")
 
@@ -20,8 +25,6 @@ def run(args: argparse.Namespace) -> int:
     from ppserver.config.settings import load
     from ppserver.errors import ConfigError
     from ppserver.server.loop import setup_logging
-    from ppserver.worker.pool import EXIT_REFUSED, ProcessPool, worker_argv
-    from ppserver.worker.threads import thread_env
 
     stdout_to_stderr()  # a worker host prints nothing on stdout
     setup_logging("ppworker-host")
@@ -35,9 +38,25 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--procs", f"must be >= 1, got {args.procs}")
     except (ConfigError, UsageError) as exc:
         return fail_config("worker", exc)
-    config = os.path.abspath(path)
+    # the processes run the config as this host loaded it, also those started again after the file was edited
+    fd, snapshot = tempfile.mkstemp(prefix="ppworker-config-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(cfg.source)
+    try:
+        return _supervise(args, cfg, os.path.abspath(path), snapshot, returnn_dataset)
+    finally:
+        os.unlink(snapshot)
+
+
+def _supervise(args: argparse.Namespace, cfg: Config, path: str, snapshot: str, returnn_dataset: Optional[str]) -> int:
+    """Run the pool of worker processes until SIGTERM or SIGINT, or until the server refuses them."""
+    from ppserver.worker.pool import EXIT_REFUSED, ProcessPool, worker_argv
+    from ppserver.worker.threads import thread_env
+
     pool = ProcessPool(
-        lambda i: worker_argv(config, args.connect, index=i, keys=args.keys, returnn_dataset=returnn_dataset),
+        lambda i: worker_argv(
+            path, args.connect, index=i, keys=args.keys, returnn_dataset=returnn_dataset, config_source=snapshot
+        ),
         args.procs,
         name="worker",
         env=thread_env(cfg.worker_threads),

@@ -2,7 +2,13 @@
 every worker; checked at load (table.py declares the settings), and fingerprinted
 (fingerprint.py) so that all sides agree on what maps a seq."""
 
-from ppserver.config.fingerprint import FINGERPRINT_COVERS, fingerprint, local_modules
+from ppserver.config.fingerprint import (
+    FINGERPRINT_COVERS,
+    config_fingerprint,
+    local_modules,
+    served_fingerprint,
+    worker_fingerprint,
+)
 from ppserver.config.settings import from_settings, load, load_config
 from ppserver.config.table import KNOWN_KEYS, SETTINGS, Config
 
@@ -11,9 +17,11 @@ __all__ = [
     "KNOWN_KEYS",
     "SETTINGS",
     "Config",
-    "fingerprint",
+    "config_fingerprint",
     "from_settings",
     "load",
     "load_config",
     "local_modules",
+    "served_fingerprint",
+    "worker_fingerprint",
 ]

@@ -15,14 +15,18 @@ config), so their mappers are the very functions the trainer's config defines or
     dataset_random_seed_offset)
     server_settings (ServerDataset only)   -> any other ppserver setting (worker_threads, shm_mb, ...)
 
-The fingerprint covers the file, the local modules its values lead to and the dataset's name.
+The fingerprint covers the file, the local modules it uses, the dataset's name and what its
+dict evaluates to (fingerprint.py); a trainer that holds the loaded config computes the same
+(`loaded_returnn_config`) to tell whether a running server serves its dict.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import os
+from typing import Any, Dict, Optional
 
-from ppserver.config.settings import executing, from_settings, read_source
+from ppserver.config.fingerprint import RETURNN_CONFIG_MODULE
+from ppserver.config.settings import executing, from_settings, read_source, remember_source
 from ppserver.config.table import KNOWN_KEYS, Config, integer
 from ppserver.errors import ConfigError
 
@@ -36,8 +40,9 @@ POSTPROCESSING_KEYS = (
 DERIVED_KEYS = {"dataset", "mapper_api", "num_workers", "buf_size", "seed", *POSTPROCESSING_KEYS}
 
 
-def _load(path: str) -> Any:
-    """RETURNN's Config of the file, made the global config (as in the trainer); ConfigError in one line."""
+def _load(path: str, source: Optional[bytes] = None) -> Any:
+    """RETURNN's Config of the file (its content `source`, where given and snapshot_runs), made the
+    global config (as in the trainer); ConfigError in one line."""
     try:
         from returnn.config import Config as ReturnnConfig
         from returnn.config import set_global_config
@@ -45,7 +50,10 @@ def _load(path: str) -> Any:
         raise ConfigError("--returnn-config", f"needs RETURNN: pip install 'ppserver[returnn]' ({exc})") from None
     rc = ReturnnConfig()
     with executing(path, "--returnn-config"):
-        rc.load_file(path)
+        if source is not None and snapshot_runs(path, source):
+            _exec_source(rc, path, source)
+        else:
+            rc.load_file(path)
     set_global_config(rc)
     try:
         from returnn.util.basic import BehaviorVersion
@@ -54,6 +62,28 @@ def _load(path: str) -> Any:
     except Exception:  # set already (to the same value), or a RETURNN without it
         pass
     return rc
+
+
+def snapshot_runs(path: str, source: bytes) -> bool:
+    """Whether a RETURNN config's content can run without its file (a snapshot a server took at its
+    start): where RETURNN executes the file's Python directly. A config in RETURNN's other format,
+    or a module inside a package (RETURNN imports those), is loaded from its file."""
+    if not (path.endswith(".py") or source.lstrip().startswith(b"#!")):
+        return False
+    return not (path.endswith(".py") and os.path.exists(os.path.join(os.path.dirname(path) or ".", "__init__.py")))
+
+
+def _exec_source(rc: Any, path: str, source: bytes) -> None:
+    """What RETURNN's Config.load_file(path) does for a Python config, with the content given."""
+    from returnn import config as returnn_config
+    from returnn.util.basic import custom_exec
+
+    rc.files.append(path)
+    remember_source(path, source)
+    user_ns = rc.typed_dict
+    user_ns.update({"config": rc, "__file__": path, "__name__": RETURNN_CONFIG_MODULE})
+    custom_exec(source.decode("utf8").strip(), path, user_ns, user_ns)
+    returnn_config._global_config_as_py_module_proxy_setup()
 
 
 def _is_postprocessing(cls: Any) -> bool:
@@ -68,10 +98,18 @@ def _is_postprocessing(cls: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, (PostprocessingDataset, ServerDataset))
 
 
-def load_returnn_config(path: str, name: str) -> Config:
-    """The settings of dataset `name` of the RETURNN config at `path`; raises ConfigError."""
-    source = read_source(path, "--returnn-config")
-    rc = _load(path)
+def load_returnn_config(path: str, name: str, source: Optional[bytes] = None) -> Config:
+    """The settings of dataset `name` of the RETURNN config at `path`; raises ConfigError.
+    `source`: the content the fingerprint covers, if not the file's now (RETURNN reads the file)."""
+    if source is None or not snapshot_runs(path, source):
+        source = read_source(path, "--returnn-config")
+        return loaded_returnn_config(path, source, _load(path), name)
+    return loaded_returnn_config(path, source, _load(path, source), name)
+
+
+def loaded_returnn_config(path: str, source: bytes, rc: Any, name: str) -> Config:
+    """The settings of dataset `name` of RETURNN config `rc`, loaded from `path` whose content was
+    `source` (a trainer's global config, or one _load made); raises ConfigError."""
     from ppclient.returnn import config_entry
 
     try:

@@ -11,6 +11,7 @@ import __future__
 
 import contextlib
 import difflib
+import linecache
 import os
 import re
 import sys
@@ -18,7 +19,7 @@ import types
 from dataclasses import MISSING
 from typing import Any, Dict, Iterator, Optional
 
-from ppserver.config.fingerprint import fingerprint
+from ppserver.config.fingerprint import CONFIG_MODULE, config_fingerprint, worker_fingerprint
 from ppserver.config.table import KNOWN_KEYS, SETTINGS, Config
 from ppserver.errors import ConfigError, Stopped, one_line
 
@@ -28,23 +29,27 @@ __all__ = ["KNOWN_KEYS", "Config", "executing", "from_settings", "load", "load_c
 _FUNCTION_SETTINGS = ("map_seq", "map_seq_stream", "batch_length")
 
 
-def load(path: str, returnn_dataset: Optional[str] = None) -> Config:
-    """A ppserver config, or (`returnn_dataset` given) that dataset of a RETURNN config."""
+def load(path: str, returnn_dataset: Optional[str] = None, source: Optional[bytes] = None) -> Config:
+    """A ppserver config, or (`returnn_dataset` given) that dataset of a RETURNN config; `source`:
+    the file's content as it was when a running server loaded it (else it is read now)."""
     if returnn_dataset is None:
-        return load_config(path)
+        return load_config(path, source)
     from ppserver.config.returnn import load_returnn_config
 
-    return load_returnn_config(path, returnn_dataset)
+    return load_returnn_config(path, returnn_dataset, source)
 
 
-def load_config(path: str) -> Config:
-    """Execute the config file and return the checked settings; raises ConfigError."""
-    source = read_source(path, "config")
-    namespace: Dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__ppserver_config__"}
+def load_config(path: str, source: Optional[bytes] = None) -> Config:
+    """Execute the config file (`source`: its content, if not read now) and return the checked
+    settings; raises ConfigError."""
+    if source is None:
+        source = read_source(path, "config")
+    namespace: Dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": CONFIG_MODULE}
     # Modules next to the config import as they would in RETURNN ("mymod:MyDataset", helpers).
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    remember_source(path, source)
     with executing(path, "config"):
         exec(compile(source, path, "exec"), namespace)
     settings = {k: v for k, v in namespace.items() if k != "__builtins__" and not _is_helper(k, v)}
@@ -63,7 +68,8 @@ def from_settings(
     salt: bytes = b"",
 ) -> Config:
     """Check settings (table.py runs each setting's check, in its order); `source` (the config file),
-    `namespace` (the whole config, helpers included) and `salt` decide the fingerprint."""
+    `namespace` (the whole config, helpers included), `salt` and the values of the settings that
+    decide outputs make the fingerprints."""
     if "dataset" not in settings:
         raise ConfigError("dataset", "missing: set dataset = {'class': ..., ...}")
     checked: Dict[str, Any] = {}
@@ -72,7 +78,17 @@ def from_settings(
         checked[s.name] = s.check(s.key, value, checked)
     mappers = [checked["map_seq"], checked["map_seq_stream"], checked["batch_length"]]
     roots = (namespace or settings).values()
-    return Config(path=path, fingerprint=fingerprint(source, mappers, roots, salt), **checked)
+    values = {s.name: checked[s.name] for s in SETTINGS if s.outputs and s.name != "dataset"}
+    if checked["map_seq_stream"] is not None:  # its partitions are num_workers' unless set
+        values["stream_partitions"] = checked["stream_partitions"] or checked["num_workers"]
+    worker = worker_fingerprint(source, mappers, roots, salt, values)
+    return Config(
+        path=path,
+        fingerprint=config_fingerprint(worker, checked["dataset"]),
+        worker_fingerprint=worker,
+        source=source,
+        **checked,
+    )
 
 
 def read_source(path: str, key: str) -> bytes:
@@ -82,6 +98,13 @@ def read_source(path: str, key: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise ConfigError(key, f"{path!r} cannot be read: {exc.strerror}") from None
+
+
+def remember_source(path: str, source: bytes) -> None:
+    """Make `source` what Python shows as the lines of file `path` (inspect.getsource of the
+    config's functions, tracebacks): the content that runs, even where the file was edited since."""
+    lines = source.decode("utf8", "replace").splitlines(keepends=True)
+    linecache.cache[path] = (len(source), None, lines, path)  # no mtime: never checked against the file
 
 
 @contextlib.contextmanager

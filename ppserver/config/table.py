@@ -38,11 +38,22 @@ class Setting:
     check: Check
     doc: str
     shown: str  # the default as docs/config.md shows it
+    outputs: bool  # its value may change what is served (the fingerprint covers it)
 
 
-def setting(default: Any, check: Check, doc: str, *, key: Optional[str] = None, shown: Optional[str] = None) -> Any:
-    """A Config field that is a setting (`key`: its name in the config file, if not the field's)."""
-    meta = {"check": check, "doc": doc, "key": key, "shown": shown}
+def setting(
+    default: Any,
+    check: Check,
+    doc: str,
+    *,
+    key: Optional[str] = None,
+    shown: Optional[str] = None,
+    outputs: bool = True,
+) -> Any:
+    """A Config field that is a setting (`key`: its name in the config file, if not the field's;
+    `outputs=False`: a resource or timing setting that never changes what is served, so hosts
+    may differ in it and the fingerprint leaves it out)."""
+    meta = {"check": check, "doc": doc, "key": key, "shown": shown, "outputs": outputs}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -202,8 +213,10 @@ def _batch_length(key: str, value: Any, checked: Dict[str, Any]) -> Callable:
 # ---- the table ------------------------------------------------------------------------------
 @dataclass
 class Config:
-    """The checked config: `path` and `fingerprint` describe it, `returnn_dataset` is set when `path`
-    is a RETURNN config (this the dataset served); every other field is a setting."""
+    """The checked config: `path` and its `source` (the bytes it was loaded from) say where it
+    comes from, `fingerprint` and `worker_fingerprint` describe it (fingerprint.py),
+    `returnn_dataset` is set when `path` is a RETURNN config (this the dataset served); every
+    other field is a setting."""
 
     path: str
     fingerprint: str
@@ -226,31 +239,48 @@ class Config:
         "templates the outputs are checked against",
         shown="what the mappers declare, else the dataset's keys",
     )
-    direct_results: bool = setting(True, boolean, "map_seq results go from workers to clients without the server")
-    shm_mb: int = setting(64, integer(0, MAX_SHM_MB), "MiB of shared memory per worker and direction (0: none)")
-    buf_size: int = setting(1, integer(1), "seqs (or batches) in flight per worker")
-    num_workers: int = setting(1, integer(1), "local worker processes")
+    direct_results: bool = setting(
+        True, boolean, "map_seq results go from workers to clients without the server", outputs=False
+    )
+    shm_mb: int = setting(
+        64, integer(0, MAX_SHM_MB), "MiB of shared memory per worker and direction (0: none)", outputs=False
+    )
+    buf_size: int = setting(1, integer(1), "seqs (or batches) in flight per worker", outputs=False)
+    num_workers: int = setting(1, integer(1), "local worker processes", outputs=False)
     seed: int = setting(0, integer(0), "seeds the mappers' rngs and offsets the datasets' orderings")
     stream_partitions: Optional[int] = setting(
         None, stream_only(optional(integer(1))), "independent streams of map_seq_stream", shown="num_workers"
     )
-    heartbeat_interval: float = setting(1.0, number(), "seconds between heartbeats")
-    heartbeat_timeout: float = setting(5.0, _heartbeat_timeout, "seconds of silence after which a peer is lost")
-    max_seq_retries: int = setting(3, integer(1), "workers a seq may be on when they die before its epoch fails")
-    max_message_bytes: int = setting(1 << 30, integer(1024), "largest frame on the worker socket", shown="1 GiB")
+    heartbeat_interval: float = setting(1.0, number(), "seconds between heartbeats", outputs=False)
+    heartbeat_timeout: float = setting(
+        5.0, _heartbeat_timeout, "seconds of silence after which a peer is lost", outputs=False
+    )
+    max_seq_retries: int = setting(
+        3, integer(1), "workers a seq may be on when they die before its epoch fails", outputs=False
+    )
+    max_message_bytes: int = setting(
+        1 << 30, integer(1024), "largest frame on the worker socket", shown="1 GiB", outputs=False
+    )
     max_request_bytes: int = setting(
         wire.MAX_HEADER_BYTES,
         integer(1024, wire.MAX_HEADER_BYTES),
         "largest frame on the control socket",
         shown="1 MiB",
+        outputs=False,
     )
-    progress_interval: float = setting(30.0, number(zero=True), "seconds between progress lines (0: none)")
+    progress_interval: float = setting(
+        30.0, number(zero=True), "seconds between progress lines (0: none)", outputs=False
+    )
     batching: Optional[Batching] = setting(None, optional(_batching), "how epochs are cut into batches by default")
     batch_length: Optional[Callable] = setting(
         None, optional(_batch_length), "batch_length(seq) -> int: a read seq's length", shown="its length_key's"
     )
-    worker_threads: int = setting(1, integer(1), "threads of numpy's, torch's, ... pools per worker process")
+    worker_threads: int = setting(
+        1, integer(1), "threads of numpy's, torch's, ... pools per worker process", outputs=False
+    )
     returnn_dataset: Optional[str] = None
+    worker_fingerprint: str = ""
+    source: bytes = dataclasses.field(default=b"", repr=False)
 
     @property
     def is_stream(self) -> bool:
@@ -272,7 +302,8 @@ def _table() -> Tuple[Setting, ...]:
         if "check" in f.metadata:
             meta = f.metadata
             shown = meta["shown"] or repr(f.default)
-            rows.append(Setting(meta["key"] or f.name, f.name, f.default, meta["check"], meta["doc"], shown))
+            key = meta["key"] or f.name
+            rows.append(Setting(key, f.name, f.default, meta["check"], meta["doc"], shown, meta["outputs"]))
     return tuple(rows)
 
 

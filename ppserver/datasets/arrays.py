@@ -133,10 +133,12 @@ class NumpyDataset(Dataset):
         if (seqs is None) == (path is None):
             raise ConfigError("seqs", "give exactly one of 'seqs' or 'path'")
         file_tags = None
+        self._files: List[str] = []
         if path is not None:
             if not isinstance(path, (str, os.PathLike)):
                 raise ConfigError("path", f"must be a file path, got {type(path).__name__}")
             seqs, file_tags = load_npz(path)
+            self._files.append(os.fspath(path))
         self._seqs = _validate_seqs(seqs)
         n = len(self._seqs)
         if tags is None:
@@ -147,6 +149,9 @@ class NumpyDataset(Dataset):
 
     def _num_corpus_seqs(self) -> int:
         return len(self._seqs)
+
+    def data_files(self) -> List[str]:
+        return list(self._files)  # inline seqs are the dataset dict's, covered by the config fingerprint
 
     def _load(self, corpus_idx: int) -> Dict[str, np.ndarray]:
         # Read-only views: the server sends them without copying, and nothing may change the corpus

@@ -7,6 +7,7 @@ A seq is a plain dict of data keys -> numpy arrays plus the meta entries
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
@@ -66,8 +67,9 @@ class Dataset:
     Hooks (docs/datasets.md; all called from the server's reader thread, one at a time):
     ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
     ``_seq_len(corpus_idx)`` (the default loads the seq), ``_key_lens(key)`` (lengths known
-    up front: batches are cut before reading), ``seq_durations()``, ``_corpus_idx_for_tag(tag)``
-    and ``_compute_data_keys()`` (the default loads the whole corpus once). The arrays ``_load``
+    up front: batches are cut before reading), ``seq_durations()``, ``_corpus_idx_for_tag(tag)``,
+    ``_compute_data_keys()`` (the default loads the whole corpus once) and ``data_files()`` or
+    ``identity()`` (what the served fingerprint covers of the data). The arrays ``_load``
     returns are sent without a copy: return fresh arrays or views of data that never changes,
     not a buffer that the next call overwrites.
     """
@@ -126,6 +128,17 @@ class Dataset:
         """Every corpus seq's duration in seconds (float64), where the dataset knows them without
         reading the seqs (a manifest of audio files says them); None: not known."""
         return None
+
+    def data_files(self) -> List[str]:
+        """The files the seqs are read from, where the dataset knows them ([]: none known)."""
+        return []
+
+    def identity(self) -> Any:
+        """What the server's fingerprint covers of the data beyond the dataset dict, so that a resume
+        state or a restarted server's clients notice data that changed: by default each of
+        data_files()'s absolute path, size and mtime_ns (cheap: no file is read). Override it for
+        data that is not files (a database's version); a JSON-like value, equal while the data is."""
+        return [file_stamp(path) for path in self.data_files()]
 
     # ---- corpus ------------------------------------------------------------------------------
 
@@ -265,6 +278,16 @@ class Dataset:
     def iterate(self) -> Iterator[Dict[str, Any]]:
         for pos in range(self.num_seqs):
             yield self.get_seq(pos)
+
+
+def file_stamp(path: Any) -> List[Any]:
+    """[absolute path, size, mtime_ns] of a file ([path, None, None] if it cannot be stat'ed)."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [path, None, None]
+    return [path, st.st_size, st.st_mtime_ns]
 
 
 def describe_arrays(seqs: Iterable[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:

@@ -138,6 +138,9 @@ class HDFDataset(Dataset):
             raise ConfigError("files", f"no seqs in {', '.join(map(repr, self.files))}")
         self._seq_lens_cache = np.concatenate([np.diff(f.starts[:, 0]) for f in self._files]).astype(np.int64)
 
+    def data_files(self) -> List[str]:
+        return list(self.files)
+
     def _add_file(self, h5py_module: Any, path: str) -> None:
         try:
             h5 = h5py_module.File(path, "r")

@@ -25,6 +25,7 @@ cost of a replay at most a few passes over the prefix. Random-access datasets
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import nullcontext
 from typing import Any, ContextManager, Dict, List, Optional
 
@@ -124,6 +125,23 @@ class ReturnnDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"ReturnnDataset({type(self.ds).__name__})"
+
+    def data_files(self) -> List[str]:
+        """The files the RETURNN dataset dict names: every string in it (nested dicts and lists
+        included) that is the path of an existing file. RETURNN's datasets take their files under
+        many keys (files, path, ...); a file found some other way (a folder listed, a file list
+        read) is not seen."""
+        out: List[str] = []
+        stack: List[Any] = [self.spec]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+            elif isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
+                out.append(os.fspath(value))
+        return sorted(set(out))
 
     # ---- description ------------------------------------------------------------------------
     def data_keys(self) -> Dict[str, Dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ppclient import protocol
 from ppclient.batching import Batching
 from ppclient.errors import UsageError
+from ppserver.config.fingerprint import SERVED_COVERS
 from ppserver.config.settings import Config
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
@@ -135,10 +136,11 @@ class Control:
             return "give at most one of seq_list and seq_order"
         if msg.fingerprint == "":
             return "the resume state has no config fingerprint (EpochIterator.state_dict() always gives one)"
-        if msg.fingerprint is not None and msg.fingerprint != self.cfg.fingerprint:
+        served = self.sched.settings.fingerprint
+        if msg.fingerprint is not None and msg.fingerprint != served:
             return (
                 f"the resume state was made with config fingerprint {msg.fingerprint!r}; this server runs "
-                f"{self.cfg.fingerprint!r} (the config, its mappers or ppserver differ)"
+                f"{served!r} ({SERVED_COVERS} differ)"
             )
         if not msg.timeout > 0:
             return "timeout must be > 0"

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ppclient import protocol
 from ppclient.protocol import Channel, Decoded, Peer
 from ppclient.throttle import Throttled
-from ppserver.config.fingerprint import FINGERPRINT_COVERS
+from ppserver.config.fingerprint import WORKER_COVERS
 from ppserver.scheduler import Scheduler
 from ppserver.scheduler import events as ev
 from ppserver.transport.inputs import WorkerInputs
@@ -126,7 +126,7 @@ class FromWorkers:
         if hello.fingerprint != self.fingerprint:
             reason = (
                 f"config fingerprint mismatch: worker has {hello.fingerprint[:32]!r}, server has "
-                f"{self.fingerprint!r} ({FINGERPRINT_COVERS} differ)"
+                f"{self.fingerprint!r} ({WORKER_COVERS} differ)"
             )
             log.error("refused worker %s pid %s: %s", hello.host[:255], hello.pid, reason)
             self.send([wid, *protocol.encode(protocol.Refuse(reason=reason))])

@@ -33,6 +33,7 @@ from ppclient import endpoints, keyfiles, protocol
 from ppclient.batching import default_length_key
 from ppclient.protocol import Channel, Peer
 from ppclient.throttle import Throttled
+from ppserver.config.fingerprint import served_fingerprint
 from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError, Stopped, one_line
@@ -72,8 +73,9 @@ READER_STOP_S = 1.0
 CONTROL_FRAMES = 3
 
 
-def scheduler_settings(cfg: Config) -> Settings:
-    """The scheduler's settings: the config's, and this server process's id."""
+def scheduler_settings(cfg: Config, fingerprint: Optional[str] = None) -> Settings:
+    """The scheduler's settings: the config's, this server's `fingerprint` (the served one:
+    the config's with its dataset's identity) and this server process's id."""
     return Settings(
         buf_size=cfg.buf_size,
         max_seq_retries=cfg.max_seq_retries,
@@ -83,7 +85,7 @@ def scheduler_settings(cfg: Config) -> Settings:
         partitions=cfg.partitions,
         preserves_num_seqs=cfg.counts_seqs,
         direct=cfg.direct_results and not cfg.is_stream,
-        fingerprint=cfg.fingerprint,
+        fingerprint=cfg.fingerprint if fingerprint is None else fingerprint,
         instance=os.urandom(8).hex(),
     )
 
@@ -111,7 +113,8 @@ class Server:
         # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
         self.out_templates = output_templates(cfg, self.in_templates)
-        self.sched = Scheduler(scheduler_settings(cfg))
+        self.fingerprint = served_fingerprint(cfg.fingerprint, _identity(self.dataset))
+        self.sched = Scheduler(scheduler_settings(cfg, self.fingerprint))
         self.ctx = zmq.Context()
         self.malformed = Throttled(log, "dropped a malformed message")
         self.refused = Throttled(log, "refused a connection")
@@ -149,7 +152,7 @@ class Server:
         self.junk = sockets.Junk(self.malformed)
         self.inputs = WorkerInputs(cfg.shm_mb, cfg.is_stream, lambda frames: sockets.send(self.workers_sock, frames))
         self.from_workers = FromWorkers(
-            fingerprint=cfg.fingerprint,
+            fingerprint=cfg.worker_fingerprint,
             templates=self.out_templates,
             input_templates=self.in_templates,
             sched=self.sched,
@@ -172,11 +175,17 @@ class Server:
     # ---- lifecycle ----------------------------------------------------------------------------
     def start_local_workers(self, n: int) -> None:
         """Local workers reach the worker socket over a Unix socket where one fits: cheaper than
-        loopback TCP for large seqs."""
+        loopback TCP for large seqs. They run the config as this server loaded it (a snapshot in a
+        private directory), so a worker respawned after the file was edited on disk (the next
+        experiment prepared) runs this server's config, not the edited one."""
         if n <= 0:
             return
         connect = endpoints.reachable(self.address, self.address)
-        local = self._local_worker_endpoint()
+        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
+        snapshot = os.path.join(self.ipc_dir, "config-source")
+        with open(snapshot, "wb") as f:
+            f.write(self.cfg.source)
+        local = self._local_worker_endpoint(self.ipc_dir)
         self.pool = ProcessPool(
             lambda i: worker_argv(
                 self.cfg.path,
@@ -186,6 +195,7 @@ class Server:
                 worker_endpoint=local,
                 local=True,
                 returnn_dataset=self.cfg.returnn_dataset,
+                config_source=snapshot,
             ),
             n,
             name="local worker",
@@ -193,17 +203,14 @@ class Server:
         )
         self.pool.start()
 
-    def _local_worker_endpoint(self) -> str:
-        """Where local workers connect: the worker socket's own Unix socket, else one bound in a
-        private temp directory, else (a temp path too long for a Unix socket) loopback TCP."""
+    def _local_worker_endpoint(self, private: str) -> str:
+        """Where local workers connect: the worker socket's own Unix socket, else one bound in the
+        private directory, else (a temp path too long for a Unix socket) loopback TCP."""
         if self.worker_address.startswith("ipc://"):
             return self.worker_address
-        self.ipc_dir = tempfile.mkdtemp(prefix="ppserver-")
-        if endpoints.ipc_fits(f"{self.ipc_dir}/workers"):
-            self.workers_sock.bind(f"ipc://{self.ipc_dir}/workers")
-            return f"ipc://{self.ipc_dir}/workers"
-        os.rmdir(self.ipc_dir)
-        self.ipc_dir = None
+        if endpoints.ipc_fits(f"{private}/workers"):
+            self.workers_sock.bind(f"ipc://{private}/workers")
+            return f"ipc://{private}/workers"
         if endpoints.is_loopback(self.worker_address):
             return self.worker_address
         self.workers_sock.bind("tcp://127.0.0.1:0")
@@ -347,7 +354,8 @@ class Server:
             "stream_partitions": self.cfg.partitions if self.cfg.is_stream else None,
             "buf_size": self.cfg.buf_size,
             "version": ppclient.__version__,
-            "fingerprint": self.cfg.fingerprint,
+            "fingerprint": self.fingerprint,
+            "config_fingerprint": self.cfg.fingerprint,
             "instance": self.sched.settings.instance,
             "batching": None if self.cfg.batching is None else self.cfg.batching.to_dict(),
         }
@@ -416,6 +424,15 @@ def stop_on_signals() -> None:
 
     signal.signal(signal.SIGTERM, _stopped)
     signal.signal(signal.SIGINT, _stopped)
+
+
+def _identity(dataset: Any) -> Any:
+    """What the served fingerprint covers of the dataset's data (Dataset.identity())."""
+    identity = getattr(dataset, "identity", None)
+    try:
+        return identity() if identity is not None else None
+    except Exception as exc:
+        raise ConfigError("dataset", f"{type(dataset).__name__}.identity() failed: {one_line(exc)}") from None
 
 
 def serve(

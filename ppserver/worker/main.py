@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import zmq
 
 from ppclient import UsageError, endpoints, keyfiles, protocol
-from ppserver.config.settings import Config, load
+from ppserver.config.settings import Config, load, read_source
 from ppserver.errors import ConfigError
 from ppserver.mappers.api import Mappers, mappers_for
 from ppserver.worker.clock import heartbeat_stats
@@ -57,7 +57,7 @@ class Worker:
         self.session = Session(
             self.ctx,
             connect=connect,
-            fingerprint=cfg.fingerprint,
+            fingerprint=cfg.worker_fingerprint,
             heartbeat_interval=cfg.heartbeat_interval,
             heartbeat_timeout=cfg.heartbeat_timeout,
             keys=keys,
@@ -228,6 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--local", action="store_true", help="a local worker of the server (reported by --index)")
     parser.add_argument("--worker-endpoint", default=None, help="skip discovery: the server's worker socket")
     parser.add_argument("--returnn-dataset", default=None, help="CONFIG is a RETURNN config: serve this dataset of it")
+    parser.add_argument("--config-source", default=None, help="run this file as CONFIG: a snapshot")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
@@ -239,7 +240,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.worker_endpoint:
             endpoints.check(args.worker_endpoint, "--worker-endpoint")
         keys = keyfiles.client_keys(args.keys) if args.keys else None
-        cfg: Config = load(args.config, args.returnn_dataset)
+        source = read_source(args.config_source, "--config-source") if args.config_source else None
+        cfg: Config = load(args.config, args.returnn_dataset, source)
     except (ConfigError, UsageError) as exc:
         print(f"ppserver worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED

@@ -141,12 +141,17 @@ def worker_argv(
     worker_endpoint: Optional[str] = None,
     local: bool = False,
     returnn_dataset: Optional[str] = None,
+    config_source: Optional[str] = None,
 ) -> List[str]:
     """How a worker process is started; `local`: one of the server's own (its exit is reported by index);
-    `returnn_dataset`: the config is a RETURNN config, and this the dataset in it."""
+    `returnn_dataset`: the config is a RETURNN config, and this the dataset in it; `config_source`: a
+    file with the config's content as its starter loaded it, run instead of what `config_path` holds
+    now (so a worker started after the file was edited runs the same config as the others)."""
     argv = [sys.executable, "-m", "ppserver.worker", config_path, "--connect", connect, "--index", str(index)]
     if returnn_dataset is not None:
         argv += ["--returnn-dataset", returnn_dataset]
+    if config_source is not None:
+        argv += ["--config-source", config_source]
     if keys:
         argv += ["--keys", keys]
     if worker_endpoint:

@@ -162,7 +162,8 @@ class InfoReply(Message):
     stream_partitions: Optional[int] = None
     buf_size: int = 1
     version: str = ""
-    fingerprint: str = ""
+    fingerprint: str = ""  # the served one: resume states are checked against it
+    config_fingerprint: str = ""  # the config's alone, as whoever holds the config computes it
     instance: str = ""
     batching: Optional[Dict[str, Any]] = None  # the config's default batching (None: one seq at a time)
 
