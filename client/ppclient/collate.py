@@ -13,7 +13,7 @@ output and the trainer.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy
 
@@ -39,10 +39,25 @@ class Column(NamedTuple):
     lengths: Optional[List[int]]
 
 
+def colliding(keys: Iterable[str]) -> Optional[str]:
+    """The first key that ends in LENGTHS (None: none): a padded key's lengths travel under such
+    a name, so a batching job's data may have no key of its own named so."""
+    return next((key for key in keys if key.endswith(LENGTHS)), None)
+
+
 def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
     """The padded arrays of a batch, keys in the first seq's order; BatchError naming the seq
-    whose arrays do not fit the first one's."""
+    whose arrays do not fit the first one's, or that has a key ending in LENGTHS."""
     first = seqs[0]
+    for seq in seqs:
+        key = colliding(seq)
+        if key is not None:
+            raise BatchError(
+                f"batch: seq {seq.get('seq_tag')!r} has array {key!r}: a key ending in {LENGTHS!r} names the "
+                "lengths of a padded key in a batch (rename it)",
+                seq.get("seq_tag"),
+            )
+    head = f"seq {first.get('seq_tag')!r}, the batch's first,"  # each error names both seqs
     columns = []
     for key, value in first.items():
         if key in META_KEYS:
@@ -53,11 +68,13 @@ def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
         for seq in seqs:
             array = seq.get(key)
             if not isinstance(array, numpy.ndarray):
-                raise BatchError(f"batch: seq has no array {key!r}, the batch's first seq has", seq.get("seq_tag"))
+                raise BatchError(
+                    f"batch: seq {seq.get('seq_tag')!r} has no array {key!r}, {head} has", seq.get("seq_tag")
+                )
             if array.ndim != value.ndim or array.shape[1:] != trailing:
                 raise BatchError(
-                    f"batch: {key!r} has shape {array.shape}, the batch's first seq has {value.shape}: only the first "
-                    "axis may differ",
+                    f"batch: {key!r} of seq {seq.get('seq_tag')!r} has shape {array.shape}, {head} has {value.shape}: "
+                    "only the first axis may differ",
                     seq.get("seq_tag"),
                 )
             if array.dtype != dtype:
@@ -65,7 +82,8 @@ def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
                     dtype = max(dtype, array.dtype, key=lambda d: d.itemsize)  # the longest string fits all
                 else:
                     raise BatchError(
-                        f"batch: {key!r} has dtype {array.dtype}, the batch's first seq has {value.dtype}",
+                        f"batch: {key!r} of seq {seq.get('seq_tag')!r} has dtype {array.dtype}, "
+                        f"{head} has {value.dtype}",
                         seq.get("seq_tag"),
                     )
             if value.ndim:
@@ -77,7 +95,9 @@ def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
     extra = [k for seq in seqs for k in seq if k not in META_KEYS and k not in first]
     if extra:
         seq = next(s for s in seqs if extra[0] in s)
-        raise BatchError(f"batch: seq has array {extra[0]!r}, the batch's first seq has not", seq.get("seq_tag"))
+        raise BatchError(
+            f"batch: seq {seq.get('seq_tag')!r} has array {extra[0]!r}, {head} has not", seq.get("seq_tag")
+        )
     return columns
 
 
@@ -102,7 +122,12 @@ def fill(
             row = dest[i]
             row[:n] = seq[key]
             if n < longest:
-                row[n:] = value
+                try:
+                    row[n:] = value
+                except (OverflowError, ValueError, TypeError):
+                    raise BatchError(
+                        f"batch: pad value {value!r} of {key!r} does not fit its dtype {col.dtype}"
+                    ) from None
         out[key + LENGTHS][...] = col.lengths
 
 
