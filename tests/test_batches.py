@@ -332,6 +332,25 @@ def test_stream_outputs_are_cut_into_batches_the_client_pads():
     assert end.msg.count == 2  # batches
 
 
+@pytest.mark.unit
+def test_a_stream_batch_whose_outputs_cannot_be_padded_fails_the_run_for_every_rank_naming_the_seqs():
+    sim = BatchSim(world=2, stream=True)
+    run = sim.start(None)
+    sim(ev.WorkerJoined, b"w", "host", 1)
+    (opened,) = to_workers(sim.out, protocol.StreamOpen)
+    outputs = [
+        protocol.seq_to_item({"data": np.zeros((2, d), "f4"), "seq_tag": f"o{k}"}, k)
+        for k, d in enumerate([3, 3, 3, 4])
+    ]
+    sim(ev.StreamOutputsReceived, b"w", run, 0, opened.msg.incarnation, outputs, [])
+    failed = to_clients(sim.out, protocol.RunFailed)
+    assert sorted(f.consumer for f in failed) == [b"r0", b"r1"]  # as a map_seq batch that fails: every rank
+    msg = failed[0].msg
+    assert msg.failure == protocol.FailureKind.MAPPER.value and msg.seq_tag == "o3"
+    assert "batch 1: batch: 'data' of seq 'o3' has shape (2, 4), seq 'o2', the batch's first, has (2, 3)" in msg.message
+    assert run not in sim.s.runs
+
+
 # ---- real services ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

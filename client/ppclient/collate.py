@@ -13,7 +13,7 @@ output and the trainer.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
@@ -45,59 +45,69 @@ def colliding(keys: Iterable[str]) -> Optional[str]:
     return next((key for key in keys if key.endswith(LENGTHS)), None)
 
 
+Shapes = Dict[str, Any]  # a seq's arrays as (dtype, shape) by key, meta entries left out
+
+
 def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
     """The padded arrays of a batch, keys in the first seq's order; BatchError naming the seq
     whose arrays do not fit the first one's, or that has a key ending in LENGTHS."""
-    first = seqs[0]
-    for seq in seqs:
-        key = colliding(seq)
+    return layout_of(
+        [
+            (
+                seq.get("seq_tag"),
+                {k: (v.dtype, v.shape) for k, v in seq.items() if k not in META_KEYS and isinstance(v, numpy.ndarray)},
+            )
+            for seq in seqs
+        ]
+    )
+
+
+def layout_of(seqs: Sequence[Tuple[Optional[str], Shapes]]) -> List[Column]:
+    """layout() of the seqs' (tag, {key: (dtype, shape)}): what a server that holds only the
+    arrays' descriptions checks of a batch its client will pad."""
+    for tag, shapes in seqs:
+        key = colliding(shapes)
         if key is not None:
             raise BatchError(
-                f"batch: seq {seq.get('seq_tag')!r} has array {key!r}: a key ending in {LENGTHS!r} names the "
-                "lengths of a padded key in a batch (rename it)",
-                seq.get("seq_tag"),
+                f"batch: seq {tag!r} has array {key!r}: a key ending in {LENGTHS!r} names the lengths of a padded "
+                "key in a batch (rename it)",
+                tag,
             )
-    head = f"seq {first.get('seq_tag')!r}, the batch's first,"  # each error names both seqs
+    head = f"seq {seqs[0][0]!r}, the batch's first,"  # each error names both seqs
+    first = seqs[0][1]
     columns = []
-    for key, value in first.items():
-        if key in META_KEYS:
-            continue
-        dtype = value.dtype
-        trailing = value.shape[1:]
+    for key, (first_dtype, first_shape) in first.items():
+        dtype = first_dtype
+        ndim, trailing = len(first_shape), tuple(first_shape[1:])
         lengths = []
-        for seq in seqs:
-            array = seq.get(key)
-            if not isinstance(array, numpy.ndarray):
+        for tag, shapes in seqs:
+            spec = shapes.get(key)
+            if spec is None:
+                raise BatchError(f"batch: seq {tag!r} has no array {key!r}, {head} has", tag)
+            seq_dtype, shape = spec
+            if len(shape) != ndim or tuple(shape[1:]) != trailing:
                 raise BatchError(
-                    f"batch: seq {seq.get('seq_tag')!r} has no array {key!r}, {head} has", seq.get("seq_tag")
-                )
-            if array.ndim != value.ndim or array.shape[1:] != trailing:
-                raise BatchError(
-                    f"batch: {key!r} of seq {seq.get('seq_tag')!r} has shape {array.shape}, {head} has {value.shape}: "
+                    f"batch: {key!r} of seq {tag!r} has shape {tuple(shape)}, {head} has {tuple(first_shape)}: "
                     "only the first axis may differ",
-                    seq.get("seq_tag"),
+                    tag,
                 )
-            if array.dtype != dtype:
-                if array.dtype.kind in "US" and array.dtype.kind == dtype.kind:
-                    dtype = max(dtype, array.dtype, key=lambda d: d.itemsize)  # the longest string fits all
+            if seq_dtype != dtype:
+                if seq_dtype.kind in "US" and seq_dtype.kind == dtype.kind:
+                    dtype = max(dtype, seq_dtype, key=lambda d: d.itemsize)  # the longest string fits all
                 else:
                     raise BatchError(
-                        f"batch: {key!r} of seq {seq.get('seq_tag')!r} has dtype {array.dtype}, "
-                        f"{head} has {value.dtype}",
-                        seq.get("seq_tag"),
+                        f"batch: {key!r} of seq {tag!r} has dtype {seq_dtype}, {head} has {first_dtype}", tag
                     )
-            if value.ndim:
-                lengths.append(array.shape[0])
-        if value.ndim:
+            if ndim:
+                lengths.append(shape[0])
+        if ndim:
             columns.append(Column(key, dtype, (len(seqs), max(lengths), *trailing), lengths))
         else:
             columns.append(Column(key, dtype, (len(seqs),), None))
-    extra = [k for seq in seqs for k in seq if k not in META_KEYS and k not in first]
-    if extra:
-        seq = next(s for s in seqs if extra[0] in s)
-        raise BatchError(
-            f"batch: seq {seq.get('seq_tag')!r} has array {extra[0]!r}, {head} has not", seq.get("seq_tag")
-        )
+    for tag, shapes in seqs:
+        extra = next((k for k in shapes if k not in first), None)
+        if extra is not None:
+            raise BatchError(f"batch: seq {tag!r} has array {extra!r}, {head} has not", tag)
     return columns
 
 
