@@ -190,15 +190,20 @@ def test_a_pad_int_beyond_int64_is_a_usage_error_of_the_client_before_anything_i
 @pytest.mark.unit
 def test_the_keys_a_batching_names_must_be_the_datas_and_a_lengths_key_cannot_be_padded():
     keys = ("data", "classes")
-    Batching.from_dict({"max_seqs": 2, "length_key": "data", "pad": {"classes": -1}}).check_keys(keys, "input", keys)
+    outputs = {"data": {"shape": [None, 2], "dtype": "float32"}, "classes": {"shape": [None], "dtype": "uint8"}}
+    Batching.from_dict({"max_seqs": 2, "length_key": "data", "pad": {"classes": 255}}).check_keys(
+        keys, "input", outputs
+    )
     for value, message in [
         ({"length_key": "dat"}, r"\['length_key'\] 'dat' is not an input key of this server \('data', 'classes'\)"),
         ({"pad": {"clases": -1}}, r"\['pad'\] key 'clases' is not an output key of this server"),
+        ({"pad": {"classes": -1}}, r"\['pad'\]\['classes'\] -1 does not fit the key's dtype uint8"),
+        ({"pad": {"classes": 0.5}}, r"\['pad'\]\['classes'\] 0.5 does not fit the key's dtype uint8"),
     ]:
         with pytest.raises(ppclient.UsageError, match=message):
-            Batching.from_dict({"max_seqs": 2, **value}).check_keys(keys, "input", keys)
+            Batching.from_dict({"max_seqs": 2, **value}).check_keys(keys, "input", outputs)
     with pytest.raises(ppclient.UsageError, match="data key 'data:lengths' ends in ':lengths'"):
-        Batching(max_seqs=2).check_keys(keys, "input", (*keys, "data:lengths"))
+        Batching(max_seqs=2).check_keys(keys, "input", {**outputs, "data:lengths": {"dtype": "int64"}})
     seqs = [{"data": np.ones((n, 2), "f4"), "classes": np.arange(n, dtype="u1"), "seq_tag": f"s{n}"} for n in (2, 3)]
     with pytest.raises(collate.BatchError, match="pad value -1 of 'classes' does not fit its dtype uint8"):
         collate.pad(seqs, {"classes": -1})
@@ -568,6 +573,7 @@ batching = {"max_seqs": 4}
         ),
         (MAPPER, 'batching = {"max_seqs": 4, "pad": {"clases": -1}}', r"\['pad'\] key 'clases' is not an output key"),
         (MAPPER, 'batching = {"max_seqs": 4, "pad": {"classes": 2**63}}', r"\['pad'\]\['classes'\] must be an int64"),
+        (MAPPER, 'batching = {"max_seqs": 4, "pad": {"classes": 1.5}}', r"1.5 does not fit the key's dtype int32"),
         (MAPPER, LENGTHS_KEY, "data key 'data:lengths' ends in ':lengths'"),
     ],
 )

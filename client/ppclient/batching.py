@@ -11,7 +11,9 @@ both sides, so a bad value is one line naming it before anything is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, Optional, Tuple, Union
+from typing import Any, Collection, Dict, Mapping, Optional, Tuple, Union
+
+import numpy
 
 from .collate import LENGTHS, colliding
 from .errors import UsageError
@@ -70,22 +72,26 @@ class Batching:
         return cls(max_seqs, max_frames, key, window, tuple(sorted(pad.items())))
 
     def check_keys(
-        self, measured: Collection[str], side: str, outputs: Collection[str], where: str = "batching"
+        self, measured: Collection[str], side: str, outputs: Mapping[str, Dict[str, Any]], where: str = "batching"
     ) -> None:
         """UsageError (one line naming the key) for a key of these settings the job does not have:
         a `length_key` the cut cannot measure (not in `measured`: the `side` keys, the inputs' with
-        map_seq, the outputs' with map_seq_stream), a `pad` key that is not an output key, or an
-        output key a padded key's lengths would overwrite (one ending in ':lengths')."""
+        map_seq, the outputs' with map_seq_stream), a `pad` key that is not an output key (of the
+        output templates `outputs`) or whose value its dtype cannot hold, or an output key a padded
+        key's lengths would overwrite (one ending in ':lengths')."""
         if self.length_key is not None and self.length_key not in measured:
             raise UsageError(
                 f"{where}['length_key'] {self.length_key!r} is not an {side} key of this server "
                 f"({', '.join(map(repr, measured))})"
             )
-        for k, _ in self.pad:
+        for k, v in self.pad:
             if k not in outputs:
                 raise UsageError(
                     f"{where}['pad'] key {k!r} is not an output key of this server ({', '.join(map(repr, outputs))})"
                 )
+            dtype = _dtype(outputs[k].get("dtype"))
+            if dtype is not None and dtype.kind in "iub" and not _holds(dtype, v):
+                raise UsageError(f"{where}['pad'][{k!r}] {v!r} does not fit the key's dtype {dtype}")
         key = colliding(outputs)
         if key is not None:
             raise UsageError(
@@ -117,6 +123,21 @@ class Batching:
         if self.pad:
             parts.append(f"pad {dict(self.pad)}")
         return ", ".join(parts)
+
+
+def _dtype(text: Any) -> Optional[numpy.dtype]:
+    """A template's dtype (None: a str key, or none given)."""
+    try:
+        return numpy.dtype(text) if isinstance(text, str) else None
+    except TypeError:
+        return None
+
+
+def _holds(dtype: numpy.dtype, value: float) -> bool:
+    """Whether an int or bool array can be padded with `value` as it is."""
+    info = numpy.iinfo(dtype) if dtype.kind != "b" else numpy.iinfo(numpy.uint8)
+    top = 1 if dtype.kind == "b" else info.max
+    return float(value).is_integer() and info.min <= value <= top
 
 
 def describe(value: Union[Batching, Dict[str, Any], None]) -> str:

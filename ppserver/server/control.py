@@ -42,11 +42,11 @@ class Control:
         worker_address: Callable[[], str],
         observe: Callable[[ev.Event], None] = lambda event: None,
         length_keys: Tuple[str, ...] = (),
-        outputs: Tuple[str, ...] = (),
+        outputs: Optional[Dict[str, Any]] = None,
     ):
         self.cfg = cfg
         self.length_keys = length_keys  # keys a batching's length_key may name
-        self.outputs = outputs  # the outputs' keys: those a batching's pad may name
+        self.outputs = outputs or {}  # the outputs' templates: the keys a batching's pad may name
         self.sched = sched
         self.info = info
         self.status = status
@@ -144,12 +144,12 @@ class Control:
         return None
 
 
-def check_keys(cfg: Config, batching: Batching, length_keys: Tuple[str, ...], outputs: Tuple[str, ...]) -> None:
+def check_keys(cfg: Config, batching: Batching, length_keys: Tuple[str, ...], outputs: Dict[str, Any]) -> None:
     """The keys a batching names must be keys of this server's data (Batching.check_keys)."""
     batching.check_keys(length_keys, "output" if cfg.is_stream else "input", outputs)
 
 
-def check_default(cfg: Config, length_keys: Tuple[str, ...], outputs: Tuple[str, ...]) -> None:
+def check_default(cfg: Config, length_keys: Tuple[str, ...], outputs: Dict[str, Any]) -> None:
     """The config's batching, checked as a request's is, once the data's keys are known (the
     dataset's, the declared map_outputs): ConfigError before the server serves."""
     if cfg.batching is None:

@@ -111,7 +111,7 @@ class Server:
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
         self.out_templates = cfg.map_outputs or self.in_templates
         length_keys = tuple(self.out_templates if cfg.is_stream else self.in_templates)
-        check_default(cfg, length_keys, tuple(self.out_templates))
+        check_default(cfg, length_keys, self.out_templates)
         self.sched = Scheduler(scheduler_settings(cfg))
         self.ctx = zmq.Context()
         self.malformed = Throttled(log, "dropped a malformed message")
@@ -137,7 +137,7 @@ class Server:
             worker_address=lambda: self.worker_address,
             observe=self.stages.on_event,
             length_keys=length_keys,
-            outputs=tuple(self.out_templates),
+            outputs=self.out_templates,
         )
         self.stopping = False
         self.started = time.monotonic()
