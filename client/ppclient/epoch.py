@@ -156,7 +156,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._grant(self._window)
         while not self._started:
             self._receive("started")
-        self._top_up()  # (the job does not batch: the rest of the window of seqs)
+        self._top_up()  # (a job that turned out not to batch: the rest of its window of seqs)
 
     def _finished(self) -> bool:
         return self._done and (self._end is None or self._consumed - self._base >= self._end)
