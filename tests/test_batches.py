@@ -31,6 +31,7 @@ from conftest import (
     read,
     reference,
     reference_batches,
+    run_cli,
     run_server,
     shard,
     wait_for,
@@ -165,7 +166,9 @@ def test_padding_gives_one_array_per_key_with_lengths_and_names_a_seq_that_does_
     assert batch["seq_tag"] == ["a", "b"] and batch["seq_idx"].tolist() == [4, 5]
     assert batch["complete_frac"].dtype == np.float64
     seqs[1]["data"] = np.ones((4, 5), "f4")
-    with pytest.raises(collate.BatchError, match=r"'data' has shape \(4, 5\).*\(2, 3\)") as info:
+    with pytest.raises(
+        collate.BatchError, match=r"'data' of seq 'b' has shape \(4, 5\), seq 'a', the batch's first, has \(2, 3\)"
+    ) as info:
         collate.pad(seqs)
     assert info.value.seq_tag == "b"
 
@@ -181,12 +184,47 @@ def test_padding_gives_one_array_per_key_with_lengths_and_names_a_seq_that_does_
         ({"max_seqs": 4, "bucket_window": 0}, r"\['bucket_window'\] must be an int from 1"),
         ({"max_seqs": 4, "pad": {"data": "x"}}, r"\['pad'\] must map keys to numbers"),
         ({"max_seqs": 4, "length_key": 3}, r"\['length_key'\] must be a data key"),
+        ({"max_seqs": 4, "pad": {"classes": 2**63}}, r"\['pad'\]\['classes'\] must be an int64"),
+        ({"max_seqs": 4, "pad": {"classes": -(2**63) - 1}}, r"\['pad'\]\['classes'\] must be an int64"),
     ],
 )
 def test_bad_batching_settings_are_one_line_naming_the_key(value, message):
     with pytest.raises(ppclient.UsageError, match=message) as info:
         Batching.from_dict(value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.unit
+def test_a_pad_int_beyond_int64_is_a_usage_error_of_the_client_before_anything_is_sent():
+    with pytest.raises(ppclient.UsageError, match=r"batching\['pad'\]\['data'\] must be an int64") as info:
+        ppclient.Client("tcp://127.0.0.1:1", batching={"max_seqs": 2, "pad": {"data": 2**64}})
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.unit
+def test_the_keys_a_batching_names_must_be_the_datas_and_a_lengths_key_cannot_be_padded():
+    keys = ("data", "classes")
+    outputs = {"data": {"shape": [None, 2], "dtype": "float32"}, "classes": {"shape": [None], "dtype": "uint8"}}
+    Batching.from_dict({"max_seqs": 2, "length_key": "data", "pad": {"classes": 255}}).check_keys(
+        keys, "input", outputs
+    )
+    for value, message in [
+        ({"length_key": "dat"}, r"\['length_key'\] 'dat' is not an input key of this server \('data', 'classes'\)"),
+        ({"pad": {"clases": -1}}, r"\['pad'\] key 'clases' is not an output key of this server"),
+        ({"pad": {"classes": -1}}, r"\['pad'\]\['classes'\] -1 does not fit the key's dtype uint8"),
+        ({"pad": {"classes": 0.5}}, r"\['pad'\]\['classes'\] 0.5 does not fit the key's dtype uint8"),
+    ]:
+        with pytest.raises(ppclient.UsageError, match=message):
+            Batching.from_dict({"max_seqs": 2, **value}).check_keys(keys, "input", outputs)
+    with pytest.raises(ppclient.UsageError, match="data key 'data:lengths' ends in ':lengths'"):
+        Batching(max_seqs=2).check_keys(keys, "input", {**outputs, "data:lengths": {"dtype": "int64"}})
+    seqs = [{"data": np.ones((n, 2), "f4"), "classes": np.arange(n, dtype="u1"), "seq_tag": f"s{n}"} for n in (2, 3)]
+    with pytest.raises(collate.BatchError, match="pad value -1 of 'classes' does not fit its dtype uint8"):
+        collate.pad(seqs, {"classes": -1})
+    seqs[1]["data:lengths"] = np.array([7])  # would overwrite the lengths of data, or be lost
+    with pytest.raises(collate.BatchError, match="seq 's3' has array 'data:lengths'") as info:
+        collate.pad(seqs)
+    assert info.value.seq_tag == "s3"
 
 
 # ---- the scheduler moving batches --------------------------------------------------------------
@@ -339,6 +377,25 @@ def test_stream_batches_of_sorted_windows_carry_a_complete_frac_that_never_goes_
         ("o5", 2),
     ]
     assert [it.meta["complete_frac"] for it in seqs] == [4 / 6, 4 / 6, 4 / 6, 4 / 6, 1.0, 1.0]
+
+
+@pytest.mark.unit
+def test_a_stream_batch_whose_outputs_cannot_be_padded_fails_the_run_for_every_rank_naming_the_seqs():
+    sim = BatchSim(world=2, stream=True)
+    run = sim.start(None)
+    sim(ev.WorkerJoined, b"w", "host", 1)
+    (opened,) = to_workers(sim.out, protocol.StreamOpen)
+    outputs = [
+        protocol.seq_to_item({"data": np.zeros((2, d), "f4"), "seq_tag": f"o{k}"}, k)
+        for k, d in enumerate([3, 3, 3, 4])
+    ]
+    sim(ev.StreamOutputsReceived, b"w", run, 0, opened.msg.incarnation, outputs, [])
+    failed = to_clients(sim.out, protocol.RunFailed)
+    assert sorted(f.consumer for f in failed) == [b"r0", b"r1"]  # as a map_seq batch that fails: every rank
+    msg = failed[0].msg
+    assert msg.failure == protocol.FailureKind.MAPPER.value and msg.seq_tag == "o3"
+    assert "batch 1: batch: 'data' of seq 'o3' has shape (2, 4), seq 'o2', the batch's first, has (2, 3)" in msg.message
+    assert run not in sim.s.runs
 
 
 # ---- real services ---------------------------------------------------------------------------------
@@ -507,6 +564,9 @@ def test_a_rank_asking_for_other_batching_than_its_job_is_refused_in_one_line(co
                 ppclient.Error, match=r"batching\['length_key'\] 'text' is not an input key of this server"
             ):
                 c.epoch(1)
+        with srv.client(job="y", batching={"max_seqs": 2, "pad": {"clases": -1}}) as c:
+            with pytest.raises(ppclient.Error, match=r"batching\['pad'\] key 'clases' is not an output key"):
+                c.epoch(1)
 
 
 @pytest.mark.processes
@@ -537,6 +597,14 @@ SMALL_WINDOWS = {"max_seqs": 8, "bucket_window": 2}
 INPUT_LENGTH = """
 def batch_length(seq):
     return seq["data"].shape[0]
+"""
+OUTPUTS = """
+map_outputs = {"data": {"shape": (None, None), "dtype": "float32"}, "classes": {"shape": (None,), "dtype": "int32"}}
+"""
+LENGTHS_KEY = """
+for _s in SEQS:
+    _s["data:lengths"] = np.zeros(2, "int64")
+batching = {"max_seqs": 4}
 """
 
 
@@ -612,3 +680,96 @@ def test_a_batch_slower_than_the_timeout_is_progress_and_a_stuck_mapper_is_not(t
     with run_server(stuck, workers=2) as srv, srv.client(timeout=1.5, batching={"max_seqs": 8}) as c:
         with pytest.raises(ppclient.Error, match=r"made no progress for 1.5 s .*waiting for the workers"):
             collect(c.epoch(1))
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "mapper, extra, message",
+    [
+        (MAPPER, 'batching = {"max_seqs": 4, "length_key": "dat"}', r"\['length_key'\] 'dat' is not an input key"),
+        (
+            STREAM,
+            OUTPUTS + 'batching = {"max_frames": 300, "length_key": "clases"}',
+            r"\['length_key'\] 'clases' is not an output key",
+        ),
+        (MAPPER, 'batching = {"max_seqs": 4, "pad": {"clases": -1}}', r"\['pad'\] key 'clases' is not an output key"),
+        (MAPPER, 'batching = {"max_seqs": 4, "pad": {"classes": 2**63}}', r"\['pad'\]\['classes'\] must be an int64"),
+        (MAPPER, 'batching = {"max_seqs": 4, "pad": {"classes": 1.5}}', r"1.5 does not fit the key's dtype int32"),
+        (MAPPER, LENGTHS_KEY, "data key 'data:lengths' ends in ':lengths'"),
+    ],
+)
+def test_a_config_batching_that_names_keys_the_data_has_not_is_one_line_and_exit_2(tmp_path, mapper, extra, message):
+    cfg = numpy_config(tmp_path, mapper, n=8, extra=extra)
+    res = run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", "--workers", "0", timeout=60)
+    lines = [line for line in res.stderr.splitlines() if "error" in line]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "config key 'batching'" in lines[0] and re.search(message, lines[0]), lines[0]
+    assert "ready" not in res.stdout
+
+
+UNPADDABLE = """
+import numpy as np
+def {kind}(seq, **kwargs):
+    if seq["seq_tag"] == "seq-3":
+        {change}
+    return seq
+def map_seq_stream(seqs, **kwargs):
+    for seq in seqs:
+        yield _change(seq)
+"""
+
+
+def unpaddable(kind: str, change: str) -> str:
+    """A mapper (map_seq, or map_seq_stream through the same function) whose output of seq-3 does not
+    pad with the others'."""
+    body = UNPADDABLE.format(kind="map_seq" if kind == "map_seq" else "_change", change=change)
+    if kind == "map_seq":
+        body = body[: body.index("def map_seq_stream")]
+    return body
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "kind, change, message",
+    [
+        ("stream", 'seq["data"] = seq["data"][:, :4]', r"'data' of seq 'seq-3' has shape \(\d+, 4\), seq 'seq-0'"),
+        ("stream", 'seq["extra"] = np.zeros(2)', r"seq 'seq-3' has array 'extra', seq 'seq-0', the batch's first"),
+        ("stream", 'seq["data:lengths"] = np.zeros(2)', r"seq 'seq-3' has array 'data:lengths'"),
+        ("map_seq", 'seq["data:lengths"] = np.zeros(2)', r"seq 'seq-3' has array 'data:lengths'"),
+    ],
+)
+def test_outputs_that_cannot_be_padded_fail_the_epoch_naming_the_seqs_on_every_next(tmp_path, kind, change, message):
+    cfg = numpy_config(tmp_path, unpaddable(kind, change), n=12, extra=OUTPUTS)
+    with run_server(cfg, workers=1) as srv, srv.client(batching={"max_seqs": 4}, timeout=10) as c:
+        it = c.epoch(1)
+        with pytest.raises(ppclient.MapperError, match=message) as first:
+            collect(it)
+        assert first.value.seq_tag == "seq-3" and "\n" not in str(first.value)
+        with pytest.raises(ppclient.MapperError) as again:  # the same error, not a wait for the lost batch
+            next(it)
+        assert str(again.value) == str(first.value)
+
+
+@pytest.mark.processes
+def test_the_default_window_is_8_batches_with_the_configs_batching_and_32_seqs_without(tmp_path):
+    cfg = numpy_config(tmp_path, MAPPER, n=61, extra='batching = {"max_seqs": 2}\n')
+
+    def sent_ahead(c: ppclient.Client) -> int:
+        """What the server sent ahead of a trainer that takes nothing: its whole credit."""
+        ranks: List[Dict[str, Any]] = []
+
+        def settled() -> bool:
+            ranks[:] = c.status()["ranks"]
+            return len(ranks) == 1 and ranks[0]["credit"] == 0
+
+        wait_for(settled, 30, "the server to send what the client's credit allows")
+        return ranks[0]["position"]
+
+    with run_server(cfg, workers=1) as srv:
+        with srv.client(direct=False, job="config") as c:
+            it = c.epoch(1)
+            assert sent_ahead(c) == 8  # batches
+            assert len(collect(it)) == 31
+        with srv.client(direct=False, job="seqs", batching=False) as c:
+            it = c.epoch(1)
+            assert sent_ahead(c) == 32  # seqs

@@ -441,6 +441,19 @@ def test_len_is_the_ranks_seqs_and_a_type_error_with_batching(server):
         len(data.DataLoader(pptorch.ServerDataset(srv.address, max_seqs=4), batch_size=None))
 
 
+def test_cut_settings_without_batch_frames_or_max_seqs_are_refused_in_one_line():
+    # (they would be dropped: without a cut of its own the dataset takes the server's, with its settings)
+    for kw, named in [
+        ({"pad": {"classes": -1}}, "pad"),
+        ({"bucket_window": 64, "length_key": "data"}, "bucket_window, length_key"),
+    ]:
+        with pytest.raises(UsageError, match=f"^{named} without batch_frames or max_seqs") as info:
+            pptorch.ServerDataset("tcp://127.0.0.1:1", **kw)
+        assert "\n" not in str(info.value)
+    ds = pptorch.ServerDataset("tcp://127.0.0.1:1", max_seqs=4, pad={"classes": -1}, length_key="data")
+    assert ds.client_options["batching"]["pad"] == {"classes": -1}
+
+
 @pytest.mark.processes
 def test_rank_and_world_come_from_the_environment(monkeypatch, server):
     srv, _ = server

@@ -11,14 +11,16 @@ both sides, so a bad value is one line naming it before anything is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy
 
+from .collate import LENGTHS, colliding
 from .errors import UsageError
 
 KEYS = ("max_seqs", "max_frames", "length_key", "bucket_window", "pad")
 MAX_BUCKET_WINDOW = 1 << 20  # seqs the server sorts at a time (it holds their lengths, or the seqs)
+PAD_INTS = (-(1 << 63), (1 << 63) - 1)  # an int pad value travels and fills as an int64
 
 
 def default_length_key(specs: Mapping[str, Tuple[Any, Sequence[Any]]]) -> Optional[str]:
@@ -75,7 +77,37 @@ class Batching:
         for k, v in pad.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
                 raise UsageError(f"{where}['pad'] must map keys to numbers, got {k!r:.40}: {v!r:.40}")
+            if isinstance(v, int) and not PAD_INTS[0] <= v <= PAD_INTS[1]:
+                raise UsageError(f"{where}['pad'][{k!r:.40}] must be an int64 (-2**63 to 2**63 - 1), got {v}")
         return cls(max_seqs, max_frames, key, window, tuple(sorted(pad.items())))
+
+    def check_keys(
+        self, measured: Collection[str], side: str, outputs: Mapping[str, Dict[str, Any]], where: str = "batching"
+    ) -> None:
+        """UsageError (one line naming the key) for a key of these settings the job does not have:
+        a `length_key` the cut cannot measure (not in `measured`: the `side` keys, the inputs' with
+        map_seq, the outputs' with map_seq_stream), a `pad` key that is not an output key (of the
+        output templates `outputs`) or whose value its dtype cannot hold, or an output key a padded
+        key's lengths would overwrite (one ending in ':lengths')."""
+        if self.length_key is not None and self.length_key not in measured:
+            raise UsageError(
+                f"{where}['length_key'] {self.length_key!r} is not an {side} key of this server "
+                f"({', '.join(map(repr, measured))})"
+            )
+        for k, v in self.pad:
+            if k not in outputs:
+                raise UsageError(
+                    f"{where}['pad'] key {k!r} is not an output key of this server ({', '.join(map(repr, outputs))})"
+                )
+            dtype = _dtype(outputs[k].get("dtype"))
+            if dtype is not None and dtype.kind in "iub" and not _holds(dtype, v):
+                raise UsageError(f"{where}['pad'][{k!r}] {v!r} does not fit the key's dtype {dtype}")
+        key = colliding(outputs)
+        if key is not None:
+            raise UsageError(
+                f"data key {key!r} ends in {LENGTHS!r}, which names the lengths of a padded key in a batch: "
+                "rename it to batch this data"
+            )
 
     def to_dict(self) -> Dict[str, Any]:
         """The canonical dict (what travels, what a job compares, what a resume state keeps)."""
@@ -101,6 +133,21 @@ class Batching:
         if self.pad:
             parts.append(f"pad {dict(self.pad)}")
         return ", ".join(parts)
+
+
+def _dtype(text: Any) -> Optional[numpy.dtype]:
+    """A template's dtype (None: a str key, or none given)."""
+    try:
+        return numpy.dtype(text) if isinstance(text, str) else None
+    except TypeError:
+        return None
+
+
+def _holds(dtype: numpy.dtype, value: float) -> bool:
+    """Whether an int or bool array can be padded with `value` as it is."""
+    info = numpy.iinfo(dtype) if dtype.kind != "b" else numpy.iinfo(numpy.uint8)
+    top = 1 if dtype.kind == "b" else info.max
+    return float(value).is_integer() and info.min <= value <= top
 
 
 def describe(value: Union[Batching, Dict[str, Any], None]) -> str:

@@ -220,7 +220,7 @@ class Client:
         int_arg("start", start, 0)
         assert isinstance(epoch, int)
         accepted = self._ask(epoch, start, tags, order, fingerprint, batching)
-        it = EpochIterator(self, self._data_socket(), accepted, epoch, start, tags, order)
+        it = EpochIterator(self, self._data_socket(), accepted, epoch, start, tags, order, batching)
         self._inbox.open(it.run)
         try:
             it._wait_started()

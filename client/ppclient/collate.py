@@ -13,7 +13,7 @@ output and the trainer.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
@@ -39,45 +39,75 @@ class Column(NamedTuple):
     lengths: Optional[List[int]]
 
 
+def colliding(keys: Iterable[str]) -> Optional[str]:
+    """The first key that ends in LENGTHS (None: none): a padded key's lengths travel under such
+    a name, so a batching job's data may have no key of its own named so."""
+    return next((key for key in keys if key.endswith(LENGTHS)), None)
+
+
+Shapes = Dict[str, Any]  # a seq's arrays as (dtype, shape) by key, meta entries left out
+
+
 def layout(seqs: Sequence[Dict[str, Any]]) -> List[Column]:
     """The padded arrays of a batch, keys in the first seq's order; BatchError naming the seq
-    whose arrays do not fit the first one's."""
-    first = seqs[0]
+    whose arrays do not fit the first one's, or that has a key ending in LENGTHS."""
+    return layout_of(
+        [
+            (
+                seq.get("seq_tag"),
+                {k: (v.dtype, v.shape) for k, v in seq.items() if k not in META_KEYS and isinstance(v, numpy.ndarray)},
+            )
+            for seq in seqs
+        ]
+    )
+
+
+def layout_of(seqs: Sequence[Tuple[Optional[str], Shapes]]) -> List[Column]:
+    """layout() of the seqs' (tag, {key: (dtype, shape)}): what a server that holds only the
+    arrays' descriptions checks of a batch its client will pad."""
+    for tag, shapes in seqs:
+        key = colliding(shapes)
+        if key is not None:
+            raise BatchError(
+                f"batch: seq {tag!r} has array {key!r}: a key ending in {LENGTHS!r} names the lengths of a padded "
+                "key in a batch (rename it)",
+                tag,
+            )
+    head = f"seq {seqs[0][0]!r}, the batch's first,"  # each error names both seqs
+    first = seqs[0][1]
     columns = []
-    for key, value in first.items():
-        if key in META_KEYS:
-            continue
-        dtype = value.dtype
-        trailing = value.shape[1:]
+    for key, (first_dtype, first_shape) in first.items():
+        dtype = first_dtype
+        ndim, trailing = len(first_shape), tuple(first_shape[1:])
         lengths = []
-        for seq in seqs:
-            array = seq.get(key)
-            if not isinstance(array, numpy.ndarray):
-                raise BatchError(f"batch: seq has no array {key!r}, the batch's first seq has", seq.get("seq_tag"))
-            if array.ndim != value.ndim or array.shape[1:] != trailing:
+        for tag, shapes in seqs:
+            spec = shapes.get(key)
+            if spec is None:
+                raise BatchError(f"batch: seq {tag!r} has no array {key!r}, {head} has", tag)
+            seq_dtype, shape = spec
+            if len(shape) != ndim or tuple(shape[1:]) != trailing:
                 raise BatchError(
-                    f"batch: {key!r} has shape {array.shape}, the batch's first seq has {value.shape}: only the first "
-                    "axis may differ",
-                    seq.get("seq_tag"),
+                    f"batch: {key!r} of seq {tag!r} has shape {tuple(shape)}, {head} has {tuple(first_shape)}: "
+                    "only the first axis may differ",
+                    tag,
                 )
-            if array.dtype != dtype:
-                if array.dtype.kind in "US" and array.dtype.kind == dtype.kind:
-                    dtype = max(dtype, array.dtype, key=lambda d: d.itemsize)  # the longest string fits all
+            if seq_dtype != dtype:
+                if seq_dtype.kind in "US" and seq_dtype.kind == dtype.kind:
+                    dtype = max(dtype, seq_dtype, key=lambda d: d.itemsize)  # the longest string fits all
                 else:
                     raise BatchError(
-                        f"batch: {key!r} has dtype {array.dtype}, the batch's first seq has {value.dtype}",
-                        seq.get("seq_tag"),
+                        f"batch: {key!r} of seq {tag!r} has dtype {seq_dtype}, {head} has {first_dtype}", tag
                     )
-            if value.ndim:
-                lengths.append(array.shape[0])
-        if value.ndim:
+            if ndim:
+                lengths.append(shape[0])
+        if ndim:
             columns.append(Column(key, dtype, (len(seqs), max(lengths), *trailing), lengths))
         else:
             columns.append(Column(key, dtype, (len(seqs),), None))
-    extra = [k for seq in seqs for k in seq if k not in META_KEYS and k not in first]
-    if extra:
-        seq = next(s for s in seqs if extra[0] in s)
-        raise BatchError(f"batch: seq has array {extra[0]!r}, the batch's first seq has not", seq.get("seq_tag"))
+    for tag, shapes in seqs:
+        extra = next((k for k in shapes if k not in first), None)
+        if extra is not None:
+            raise BatchError(f"batch: seq {tag!r} has array {extra!r}, {head} has not", tag)
     return columns
 
 
@@ -102,7 +132,12 @@ def fill(
             row = dest[i]
             row[:n] = seq[key]
             if n < longest:
-                row[n:] = value
+                try:
+                    row[n:] = value
+                except (OverflowError, ValueError, TypeError):
+                    raise BatchError(
+                        f"batch: pad value {value!r} of {key!r} does not fit its dtype {col.dtype}"
+                    ) from None
         out[key + LENGTHS][...] = col.lengths
 
 

@@ -52,7 +52,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         start: int = 0,
         seq_list: Optional[List[str]] = None,
         seq_order: Optional[List[int]] = None,
+        batching: Optional[Dict[str, Any]] = None,
     ):
+        """`batching`: the cut asked for ({}: none; None: the server's default)."""
         self._client = client
         self._sock = sock
         self.run = accepted.run
@@ -70,8 +72,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._base = 0  # seqs yielded before the current run began (the server counts from there)
         self._granted = 0  # credit granted to the current run so far (cumulative)
         window = client.window
-        if window is None:  # the default: fewer positions when they are batches (each holds many seqs)
-            window = BATCH_WINDOW if client.batching else WINDOW
+        if window is None:  # the default: fewer positions when they are batches (each holds many seqs);
+            # with the server's default cut (None), the smaller one until Started says (_on)
+            window = WINDOW if batching == {} else BATCH_WINDOW
         self._window = window
         self._told = 0  # seqs taken, as the server last heard it
         self._done = False
@@ -154,6 +157,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._grant(self._window)
         while not self._started:
             self._receive("started")
+        self._top_up()  # (a job that turned out not to batch: the rest of its window of seqs)
 
     def _finished(self) -> bool:
         return self._done and (self._end is None or self._consumed - self._base >= self._end)
@@ -179,7 +183,10 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         if isinstance(item, Item):
             return protocol.item_to_seq(item)
         pad = self.batching.get("pad", {}) if self.batching else {}
-        return collate.pad([protocol.item_to_seq(i) for i in item.items], pad)
+        try:
+            return collate.pad([protocol.item_to_seq(i) for i in item.items], pad)
+        except collate.BatchError as exc:  # the mapper's outputs do not fit together (it names the seqs)
+            self._raise(MapperError(f"epoch {self.epoch}, batch {item.pos}: {exc}", seq_tag=exc.seq_tag))
 
     def _receive(self, what: str) -> None:
         """Take the next message of this run (`what`: "started" or "progress"); raise when none
@@ -295,8 +302,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._started = True
             self.fingerprint = msg.fingerprint
             self.batching = msg.batching
-            if self.batching and self._client.window is None:
-                self._window = BATCH_WINDOW  # (the first grant, before the server said so, was of seqs)
+            if self._client.window is None:
+                self._window = BATCH_WINDOW if self.batching else WINDOW
         elif isinstance(msg, (protocol.Seqs, protocol.DirectSeqs)):
             if decoded.bad:
                 self._raise(Error(f"epoch {self.epoch}: malformed seq from the server: {decoded.bad[0].reason}"))

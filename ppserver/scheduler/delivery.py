@@ -8,7 +8,8 @@ released outputs leave at once (`flush`, in messages of max_delivery_batch), a l
 is all released ends (`End`), and a run whose lanes have all settled ends too.
 
 map_seq_stream with batching: the merged outputs are cut into batches here (`StreamCut`), one
-bucket window and one batch ahead of the lanes' credit at most; the client pads each batch's seqs.
+bucket window and one batch ahead of the lanes' credit at most; the client pads each batch's seqs,
+and a batch whose seqs cannot be padded together fails the run here, for every rank at once.
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple, Union
 
+import numpy
+
+from ppclient import collate
 from ppclient.batching import default_length_key
-from ppclient.protocol import Batch, End, Item, Message, Seqs, Started
+from ppclient.collate import BatchError
+from ppclient.protocol import Batch, End, FailureKind, Item, Message, Seqs, Started
 from ppserver.datasets.cut import Cutter
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.dispatch import Room
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import Lane, Run
+from ppserver.scheduler.settings import Failure
 
 if TYPE_CHECKING:
     from ppserver.scheduler.core import Scheduler
@@ -50,6 +56,8 @@ class Delivery:
                     out.append(ToClient(lane.consumer, Seqs(run=run.run), [item]))
             d.late.clear()
         self._release(run, out)
+        if not run.live:  # a batch it cut failed it
+            return
         batch = self.s.settings.max_delivery_batch
         for lane in run.lanes.values():
             if lane.ready:
@@ -132,21 +140,25 @@ class Delivery:
                 _to_ready(run, it, end)
             run.group.clear()
 
-    @staticmethod
-    def _pop_batch(run: Run, out: List[Instruction], room: Room) -> Optional[Batch]:
+    def _pop_batch(self, run: Run, out: List[Instruction], room: Room) -> Optional[Batch]:
         """The next batch cut from the merged outputs, if its lane has room. Outputs are taken (in
         merged order) only while no cut batch waits, so the run holds at most one bucket window
-        of them, and the batch being filled, beyond what the lanes' credit allows."""
+        of them, and the batch being filled, beyond what the lanes' credit allows. A batch whose seqs
+        cannot be padded together fails the run (a mapper's failure)."""
         d, cutting = run.dispatch, run.cutting
         assert d is not None and cutting is not None
-        while not cutting.cut:
-            item = d.pop_next(out, lambda pos: True)
-            if item is None:
-                if run.total is None and d.total() is not None:  # every output is out: cut the rest
-                    run.total = cutting.finish()
-                    continue
-                return None
-            cutting.add(item)
+        try:
+            while not cutting.cut:
+                item = d.pop_next(out, lambda pos: True)
+                if item is None:
+                    if run.total is None and d.total() is not None:  # every output is out: cut the rest
+                        run.total = cutting.finish()
+                        continue
+                    return None
+                cutting.add(item)
+        except BatchError as exc:  # the mapper's outputs cannot be padded together: as a map_seq batch would fail
+            self.s.lifecycle.fail(run, Failure(FailureKind.MAPPER, f"batch {cutting.count}: {exc}", exc.seq_tag), out)
+            return None
         if not room(cutting.cut[0].pos):
             return None
         return cutting.cut.popleft()
@@ -286,8 +298,10 @@ class StreamCut:
         return self.count
 
     def _batches(self, cut: List[List[int]]) -> None:
+        """The cut batches, each checked as its client will pad it (BatchError: it cannot be)."""
         for positions in cut:
             items = [self.uncut.pop(p) for p in positions]
+            collate.layout_of([(i.meta.get("seq_tag"), _shapes(i)) for i in items])
             for item in items:
                 cf = item.meta.get("complete_frac")
                 if cf is not None and (self.complete_frac is None or cf > self.complete_frac):
@@ -298,6 +312,11 @@ class StreamCut:
                     item.meta = {**item.meta, "complete_frac": self.complete_frac}
             self.cut.append(Batch(self.count, items))
             self.count += 1
+
+
+def _shapes(item: Item) -> collate.Shapes:
+    """An output's arrays as (dtype, shape) by key, as collate.layout_of checks them."""
+    return {name: (numpy.dtype(dtype), tuple(shape)) for name, dtype, shape in item.arrays}
 
 
 def _length(item: Item, key: Optional[str]) -> int:

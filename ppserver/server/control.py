@@ -19,6 +19,7 @@ from ppclient.batching import Batching
 from ppclient.errors import UsageError
 from ppserver.config.fingerprint import SERVED_COVERS
 from ppserver.config.settings import Config
+from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
 
@@ -42,9 +43,11 @@ class Control:
         worker_address: Callable[[], str],
         observe: Callable[[ev.Event], None] = lambda event: None,
         length_keys: Tuple[str, ...] = (),
+        outputs: Optional[Dict[str, Any]] = None,
     ):
         self.cfg = cfg
         self.length_keys = length_keys  # keys a batching's length_key may name
+        self.outputs = outputs or {}  # the outputs' templates: the keys a batching's pad may name
         self.sched = sched
         self.info = info
         self.status = status
@@ -112,19 +115,13 @@ class Control:
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
         """The cut a request gets: the config's default (None asked), none ({}), or the one asked
         for; its length_key must be a key the cut can measure (an input's with map_seq, an
-        output's with map_seq_stream)."""
+        output's with map_seq_stream), its pad keys output keys (Batching.check_keys)."""
         if asked is None:
             return self.cfg.batching
         if not asked:
             return None
         batching = Batching.from_dict(asked)
-        keys = self.length_keys
-        if batching.length_key is not None and batching.length_key not in keys:
-            side = "output" if self.cfg.is_stream else "input"
-            raise UsageError(
-                f"batching['length_key'] {batching.length_key!r} is not an {side} key of this server "
-                f"({', '.join(map(repr, keys))})"
-            )
+        check_keys(self.cfg, batching, self.length_keys, self.outputs)
         return batching
 
     def _check(self, msg: protocol.EpochRequest) -> Optional[str]:
@@ -147,3 +144,19 @@ class Control:
         if msg.direct and not (msg.direct.startswith(("tcp://", "ipc://")) and len(msg.direct) < 1024):
             return f"direct endpoint {msg.direct[:64]!r} is not tcp://HOST:PORT or ipc://PATH"
         return None
+
+
+def check_keys(cfg: Config, batching: Batching, length_keys: Tuple[str, ...], outputs: Dict[str, Any]) -> None:
+    """The keys a batching names must be keys of this server's data (Batching.check_keys)."""
+    batching.check_keys(length_keys, "output" if cfg.is_stream else "input", outputs)
+
+
+def check_default(cfg: Config, length_keys: Tuple[str, ...], outputs: Dict[str, Any]) -> None:
+    """The config's batching, checked as a request's is, once the data's keys are known (the
+    dataset's, the declared map_outputs): ConfigError before the server serves."""
+    if cfg.batching is None:
+        return
+    try:
+        check_keys(cfg, cfg.batching, length_keys, outputs)
+    except UsageError as exc:
+        raise ConfigError("batching", str(exc).removeprefix("batching").lstrip(": ")) from None

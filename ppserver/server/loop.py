@@ -54,7 +54,7 @@ from ppserver.scheduler import (
 from ppserver.scheduler import events as ev
 from ppserver.server import reader as rd
 from ppserver.server import sockets
-from ppserver.server.control import Control
+from ppserver.server.control import Control, check_default
 from ppserver.server.from_workers import FromWorkers
 from ppserver.server.owners import OwnerWatch
 from ppserver.transport.inputs import WorkerInputs
@@ -113,6 +113,8 @@ class Server:
         # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
         self.out_templates = output_templates(cfg, self.in_templates)
+        length_keys = tuple(self.out_templates if cfg.is_stream else self.in_templates)
+        check_default(cfg, length_keys, self.out_templates)
         self.fingerprint = served_fingerprint(cfg.fingerprint, _identity(self.dataset))
         self.sched = Scheduler(scheduler_settings(cfg, self.fingerprint))
         self.ctx = zmq.Context()
@@ -142,7 +144,8 @@ class Server:
             status=self.status,
             worker_address=lambda: self.worker_address,
             observe=self.stages.on_event,
-            length_keys=tuple(self.out_templates if cfg.is_stream else self.in_templates),
+            length_keys=length_keys,
+            outputs=self.out_templates,
         )
         self.stopping = False
         self.started = time.monotonic()
