@@ -104,10 +104,11 @@ class _Plan(NamedTuple):
 class ServerDataset(IterableDataset):
     """One ppserver epoch per iteration (`set_epoch(n)` picks it), this rank's shard of it.
 
-    Without `batch_frames`/`max_seqs` it yields what the server's config says: one seq at a time
-    (a dict of tensors plus `seq_tag`, `seq_idx`, `complete_frac`) unless the config sets a
-    `batching`. With them the server cuts the epoch into batches (at most `max_seqs` seqs and
-    `batch_frames` padded frames each, sorted by length `bucket_window` seqs at a time) and its
+    Without `batch_frames`/`max_seqs`/`max_duration` it yields what the server's config says: one
+    seq at a time (a dict of tensors plus `seq_tag`, `seq_idx`, `complete_frac`) unless the config
+    sets a `batching`. With them the server cuts the epoch into batches (at most `max_seqs` seqs,
+    `batch_frames` padded frames and `max_duration` seconds as Lhotse counts them, with its
+    `quadratic_duration`, each; sorted by length, or duration, `bucket_window` seqs at a time) and its
     workers pad them: it yields batches `{key: (B, T, ...), key + ":lengths": (B,), "seq_tag":
     [...], "seq_idx": (B,), "complete_frac": (B,)}`. Batch j of the epoch goes to rank
     j % world_size, so with drop_last every rank takes the same number of steps. Use it with
@@ -132,6 +133,8 @@ class ServerDataset(IterableDataset):
         direct: Union[bool, str] = True,
         batch_frames: Optional[int] = None,
         max_seqs: Optional[int] = None,
+        max_duration: Optional[float] = None,
+        quadratic_duration: Optional[float] = None,
         bucket_window: int = 1,
         length_key: Optional[str] = None,
         pad: Optional[Dict[str, float]] = None,
@@ -144,10 +147,12 @@ class ServerDataset(IterableDataset):
         if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 1:
             raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
         batching: Optional[Dict[str, Any]] = None  # the server's default
-        if batch_frames is not None or max_seqs is not None:
+        if any(v is not None for v in (batch_frames, max_seqs, max_duration, quadratic_duration)):
             batching = {
                 "max_frames": batch_frames,
                 "max_seqs": max_seqs,
+                "max_duration": max_duration,
+                "quadratic_duration": quadratic_duration,
                 "bucket_window": bucket_window,
                 "length_key": length_key,
                 "pad": pad or {},

@@ -109,6 +109,10 @@ class Server:
         self.dataset = make_dataset(cfg.dataset, order_seed=cfg.seed)
         # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
+        # where a cut by max_duration finds the seqs' seconds (None: nowhere)
+        self.durations = "batch_duration" if cfg.batch_duration is not None else _durations(self.dataset)
+        if cfg.batching is not None and cfg.batching.max_duration is not None and self.durations is None:
+            raise ConfigError("batching", no_durations(self.dataset))
         self.out_templates = cfg.map_outputs or self.in_templates
         self.sched = Scheduler(scheduler_settings(cfg))
         self.ctx = zmq.Context()
@@ -126,6 +130,7 @@ class Server:
             self.dataset,
             cfg.batch_length,
             default_length_key({k: (t["dtype"], t["shape"]) for k, t in self.in_templates.items()}),
+            cfg.batch_duration,
         )
         self.monitor = Monitor(
             self.sched, self.reader, stream=cfg.is_stream, progress_interval=cfg.progress_interval, metrics=metrics
@@ -139,6 +144,7 @@ class Server:
             worker_address=lambda: self.worker_address,
             observe=self.stages.on_event,
             length_keys=tuple(self.out_templates if cfg.is_stream else self.in_templates),
+            no_durations=no_durations(self.dataset) if self.durations is None else None,
         )
         self.stopping = False
         self.started = time.monotonic()
@@ -381,6 +387,24 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
         raise
     except Exception as exc:
         raise ConfigError("dataset", f"{type(dataset).__name__} failed to describe its data: {one_line(exc)}") from None
+
+
+def _durations(dataset: Any) -> Optional[str]:
+    """ "seq_durations()" where the dataset knows its seqs' seconds up front, else None."""
+    hook = getattr(dataset, "seq_durations", None)
+    try:
+        known = hook is not None and hook() is not None
+    except Exception as exc:
+        raise ConfigError("dataset", f"{type(dataset).__name__}.seq_durations() failed: {one_line(exc)}") from None
+    return "seq_durations()" if known else None
+
+
+def no_durations(dataset: Any) -> str:
+    """Why this server cannot cut by max_duration, in words."""
+    return (
+        f"['max_duration'] needs the seqs' durations: {type(dataset).__name__} gives none (its seq_durations() "
+        "is None) and the config has no batch_duration(seq)"
+    )
 
 
 def serve(
