@@ -71,10 +71,10 @@ class Batching:
         max_frames = _count(value.get("max_frames"), f"{where}['max_frames']")
         max_duration = _seconds(value.get("max_duration"), f"{where}['max_duration']")
         quadratic = _seconds(value.get("quadratic_duration"), f"{where}['quadratic_duration']")
-        if max_seqs is None and max_frames is None and max_duration is None:
-            raise UsageError(f"{where} needs max_seqs, max_frames or max_duration (or several)")
         if quadratic is not None and max_duration is None:
             raise UsageError(f"{where}['quadratic_duration'] counts toward max_duration: set max_duration too")
+        if max_seqs is None and max_frames is None and max_duration is None:
+            raise UsageError(f"{where} needs max_seqs, max_frames or max_duration (or several)")
         key = value.get("length_key")
         if key is not None and (not isinstance(key, str) or not key):
             raise UsageError(f"{where}['length_key'] must be a data key (a non-empty str) or None, got {key!r:.80}")
