@@ -293,3 +293,41 @@ def test_max_duration_with_map_seq_stream_is_refused_in_one_line(tmp_path):
         with pytest.raises(ppclient.Error, match=r"max_duration'\] is for map_seq only") as e:
             c.epoch(1)
         assert "\n" not in str(e.value)
+
+
+TIMED = """
+import numpy as np
+from ppserver.datasets import NumpyDataset
+
+
+class Timed(NumpyDataset):
+    def seq_durations(self):
+        durations = np.full(self.total_num_seqs, 1.5)
+        durations[{bad}] = {value}
+        return durations
+"""
+TIMED_CONFIG = """
+import numpy as np
+dataset = {{"class": "timed:Timed", "seqs": [{{"data": np.zeros((n + 1, 2), "float32")}} for n in range(12)]}}
+def map_seq(seq, **kwargs):
+    return seq
+{extra}
+"""
+
+
+@pytest.mark.processes
+def test_a_bad_duration_fails_the_epoch_naming_where_it_came_from(tmp_path):
+    (tmp_path / "timed.py").write_text(TIMED.format(bad=4, value="-1.0"))
+    cfg = write_config(tmp_path, TIMED_CONFIG.format(extra=""))
+    nan = write_config(
+        tmp_path,
+        TIMED_CONFIG.format(extra="def batch_duration(seq):\n    return float('nan') if len(seq['data']) == 5 else 1"),
+        name="nan.py",
+    )
+    batching = {"max_duration": 6.0}
+    with run_server(cfg, workers=1) as srv, srv.client(batching=batching) as c:
+        with pytest.raises(ppclient.DatasetError, match=r"seq_durations\(\) gave -1.0 seconds for the epoch's seq 4"):
+            collect(c.epoch(1))
+    with run_server(nan, workers=1) as srv, srv.client(batching=batching) as c:
+        with pytest.raises(ppclient.DatasetError, match=r"batch_duration\(seq\) must return a finite number of sec"):
+            collect(c.epoch(1))

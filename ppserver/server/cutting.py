@@ -133,7 +133,8 @@ def checked_durations(durations: Any, count: Optional[int]) -> numpy.ndarray:
         raise ValueError(f"the dataset's seq_durations() gave {array.shape} values for an epoch of {count} seqs")
     bad = numpy.flatnonzero(~numpy.isfinite(array) | (array < 0))
     if len(bad):
-        raise ValueError(f"the dataset's seq_durations() gave {array[bad[0]]!r} seconds for seq {int(bad[0])}")
+        value = float(array[bad[0]])
+        raise ValueError(f"the dataset's seq_durations() gave {value!r} seconds for the epoch's seq {int(bad[0])}")
     return array
 
 
