@@ -66,10 +66,10 @@ class Dataset:
     Hooks (docs/datasets.md; all called from the server's reader thread, one at a time):
     ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
     ``_seq_len(corpus_idx)`` (the default loads the seq), ``_key_lens(key)`` (lengths known
-    up front: batches are cut before reading), ``seq_durations()`` (likewise, by seconds), ``_corpus_idx_for_tag(tag)``
-    and ``_compute_data_keys()`` (the default loads the whole corpus once). The arrays ``_load``
-    returns are sent without a copy: return fresh arrays or views of data that never changes,
-    not a buffer that the next call overwrites.
+    up front: batches are cut before reading), ``seq_durations()`` (likewise, by seconds),
+    ``_corpus_idx_for_tag(tag)`` and ``_compute_data_keys()`` (the default loads the whole
+    corpus once). The arrays ``_load`` returns are sent without a copy: return fresh arrays or
+    views of data that never changes, not a buffer that the next call overwrites.
     """
 
     def __init__(

@@ -109,10 +109,11 @@ class Server:
         self.dataset = make_dataset(cfg.dataset, order_seed=cfg.seed)
         # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
-        # where a cut by max_duration finds the seqs' seconds (None: nowhere)
-        self.durations = "batch_duration" if cfg.batch_duration is not None else _durations(self.dataset)
-        if cfg.batching is not None and cfg.batching.max_duration is not None and self.durations is None:
-            raise ConfigError("batching", no_durations(self.dataset))
+        # a cut by max_duration needs the seqs' seconds: the config's batch_duration or the dataset's
+        known = cfg.batch_duration is not None or _knows_durations(self.dataset)
+        no_durations = None if known else _no_durations(self.dataset)
+        if no_durations is not None and cfg.batching is not None and cfg.batching.max_duration is not None:
+            raise ConfigError("batching", no_durations)
         self.out_templates = cfg.map_outputs or self.in_templates
         self.sched = Scheduler(scheduler_settings(cfg))
         self.ctx = zmq.Context()
@@ -144,7 +145,7 @@ class Server:
             worker_address=lambda: self.worker_address,
             observe=self.stages.on_event,
             length_keys=tuple(self.out_templates if cfg.is_stream else self.in_templates),
-            no_durations=no_durations(self.dataset) if self.durations is None else None,
+            no_durations=no_durations,
         )
         self.stopping = False
         self.started = time.monotonic()
@@ -389,17 +390,16 @@ def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
         raise ConfigError("dataset", f"{type(dataset).__name__} failed to describe its data: {one_line(exc)}") from None
 
 
-def _durations(dataset: Any) -> Optional[str]:
-    """ "seq_durations()" where the dataset knows its seqs' seconds up front, else None."""
+def _knows_durations(dataset: Any) -> bool:
+    """Whether the dataset knows its seqs' seconds up front (its seq_durations() is not None)."""
     hook = getattr(dataset, "seq_durations", None)
     try:
-        known = hook is not None and hook() is not None
+        return hook is not None and hook() is not None
     except Exception as exc:
         raise ConfigError("dataset", f"{type(dataset).__name__}.seq_durations() failed: {one_line(exc)}") from None
-    return "seq_durations()" if known else None
 
 
-def no_durations(dataset: Any) -> str:
+def _no_durations(dataset: Any) -> str:
     """Why this server cannot cut by max_duration, in words."""
     return (
         f"['max_duration'] needs the seqs' durations: {type(dataset).__name__} gives none (its seq_durations() "
