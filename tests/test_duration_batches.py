@@ -174,7 +174,7 @@ def test_the_canonical_dict_carries_the_durations_only_where_max_duration_is_set
 
 
 @pytest.mark.unit
-def test_a_config_with_max_duration_and_map_seq_stream_is_one_line():
+def test_a_config_with_max_duration_and_map_seq_stream_or_a_bad_value_is_one_line():
     def stream(seqs, **kwargs):
         return seqs
 
@@ -186,6 +186,10 @@ def test_a_config_with_max_duration_and_map_seq_stream_is_one_line():
         from_settings({"dataset": dataset, "map_seq_stream": stream, "batch_duration": lambda seq: 1.0})
     with pytest.raises(ConfigError, match="'batch_duration': must be a function seq -> float"):
         from_settings({"dataset": dataset, "map_seq": lambda seq, **kw: seq, "batch_duration": 3.0})
+    for bad in (-600.0, float("nan"), float("inf"), True):
+        with pytest.raises(ConfigError, match=r"'batching': \['max_duration'\] must be a finite number") as info:
+            from_settings({"dataset": dataset, "map_seq": lambda seq, **kw: seq, "batching": {"max_duration": bad}})
+        assert "\n" not in str(info.value)
 
 
 # ---- through real processes ----------------------------------------------------------------------------
