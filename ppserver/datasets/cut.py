@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ppclient.batching import Batching
 
 Batch = List[int]  # the epoch positions of a batch's seqs, in the order they are padded
@@ -47,13 +49,11 @@ class _Greedy:
 
     def add(self, pos: int, n: int, d: float = 0.0) -> List[Batch]:
         done = []
-        seconds = counted_seconds(d, self.quadratic) if self.max_duration is not None else 0.0
+        cap = self.max_duration
+        seconds = counted_seconds(d, self.quadratic) if cap is not None else 0.0
         if self.batch and (
             (self.max_frames is not None and (len(self.batch) + 1) * max(n, self.longest) > self.max_frames)
-            or (
-                self.max_duration is not None
-                and (len(self.batch) + 1) * max(self.longest_seconds, seconds) > self.max_duration
-            )
+            or (cap is not None and (len(self.batch) + 1) * max(self.longest_seconds, seconds) > cap)
         ):
             done.append(self.batch)
             self.batch, self.longest, self.longest_seconds = [], 0, 0.0
@@ -132,8 +132,14 @@ def cut_epoch(
         raise ValueError(f"{len(lengths)} lengths but {len(durations)} durations")
     cutter = Cutter(b)
     out: List[Batch] = []
-    for pos in range(count):
-        n = int(lengths[pos]) if lengths is not None else 0
-        d = float(durations[pos]) if durations is not None else 0.0
-        out += cutter.add(pos, n, d)
+    ns, ds = _values(lengths, count, 0), _values(durations, count, 0.0)
+    for pos, (n, d) in enumerate(zip(ns, ds)):
+        out += cutter.add(pos, int(n), float(d))
     return out + cutter.finish()
+
+
+def _values(values: Optional[Sequence], count: int, zero: float) -> Sequence:
+    """A measure's values as a list to iterate (Python numbers), zeros where it is not given."""
+    if values is None:
+        return [zero] * count
+    return values.tolist() if isinstance(values, np.ndarray) else values
