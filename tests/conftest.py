@@ -621,9 +621,9 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
 
 def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dict]:
     """The epoch's batches as the service cuts and pads them: the reference epoch seq by seq, cut
-    by the inputs' lengths (map_seq: the length_key's, or the config's batch_length) or by the
-    outputs' (map_seq_stream), each batch padded as the workers pad it, every seq of a batch
-    with the batch's complete_frac."""
+    by the inputs' lengths (map_seq: the length_key's, or the config's batch_length) and durations
+    (the dataset's, or the config's batch_duration) or by the outputs' lengths (map_seq_stream),
+    each batch padded as the workers pad it, every seq of a batch with the batch's complete_frac."""
     from ppclient import collate
     from ppclient.batching import Batching
     from ppserver.config.settings import load_config
@@ -633,6 +633,7 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
     seqs = reference(config, epoch, **kw)
     cfg = load_config(config)
     b = Batching.from_dict(batching)
+    durations = None  # of the inputs, by max_duration: the config's batch_duration, else the dataset's
     if cfg.is_stream:
         key = b.length_key or "data"
         lengths = [s[key].shape[0] if s[key].ndim else 1 for s in seqs]
@@ -642,8 +643,11 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
         key = b.length_key or ("data" if "data" in ds.data_keys() else next(iter(ds.data_keys())))
         length = cfg.batch_length or (lambda seq: seq[key].shape[0] if seq[key].ndim else 1)
         lengths = [int(length(ds.get_seq(pos))) for pos in range(len(seqs))]
+        if b.max_duration is not None:
+            fn = cfg.batch_duration
+            durations = [float(fn(ds.get_seq(p))) for p in range(len(seqs))] if fn else ds.epoch_durations()
     batches, reach = [], -1
-    for batch in cut_epoch(lengths, b):
+    for batch in cut_epoch(lengths, b, durations):
         reach = max(reach, *batch)  # a batch's complete_frac: the furthest seq's in it or before it
         frac = {"complete_frac": seqs[reach]["complete_frac"]} if "complete_frac" in seqs[reach] else {}
         batches.append(collate.pad([{**seqs[p], **frac} for p in batch], dict(b.pad)))

@@ -177,7 +177,7 @@ def test_padding_gives_one_array_per_key_with_lengths_and_names_a_seq_that_does_
 @pytest.mark.parametrize(
     "value, message",
     [
-        ({}, "needs max_seqs or max_frames"),
+        ({}, "needs max_seqs, max_frames or max_duration"),
         ({"max_seqs": 0}, r"\['max_seqs'\] must be an int >= 1"),
         ({"max_frames": True}, r"\['max_frames'\] must be an int >= 1"),
         ({"max_seqs": 4, "bucket": 3}, "unknown key 'bucket'"),

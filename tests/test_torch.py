@@ -447,11 +447,33 @@ def test_cut_settings_without_batch_frames_or_max_seqs_are_refused_in_one_line()
         ({"pad": {"classes": -1}}, "pad"),
         ({"bucket_window": 64, "length_key": "data"}, "bucket_window, length_key"),
     ]:
-        with pytest.raises(UsageError, match=f"^{named} without batch_frames or max_seqs") as info:
+        with pytest.raises(UsageError, match=f"^{named} without batch_frames, max_seqs or max_duration") as info:
             pptorch.ServerDataset("tcp://127.0.0.1:1", **kw)
         assert "\n" not in str(info.value)
     ds = pptorch.ServerDataset("tcp://127.0.0.1:1", max_seqs=4, pad={"classes": -1}, length_key="data")
     assert ds.client_options["batching"]["pad"] == {"classes": -1}
+
+
+DURATIONS = """
+def batch_duration(seq):
+    return seq["data"].shape[0] / 20  # seconds of 50 ms frames
+"""
+
+
+@pytest.mark.processes
+def test_max_duration_batches_as_the_server_cuts_them_and_bad_values_are_one_line(tmp_path, server):
+    with pytest.raises(UsageError, match=r"\['max_duration'\] must be a finite number of seconds > 0"):
+        pptorch.ServerDataset(server[0].address, max_duration=float("nan"))
+    with pytest.raises(UsageError, match=r"\['quadratic_duration'\] counts toward max_duration"):
+        pptorch.ServerDataset(server[0].address, quadratic_duration=20.0)
+    cfg = numpy_config(tmp_path, SCALE_MAPPER, n=29, ordering="random", extra=DURATIONS)
+    asked = dict(max_duration=8.0, quadratic_duration=20.0, max_seqs=6, bucket_window=4)
+    want = reference_batches(cfg, 2, asked)
+    with run_server(cfg, workers=2) as srv:
+        ds = pptorch.ServerDataset(srv.address, job="seconds", epoch=2, **asked)
+        got = [as_numpy(b) for b in data.DataLoader(ds, batch_size=None)]
+    assert_same_batches(got, want)
+    assert len(got) < 29 and any(len(b["seq_tag"]) > 1 for b in got)
 
 
 @pytest.mark.processes

@@ -1,8 +1,9 @@
 """How a job's epochs are cut into batches: the settings a client asks for and a server checks.
 
 The server cuts every epoch of a job that batches into batches of seqs (greedily, as RETURNN
-and Lhotse's samplers do: a seq joins the batch while the batch keeps within `max_seqs` seqs
-and `max_frames` padded frames, seqs times the longest), the workers pad each batch into one
+and Lhotse's samplers do: a seq joins the batch while the batch keeps within `max_seqs` seqs,
+`max_frames` padded frames, seqs times the longest, and `max_duration` seconds counted as
+Lhotse's TimeConstraint counts them), the workers pad each batch into one
 array per key, and batch j of the epoch goes to rank j % world_size. The settings travel as
 a small dict in the epoch request; `Batching.from_dict` is the one place that checks them, on
 both sides, so a bad value is one line naming it before anything is sent.
@@ -10,6 +11,7 @@ both sides, so a bad value is one line naming it before anything is sent.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -18,7 +20,8 @@ import numpy
 from .collate import LENGTHS, colliding
 from .errors import UsageError
 
-KEYS = ("max_seqs", "max_frames", "length_key", "bucket_window", "pad")
+KEYS = ("max_seqs", "max_frames", "max_duration", "quadratic_duration", "length_key", "bucket_window", "pad")
+DURATION_KEYS = ("max_duration", "quadratic_duration")  # in the canonical dict only when max_duration is set
 MAX_BUCKET_WINDOW = 1 << 20  # seqs the server sorts at a time (it holds their lengths, or the seqs)
 PAD_INTS = (-(1 << 63), (1 << 63) - 1)  # an int pad value travels and fills as an int64
 
@@ -42,13 +45,18 @@ def measures_length(dtype: Any, shape: Sequence[Any]) -> bool:
 @dataclass(frozen=True)
 class Batching:
     """`max_seqs`: seqs per batch; `max_frames`: padded frames per batch (seqs x the longest, in
-    the lengths the cut uses; a longer seq is a batch of its own); `length_key`: the key whose
-    first axis is a seq's length (None: default_length_key); `bucket_window`: seqs sorted
-    by length at a time before cutting (1: the epoch's order is kept); `pad`: the value each key
-    is padded with (others: 0)."""
+    the lengths the cut uses; a longer seq is a batch of its own); `max_duration`: seconds per
+    batch as Lhotse's TimeConstraint counts them (seqs x the longest duration, where each seq's
+    duration d counts as d + d*d/`quadratic_duration` if that is set; a longer seq is a batch of
+    its own); `length_key`: the key whose first axis is a seq's length (None:
+    default_length_key); `bucket_window`: seqs sorted by length (by duration with max_duration)
+    at a time before cutting (1: the epoch's order is kept); `pad`: the value each key is padded
+    with (others: 0)."""
 
     max_seqs: Optional[int] = None
     max_frames: Optional[int] = None
+    max_duration: Optional[float] = None
+    quadratic_duration: Optional[float] = None
     length_key: Optional[str] = None
     bucket_window: int = 1
     pad: Tuple[Tuple[str, float], ...] = field(default=())
@@ -63,8 +71,12 @@ class Batching:
             raise UsageError(f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(KEYS)}")
         max_seqs = _count(value.get("max_seqs"), f"{where}['max_seqs']")
         max_frames = _count(value.get("max_frames"), f"{where}['max_frames']")
-        if max_seqs is None and max_frames is None:
-            raise UsageError(f"{where} needs max_seqs or max_frames (or both)")
+        max_duration = _seconds(value.get("max_duration"), f"{where}['max_duration']")
+        quadratic = _seconds(value.get("quadratic_duration"), f"{where}['quadratic_duration']")
+        if quadratic is not None and max_duration is None:
+            raise UsageError(f"{where}['quadratic_duration'] counts toward max_duration: set max_duration too")
+        if max_seqs is None and max_frames is None and max_duration is None:
+            raise UsageError(f"{where} needs max_seqs, max_frames or max_duration (or several)")
         key = value.get("length_key")
         if key is not None and (not isinstance(key, str) or not key):
             raise UsageError(f"{where}['length_key'] must be a data key (a non-empty str) or None, got {key!r:.80}")
@@ -79,7 +91,13 @@ class Batching:
                 raise UsageError(f"{where}['pad'] must map keys to numbers, got {k!r:.40}: {v!r:.40}")
             if isinstance(v, int) and not PAD_INTS[0] <= v <= PAD_INTS[1]:
                 raise UsageError(f"{where}['pad'][{k!r:.40}] must be an int64 (-2**63 to 2**63 - 1), got {v}")
-        return cls(max_seqs, max_frames, key, window, tuple(sorted(pad.items())))
+        return cls(max_seqs, max_frames, max_duration, quadratic, key, window, tuple(sorted(pad.items())))
+
+    @property
+    def uses_lengths(self) -> bool:
+        """Whether the cut needs the seqs' lengths: for `max_frames`, or to sort a bucket window
+        (by length unless max_duration sorts it by duration)."""
+        return self.max_frames is not None or (self.bucket_window > 1 and self.max_duration is None)
 
     def check_keys(
         self, measured: Collection[str], side: str, outputs: Mapping[str, Dict[str, Any]], where: str = "batching"
@@ -110,14 +128,13 @@ class Batching:
             )
 
     def to_dict(self) -> Dict[str, Any]:
-        """The canonical dict (what travels, what a job compares, what a resume state keeps)."""
-        return {
-            "max_seqs": self.max_seqs,
-            "max_frames": self.max_frames,
-            "length_key": self.length_key,
-            "bucket_window": self.bucket_window,
-            "pad": dict(self.pad),
-        }
+        """The canonical dict (what travels, what a job compares, what a resume state keeps); the
+        duration keys only where max_duration is set, so a cut without them travels as before."""
+        out: Dict[str, Any] = {"max_seqs": self.max_seqs, "max_frames": self.max_frames}
+        if self.max_duration is not None:
+            out.update(max_duration=self.max_duration, quadratic_duration=self.quadratic_duration)
+        out.update(length_key=self.length_key, bucket_window=self.bucket_window, pad=dict(self.pad))
+        return out
 
     def describe(self) -> str:
         """In words, for errors and logs."""
@@ -126,6 +143,10 @@ class Batching:
             parts.append(f"max_seqs {self.max_seqs}")
         if self.max_frames is not None:
             parts.append(f"max_frames {self.max_frames}")
+        if self.max_duration is not None:
+            parts.append(f"max_duration {self.max_duration:g} s")
+        if self.quadratic_duration is not None:
+            parts.append(f"quadratic_duration {self.quadratic_duration:g} s")
         if self.length_key is not None:
             parts.append(f"length_key {self.length_key!r}")
         if self.bucket_window != 1:
@@ -177,3 +198,17 @@ def _count(value: Any, where: str) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**62:
         raise UsageError(f"{where} must be an int >= 1 or None, got {value!r:.80}")
     return value
+
+
+def _seconds(value: Any, where: str) -> Optional[float]:
+    if value is None:
+        return None
+    seconds = float("nan")
+    if not isinstance(value, (bool, numpy.bool_)) and isinstance(value, (int, float, numpy.integer, numpy.floating)):
+        try:
+            seconds = float(value)
+        except OverflowError:
+            pass
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"{where} must be a finite number of seconds > 0 or None, got {value!r:.80}")
+    return seconds

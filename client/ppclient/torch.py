@@ -147,13 +147,14 @@ class _Turns:
 class ServerDataset(IterableDataset):
     """One ppserver epoch per iteration (`set_epoch(n)` picks it), this rank's shard of it.
 
-    Without `batch_frames`/`max_seqs` it yields what the server's config says: one seq at a time
-    (a dict of tensors plus `seq_tag`, `seq_idx`, `complete_frac`) unless the config sets a
-    `batching` (then the config's settings apply: `bucket_window`, `length_key` and `pad` are
-    refused without them). With them the server cuts the epoch into batches (at most `max_seqs`
-    seqs and `batch_frames` padded frames each, sorted by length `bucket_window` seqs at a time)
-    and its workers pad them: it yields batches `{key: (B, T, ...), key + ":lengths": (B,),
-    "seq_tag": [...], "seq_idx": (B,), "complete_frac": (B,)}`. Batch j of the epoch goes to rank
+    Without `batch_frames`/`max_seqs`/`max_duration` it yields what the server's config says: one
+    seq at a time (a dict of tensors plus `seq_tag`, `seq_idx`, `complete_frac`) unless the config
+    sets a `batching` (then the config's settings apply: `bucket_window`, `length_key` and `pad`
+    are refused without them). With them the server cuts the epoch into batches (at most `max_seqs` seqs,
+    `batch_frames` padded frames and `max_duration` seconds as Lhotse counts them, with its
+    `quadratic_duration`, each; sorted by length, or duration, `bucket_window` seqs at a time) and its
+    workers pad them: it yields batches `{key: (B, T, ...), key + ":lengths": (B,), "seq_tag":
+    [...], "seq_idx": (B,), "complete_frac": (B,)}`. Batch j of the epoch goes to rank
     j % world_size, so with drop_last every rank takes the same number of steps. Use it with
     `DataLoader(batch_size=None)`.
     `config=PATH` instead of an address: a local server for that ppserver config, started by the
@@ -176,6 +177,8 @@ class ServerDataset(IterableDataset):
         direct: Union[bool, str] = True,
         batch_frames: Optional[int] = None,
         max_seqs: Optional[int] = None,
+        max_duration: Optional[float] = None,
+        quadratic_duration: Optional[float] = None,
         bucket_window: int = 1,
         length_key: Optional[str] = None,
         pad: Optional[Dict[str, float]] = None,
@@ -188,16 +191,19 @@ class ServerDataset(IterableDataset):
         if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 1:
             raise UsageError(f"bucket_window must be an int >= 1, got {bucket_window!r}")
         batching: Optional[Dict[str, Any]] = None  # the server's default
+        caps = (batch_frames, max_seqs, max_duration, quadratic_duration)
         cut = {"bucket_window": bucket_window != 1, "length_key": length_key is not None, "pad": bool(pad)}
-        if batch_frames is None and max_seqs is None and any(cut.values()):
+        if all(v is None for v in caps) and any(cut.values()):
             raise UsageError(
-                f"{', '.join(k for k, v in cut.items() if v)} without batch_frames or max_seqs: they are settings "
-                "of a cut this dataset asks for (without one it takes the server's, with that one's settings)"
+                f"{', '.join(k for k, v in cut.items() if v)} without batch_frames, max_seqs or max_duration: they are "
+                "settings of a cut this dataset asks for (without one it takes the server's, with that one's settings)"
             )
-        if batch_frames is not None or max_seqs is not None:
+        if any(v is not None for v in caps):
             batching = {
                 "max_frames": batch_frames,
                 "max_seqs": max_seqs,
+                "max_duration": max_duration,
+                "quadratic_duration": quadratic_duration,
                 "bucket_window": bucket_window,
                 "length_key": length_key,
                 "pad": pad or {},

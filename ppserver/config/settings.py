@@ -26,7 +26,7 @@ from ppserver.errors import ConfigError, Stopped, one_line
 # Config and KNOWN_KEYS are table.py's, here too for the modules that load configs
 __all__ = ["KNOWN_KEYS", "Config", "executing", "from_settings", "load", "load_config", "read_source"]
 
-_FUNCTION_SETTINGS = ("map_seq", "map_seq_stream", "batch_length")
+_FUNCTION_SETTINGS = ("map_seq", "map_seq_stream", "batch_length", "batch_duration")
 
 
 def load(path: str, returnn_dataset: Optional[str] = None, source: Optional[bytes] = None) -> Config:
@@ -76,7 +76,7 @@ def from_settings(
     for s in SETTINGS:
         value = settings.get(s.key, None if s.default is MISSING else s.default)
         checked[s.name] = s.check(s.key, value, checked)
-    mappers = [checked["map_seq"], checked["map_seq_stream"], checked["batch_length"]]
+    mappers = [checked["map_seq"], checked["map_seq_stream"], checked["batch_length"], checked["batch_duration"]]
     roots = (namespace or settings).values()
     values = {s.name: checked[s.name] for s in SETTINGS if s.outputs and s.name != "dataset"}
     if checked["map_seq_stream"] is not None:  # its partitions are num_workers' unless set

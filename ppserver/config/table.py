@@ -197,14 +197,31 @@ def _heartbeat_timeout(key: str, value: Any, checked: Dict[str, Any]) -> float:
 
 def _batching(key: str, value: Any, checked: Dict[str, Any]) -> Batching:
     try:
-        return Batching.from_dict(value, key)
+        batching = Batching.from_dict(value, key)
     except UsageError as exc:
         raise ConfigError(key, str(exc).removeprefix(key).lstrip(": ")) from None
+    if batching.max_duration is not None and checked["map_seq_stream"] is not None:
+        raise ConfigError(key, STREAM_DURATIONS)
+    return batching
+
+
+STREAM_DURATIONS = (
+    "['max_duration'] is for map_seq only: map_seq_stream's outputs, which its batches are cut from, "
+    "have no known durations (cut them by max_frames or max_seqs)"
+)
 
 
 def _batch_length(key: str, value: Any, checked: Dict[str, Any]) -> Callable:
     if not callable(value):
         raise ConfigError(key, f"must be a function seq -> int, got {type(value).__name__}")
+    if checked["map_seq_stream"] is not None:
+        raise ConfigError(key, "only with map_seq: map_seq_stream batches are cut by their outputs")
+    return value
+
+
+def _batch_duration(key: str, value: Any, checked: Dict[str, Any]) -> Callable:
+    if not callable(value):
+        raise ConfigError(key, f"must be a function seq -> float (seconds), got {type(value).__name__}")
     if checked["map_seq_stream"] is not None:
         raise ConfigError(key, "only with map_seq: map_seq_stream batches are cut by their outputs")
     return value
@@ -274,6 +291,12 @@ class Config:
     batching: Optional[Batching] = setting(None, optional(_batching), "how epochs are cut into batches by default")
     batch_length: Optional[Callable] = setting(
         None, optional(_batch_length), "batch_length(seq) -> int: a read seq's length", shown="its length_key's"
+    )
+    batch_duration: Optional[Callable] = setting(
+        None,
+        optional(_batch_duration),
+        "batch_duration(seq) -> float: a read seq's seconds, for max_duration",
+        shown="the dataset's",
     )
     worker_threads: int = setting(
         1, integer(1), "threads of numpy's, torch's, ... pools per worker process", outputs=False

@@ -67,11 +67,11 @@ class Dataset:
     Hooks (docs/datasets.md; all called from the server's reader thread, one at a time):
     ``_num_corpus_seqs()``, ``_load(corpus_idx)``, ``_tag(corpus_idx)`` and optionally
     ``_seq_len(corpus_idx)`` (the default loads the seq), ``_key_lens(key)`` (lengths known
-    up front: batches are cut before reading), ``seq_durations()``, ``_corpus_idx_for_tag(tag)``,
-    ``_compute_data_keys()`` (the default loads the whole corpus once) and ``data_files()`` or
-    ``identity()`` (what the served fingerprint covers of the data). The arrays ``_load``
-    returns are sent without a copy: return fresh arrays or views of data that never changes,
-    not a buffer that the next call overwrites.
+    up front: batches are cut before reading), ``seq_durations()`` (likewise, by seconds),
+    ``_corpus_idx_for_tag(tag)``, ``_compute_data_keys()`` (the default loads the whole corpus
+    once) and ``data_files()`` or ``identity()`` (what the served fingerprint covers of the data).
+    The arrays ``_load`` returns are sent without a copy: return fresh arrays or views of data
+    that never changes, not a buffer that the next call overwrites.
     """
 
     def __init__(
@@ -259,6 +259,17 @@ class Dataset:
         without reading the seqs (the server then cuts an epoch's batches up front); else None."""
         lens = self._key_lens(key)
         return None if lens is None else lens[np.asarray(self._require_order(), dtype=np.int64)]
+
+    def epoch_durations(self) -> Optional[np.ndarray]:
+        """The durations in seconds of the current epoch's seqs in order (seq_durations()), where
+        the dataset knows them (the server then cuts batches by max_duration up front); else None."""
+        durations = self.seq_durations()
+        if durations is None:
+            return None
+        durations = np.asarray(durations, dtype=np.float64)
+        if durations.shape != (self.total_num_seqs,):
+            raise ValueError(f"seq_durations() gave {durations.shape} values for {self.total_num_seqs} corpus seqs")
+        return durations[np.asarray(self._require_order(), dtype=np.int64)]
 
     def get_seq(self, pos: int) -> Dict[str, Any]:
         order = self._require_order()

@@ -19,6 +19,7 @@ from ppclient.batching import Batching
 from ppclient.errors import UsageError
 from ppserver.config.fingerprint import SERVED_COVERS
 from ppserver.config.settings import Config
+from ppserver.config.table import STREAM_DURATIONS
 from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
@@ -44,10 +45,12 @@ class Control:
         observe: Callable[[ev.Event], None] = lambda event: None,
         length_keys: Tuple[str, ...] = (),
         outputs: Optional[Dict[str, Any]] = None,
+        no_durations: Optional[str] = None,
     ):
         self.cfg = cfg
         self.length_keys = length_keys  # keys a batching's length_key may name
         self.outputs = outputs or {}  # the outputs' templates: the keys a batching's pad may name
+        self.no_durations = no_durations  # why a batching may not ask for max_duration (None: it may)
         self.sched = sched
         self.info = info
         self.status = status
@@ -115,13 +118,20 @@ class Control:
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
         """The cut a request gets: the config's default (None asked), none ({}), or the one asked
         for; its length_key must be a key the cut can measure (an input's with map_seq, an
-        output's with map_seq_stream), its pad keys output keys (Batching.check_keys)."""
+        output's with map_seq_stream), its pad keys output keys (Batching.check_keys), and its
+        max_duration needs the seqs' durations (map_seq only: a dataset's seq_durations() or the
+        config's batch_duration)."""
         if asked is None:
             return self.cfg.batching
         if not asked:
             return None
         batching = Batching.from_dict(asked)
         check_keys(self.cfg, batching, self.length_keys, self.outputs)
+        if batching.max_duration is not None:
+            if self.cfg.is_stream:
+                raise UsageError(f"batching{STREAM_DURATIONS}")
+            if self.no_durations is not None:
+                raise UsageError(f"batching{self.no_durations}")
         return batching
 
     def _check(self, msg: protocol.EpochRequest) -> Optional[str]:

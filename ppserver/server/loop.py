@@ -112,6 +112,11 @@ class Server:
         self.dataset = make_dataset(cfg.dataset, order_seed=cfg.seed)
         # Everything the I/O thread needs from the dataset is read now, before serving.
         self.in_templates, self.total_num_seqs = _describe(self.dataset)
+        # a cut by max_duration needs the seqs' seconds: the config's batch_duration or the dataset's
+        known = cfg.batch_duration is not None or _knows_durations(self.dataset)
+        no_durations = None if known else _no_durations(self.dataset)
+        if no_durations is not None and cfg.batching is not None and cfg.batching.max_duration is not None:
+            raise ConfigError("batching", no_durations)
         self.out_templates = output_templates(cfg, self.in_templates)
         length_keys = tuple(self.out_templates if cfg.is_stream else self.in_templates)
         check_default(cfg, length_keys, self.out_templates)
@@ -132,6 +137,7 @@ class Server:
             self.dataset,
             cfg.batch_length,
             default_length_key({k: (t["dtype"], t["shape"]) for k, t in self.in_templates.items()}),
+            cfg.batch_duration,
         )
         self.monitor = Monitor(
             self.sched, self.reader, stream=cfg.is_stream, progress_interval=cfg.progress_interval, metrics=metrics
@@ -146,6 +152,7 @@ class Server:
             observe=self.stages.on_event,
             length_keys=length_keys,
             outputs=self.out_templates,
+            no_durations=no_durations,
         )
         self.stopping = False
         self.started = time.monotonic()
@@ -436,6 +443,23 @@ def _identity(dataset: Any) -> Any:
         return identity() if identity is not None else None
     except Exception as exc:
         raise ConfigError("dataset", f"{type(dataset).__name__}.identity() failed: {one_line(exc)}") from None
+
+
+def _knows_durations(dataset: Any) -> bool:
+    """Whether the dataset knows its seqs' seconds up front (its seq_durations() is not None)."""
+    hook = getattr(dataset, "seq_durations", None)
+    try:
+        return hook is not None and hook() is not None
+    except Exception as exc:
+        raise ConfigError("dataset", f"{type(dataset).__name__}.seq_durations() failed: {one_line(exc)}") from None
+
+
+def _no_durations(dataset: Any) -> str:
+    """Why this server cannot cut by max_duration, in words."""
+    return (
+        f"['max_duration'] needs the seqs' durations: {type(dataset).__name__} gives none (its seq_durations() "
+        "is None) and the config has no batch_duration(seq)"
+    )
 
 
 def serve(

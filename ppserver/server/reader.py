@@ -12,9 +12,10 @@ epoch, so a refused request disturbs nothing; RunChecked tells the scheduler it 
 let the requesting ranks leave their old runs.
 
 A run that batches (map_seq) has batches for positions: the reader cuts its epoch (cutting.py),
-up front where the dataset knows every seq's length (`epoch_lengths`), else as it reads (keeping
-lengths, reading a batch's seqs again when it is due), and hands each batch over as a Batch of
-its seqs, each carrying the batch's complete_frac.
+up front where the dataset knows every seq's length (`epoch_lengths`) and, for max_duration,
+duration (`epoch_durations`), else as it reads (keeping lengths, reading a batch's seqs again
+when it is due), and hands each batch over as a Batch of its seqs, each carrying the batch's
+complete_frac.
 
 Every seq is handed over as soon as it is read (the loop batches what it finds waiting),
 so a read that hangs never holds back the seqs read before it. While the reader reads, the
@@ -34,7 +35,7 @@ from ppclient.batching import Batching
 from ppclient.protocol import MAX_ITEM_HEADER_BYTES, Batch, Item, oversized_header, seq_to_item, short_tag
 from ppserver.scheduler import Instruction, Prepare, Read, Replay, StopReading
 from ppserver.scheduler import events as ev
-from ppserver.server.cutting import BatchedRun, seq_length
+from ppserver.server.cutting import BatchedRun, checked_durations, seq_duration, seq_length
 from ppserver.server.handover import Mailbox, Outbox
 
 log = logging.getLogger("ppserver.reader")
@@ -42,7 +43,14 @@ log = logging.getLogger("ppserver.reader")
 READING_POLL_MS = 10  # the loop's poll timeout while the reader reads
 IDLE_WAIT_S = 0.1
 BUSY_REPORT_S = 1.0  # how long a dataset call must take before status and keepalives mention it
-DATASET_CALLS = ("get_seq", "init_seq_order", "check_epoch_args", "is_less_than_num_seqs", "epoch_lengths")
+DATASET_CALLS = (
+    "get_seq",
+    "init_seq_order",
+    "check_epoch_args",
+    "is_less_than_num_seqs",
+    "epoch_lengths",
+    "epoch_durations",
+)
 REFUSALS = (ValueError, KeyError, IndexError, TypeError)  # what a dataset raises for a request it refuses
 
 EpochArgs = Tuple[int, Optional[Tuple[str, ...]], Optional[Tuple[int, ...]]]
@@ -78,11 +86,13 @@ class Reader(threading.Thread):
         dataset: Any,
         batch_length: Optional[Callable[[Dict[str, Any]], Any]] = None,
         length_key: Optional[str] = None,
+        batch_duration: Optional[Callable[[Dict[str, Any]], Any]] = None,
     ):
         super().__init__(name="reader", daemon=True)
         self.dataset = dataset
         self.batch_length = batch_length  # the config's: a read seq's length for the cut
         self.length_key = length_key  # the inputs' key whose first axis is a seq's length, by default
+        self.batch_duration = batch_duration  # the config's: a read seq's duration for the cut
         self.commands = Mailbox()
         self.outbox = Outbox()
         self.quit = threading.Event()
@@ -251,14 +261,27 @@ class Reader(threading.Thread):
         self._emit(ev.RunStarted(time.monotonic(), cmd.run, cmd.epoch, count, check_tags=cmd.seq_list is not None))
 
     def _batched(self, batching: Batching) -> BatchedRun:
-        """The epoch's batches: up front when the dataset knows the lengths (and no config function
-        decides them), else as the seqs are read."""
+        """The epoch's batches: up front when the dataset knows the measures the cut uses (and no
+        config function decides them), else as the seqs are read."""
         key = batching.length_key or self.length_key
-        lengths = None
+        lengths = durations = None
         known = getattr(self.dataset, "epoch_lengths", None)
         if self.batch_length is None and known is not None and key is not None:
             lengths = self._call("epoch_lengths", key, known, key)
-        return BatchedRun(batching, lengths, seq_length(self.batch_length, key))
+        if batching.max_duration is not None and self.batch_duration is None:
+            epoch_durations = getattr(self.dataset, "epoch_durations", None)
+            if epoch_durations is not None:
+                durations = self._call("epoch_durations", "", epoch_durations)
+            if durations is None:
+                raise ValueError("the dataset gives no seq durations for max_duration (its seq_durations() is None)")
+            durations = checked_durations(durations, self.dataset.num_seqs)
+        return BatchedRun(
+            batching,
+            lengths,
+            seq_length(self.batch_length, key),
+            durations,
+            seq_duration(self.batch_duration, durations),
+        )
 
     # ---- reading --------------------------------------------------------------------------
     def _read_next(self) -> None:
@@ -375,8 +398,8 @@ class Reader(threading.Thread):
             batched.finish()
             return True
         seq = self._call("get_seq", pos, self.dataset.get_seq, pos)
-        length = batched.length(seq)
-        batched.add(pos, input_item(seq, pos), length)
+        length, duration = batched.length(seq), batched.duration(pos, seq)
+        batched.add(pos, input_item(seq, pos), length, duration)
         return self.commands.empty()
 
     def _replay(self, cmd: Replay) -> None:
