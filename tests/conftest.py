@@ -596,8 +596,9 @@ def map_seq_stream(seqs, *, rng, **kwargs):
 ).replace("REFERENCE_RUN", REFERENCE_RUN)
 
 
-def reference(config: str, epoch: int, **kw) -> List[dict]:
-    """The epoch computed in this process by the same definition the service implements."""
+def reference(config: str, epoch: int, **kw) -> List[Any]:
+    """The epoch computed in this process by the same definition the service implements
+    (`skipped=True`: with None for each seq map_seq skipped)."""
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import reference_epoch
@@ -613,7 +614,7 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
     # delivery enforces a non-decreasing complete_frac across the interleaved stream
     best = 0.0
     for seq in out:
-        if seq.get("complete_frac") is not None:
+        if seq is not None and seq.get("complete_frac") is not None:
             best = max(best, float(seq["complete_frac"]))
             seq["complete_frac"] = best
     return out
@@ -622,14 +623,15 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
 def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dict]:
     """The epoch's batches as the service cuts and pads them: the reference epoch seq by seq, cut
     by the inputs' lengths (map_seq: the length_key's, or the config's batch_length) or by the
-    outputs' (map_seq_stream), each batch padded as the workers pad it."""
+    outputs' (map_seq_stream), each batch padded as the workers pad it: without the seqs map_seq
+    skipped (a batch whose seqs were all skipped is empty, B = 0: see empty_batch)."""
     from ppclient import collate
     from ppclient.batching import Batching
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.datasets.cut import cut_epoch
 
-    seqs = reference(config, epoch, **kw)
+    seqs = reference(config, epoch, skipped=True, **kw)
     cfg = load_config(config)
     b = Batching.from_dict(batching)
     if cfg.is_stream:
@@ -641,7 +643,23 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
         key = b.length_key or ("data" if "data" in ds.data_keys() else next(iter(ds.data_keys())))
         length = cfg.batch_length or (lambda seq: seq[key].shape[0] if seq[key].ndim else 1)
         lengths = [int(length(ds.get_seq(pos))) for pos in range(len(seqs))]
-    return [collate.pad([seqs[p] for p in batch], dict(b.pad)) for batch in cut_epoch(lengths, b)]
+    out = []
+    for batch in cut_epoch(lengths, b):
+        kept = [seqs[p] for p in batch if seqs[p] is not None]
+        out.append(collate.pad(kept, dict(b.pad)) if kept else empty_batch(cfg.map_outputs or ds.data_keys()))
+    return out
+
+
+def empty_batch(templates: Dict[str, Any]) -> dict:
+    """A batch whose seqs map_seq all skipped, as a trainer gets it: every key of the output templates
+    with B = 0 (and 0 for its varying axes), its empty lengths, no tags."""
+    out: Dict[str, Any] = {"seq_tag": [], "seq_idx": np.zeros((0,), np.int64)}
+    for key, tpl in templates.items():
+        shape = [0 if d is None else d for d in tpl["shape"]]
+        out[key] = np.zeros([0, *shape], tpl["dtype"])
+        if shape:
+            out[key + ":lengths"] = np.zeros((0,), np.int64)
+    return out
 
 
 def assert_same_batches(got: List[dict], want: List[dict]) -> None:

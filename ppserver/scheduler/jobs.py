@@ -135,6 +135,9 @@ class Run:
     cutting: Optional[StreamCut] = None  # stream mode, batching: the merged outputs cut into batches
     total: Optional[int] = None  # outputs of the whole epoch, once known
     held_by: Optional[int] = None  # the lane without room for the next output to release, if one is
+    seqs: Optional[int] = None  # seqs of the epoch (not batches), once known: max_skipped is a part of them
+    skipped: int = 0  # seqs map_seq skipped in this run (skips.py)
+    skipped_tags: List[str] = field(default_factory=list)  # the first few of their tags
 
     @property
     def width(self) -> int:
