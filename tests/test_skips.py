@@ -9,6 +9,7 @@ ranks, batched and not, both data paths, and a resume from a state taken after a
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Dict, List, Optional
 
@@ -19,13 +20,16 @@ from conftest import (
     assert_same_batches,
     assert_same_epoch,
     collect,
+    free_port,
     in_threads,
     numpy_config,
     read,
     reference,
     reference_batches,
+    run_cli,
     run_server,
     shard,
+    wait_for,
 )
 
 import ppclient
@@ -318,3 +322,19 @@ def test_an_epoch_that_skips_more_than_max_skipped_fails_with_one_clear_error(tm
     assert "more than max_skipped (0.05 of its 61 seqs)" in text, text
     assert err.value.seq_tag is not None and repr(err.value.seq_tag) in text
     assert "map_seq skipped" in read(log)
+
+
+@pytest.mark.processes
+def test_status_and_metrics_count_the_skipped_seqs(tmp_path):
+    from test_metrics import scrape, value
+
+    cfg = corpus(tmp_path)
+    expect = sum(s is None for s in reference(cfg, 2, skipped=True))
+    port = free_port()
+    with run_server(cfg, workers=1, extra=["--metrics", f"127.0.0.1:{port}"]) as srv, srv.client() as c:
+        assert len(collect(c.epoch(2))) == 61 - expect
+        text = run_cli("status", srv.address, timeout=30)
+        st = json.loads(run_cli("status", srv.address, "--json", timeout=30).stdout)
+        wait_for(lambda: value(scrape(port), "ppserver_seqs_skipped_total") == expect, 10, "the skipped count")
+    assert text.returncode == 0 and f"skipped {expect} (all epochs: {expect})" in text.stdout, text.stdout
+    assert st["seqs_skipped"] == st["seqs_skipped_total"] == expect
