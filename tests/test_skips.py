@@ -90,6 +90,20 @@ def test_a_skip_marker_holds_a_position_and_nothing_else():
     ]
 
 
+@pytest.mark.returnn
+def test_a_returnn_api_map_seq_skips_a_seq_by_returning_none():
+    from ppserver.mappers.returnn import wrap_map_seq
+
+    def fn(td: Any, **kwargs: Any) -> Any:
+        return None if td.data["data"].raw_tensor.shape[0] == 1 else td
+
+    map_seq = wrap_map_seq(fn, {"data": {"shape": [None, 2], "dtype": "float32"}})
+    short = {"data": np.zeros((1, 2), "f4"), "seq_tag": "a", "seq_idx": 0}
+    assert map_seq(short, epoch=1, seq_idx=0, rng=None) is None
+    out = map_seq({**short, "data": np.ones((3, 2), "f4")}, epoch=1, seq_idx=0, rng=None)
+    assert out is not None and out["data"].shape == (3, 2) and out["seq_tag"] == "a"
+
+
 # ---- the scheduler alone ------------------------------------------------------------------------
 class Sim:
     """A strict scheduler serving one job (its invariants checked after every event)."""
