@@ -22,6 +22,10 @@ Direct results: a task may name the consumer its result goes to (`route`); the w
 it there and tells the server only its position and size (`completed`). Its input is kept
 until the consumer has taken the seq (`forget`), so a result lost on the way (`redo_lost`: the
 consumer reports it missing) is made again and sent through the server (`late`).
+
+Skipped seqs (map_seq returned None): a result says how many of its task's seqs were skipped
+(its header, or `completed`); it takes its turn in delivery like any other (a marker, or a batch
+without them), and the accepted ones are listed in `skips` for the scheduler to count (skips.py).
 """
 
 from __future__ import annotations
