@@ -595,8 +595,9 @@ def map_seq_stream(seqs, *, rng, **kwargs):
 ).replace("REFERENCE_RUN", REFERENCE_RUN)
 
 
-def reference(config: str, epoch: int, **kw) -> List[dict]:
-    """The epoch computed in this process by the same definition the service implements."""
+def reference(config: str, epoch: int, **kw) -> List[Any]:
+    """The epoch computed in this process by the same definition the service implements
+    (`skipped=True`: with None for each seq map_seq skipped)."""
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import reference_epoch
@@ -613,7 +614,7 @@ def reference(config: str, epoch: int, **kw) -> List[dict]:
     # delivery enforces a non-decreasing complete_frac across the interleaved stream
     best = 0.0
     for seq in out:
-        if seq.get("complete_frac") is not None:
+        if seq is not None and seq.get("complete_frac") is not None:
             best = max(best, float(seq["complete_frac"]))
             seq["complete_frac"] = best
     return out
@@ -623,14 +624,17 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
     """The epoch's batches as the service cuts and pads them: the reference epoch seq by seq, cut
     by the inputs' lengths (map_seq: the length_key's, or the config's batch_length) and durations
     (the dataset's, or the config's batch_duration) or by the outputs' lengths (map_seq_stream),
-    each batch padded as the workers pad it, every seq of a batch with the batch's complete_frac."""
+    each batch padded as the workers pad it, every seq of a batch with the batch's complete_frac:
+    without the seqs map_seq skipped (a batch whose seqs were all skipped is empty, B = 0: see
+    empty_batch)."""
     from ppclient import collate
     from ppclient.batching import Batching
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.datasets.cut import cut_epoch
+    from ppserver.mappers.outputs import output_templates
 
-    seqs = reference(config, epoch, **kw)
+    seqs = reference(config, epoch, skipped=True, **kw)
     cfg = load_config(config)
     b = Batching.from_dict(batching)
     durations = None  # of the inputs, by max_duration: the config's batch_duration, else the dataset's
@@ -649,9 +653,23 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
     batches, reach = [], -1
     for batch in cut_epoch(lengths, b, durations):
         reach = max(reach, *batch)  # a batch's complete_frac: the furthest seq's in it or before it
-        frac = {"complete_frac": seqs[reach]["complete_frac"]} if "complete_frac" in seqs[reach] else {}
-        batches.append(collate.pad([{**seqs[p], **frac} for p in batch], dict(b.pad)))
+        src = seqs[reach] if cfg.is_stream else ds.get_seq(reach)  # (the input's: a skipped seq has no output)
+        frac = {"complete_frac": src["complete_frac"]} if "complete_frac" in src else {}
+        kept = [{**seqs[p], **frac} for p in batch if seqs[p] is not None]
+        batches.append(collate.pad(kept, dict(b.pad)) if kept else empty_batch(output_templates(cfg, ds.data_keys())))
     return batches
+
+
+def empty_batch(templates: Dict[str, Any]) -> dict:
+    """A batch whose seqs map_seq all skipped, as a trainer gets it: every key of the output templates
+    with B = 0 (and 0 for its varying axes), its empty lengths, no tags."""
+    out: Dict[str, Any] = {"seq_tag": [], "seq_idx": np.zeros((0,), np.int64)}
+    for key, tpl in templates.items():
+        shape = [0 if d is None else d for d in tpl["shape"]]
+        out[key] = np.zeros([0, *shape], tpl["dtype"])
+        if shape:
+            out[key + ":lengths"] = np.zeros((0,), np.int64)
+    return out
 
 
 def assert_same_batches(got: List[dict], want: List[dict]) -> None:

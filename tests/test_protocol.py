@@ -23,7 +23,9 @@ def sample(cls):
     values = {}
     for f in dataclasses.fields(cls):
         hint = str(f.type)
-        if "List[bytes]" in hint:
+        if "List[List[str]]" in hint:
+            values[f.name] = [["a"], []]
+        elif "List[bytes]" in hint:
             values[f.name] = [b"id-1", b""]
         elif "bytes" in hint:
             values[f.name] = b"id-1"

@@ -37,7 +37,8 @@ from ppclient.returnn import ServerDataset
 
 pytestmark = [pytest.mark.processes, pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
 
-# Frame-wise classes with a sparse_dim declared in map_outputs; epoch 9 fails at its 4th seq.
+# Frame-wise classes with a sparse_dim declared in map_outputs; epoch 9 fails at its 4th seq, epoch 7
+# skips its 6th and its last.
 CONFIG = """
 import numpy as np
 _r = np.random.RandomState(3)
@@ -49,10 +50,13 @@ map_outputs = {
     "classes": {"shape": (None,), "dtype": "int32", "sparse_dim": 10},
 }
 buf_size = 2
+max_skipped = 0.1
 
 def map_seq(seq, *, epoch, seq_idx, rng, **kwargs):
     if epoch == 9 and seq_idx == 3:
         raise ValueError("no good seq")
+    if epoch == 7 and seq_idx in (5, 22):
+        return None
     seq["data"] = seq["data"] * rng.uniform(0.5, 1.5)
     return seq
 """
@@ -146,6 +150,19 @@ def test_the_dataset_api_yields_the_reference_epochs(server):
             assert_same_epoch(got, without_seq_idx(want))
             ds.finish_epoch()
         assert [s["seq_tag"] for s in reference(cfg, 1)] != [s["seq_tag"] for s in reference(cfg, 2)]
+    finally:
+        ds.finish_epoch(free_resources=True)
+
+
+def test_an_epoch_with_skipped_seqs_ends_where_they_run_out(server):
+    srv, cfg = server
+    ds = dataset(srv.address, job="skips")
+    try:
+        want = reference(cfg, 7)
+        assert len(want) == 21  # two skipped, the last one too
+        got = read_epoch(ds, 7)
+        assert ds.num_seqs == 21
+        assert_same_epoch(got, without_seq_idx(want))
     finally:
         ds.finish_epoch(free_resources=True)
 

@@ -1,6 +1,10 @@
 """An epoch as the trainer reads it: this rank's seqs (or batches) in order, credit granted to the
 server as they are taken, and the waits that tell a slow epoch from a dead or restarted server.
 
+A seq the server's mapper skipped (returned None) comes as a marker that holds its position: the
+iterator passes over it (a position of the shard is taken, nothing is yielded), so positions,
+resume states and `len()` count it; a batch comes without its skipped seqs (B = 0 when all were).
+
 The client grants the server credit for `window` seqs and tops it up as the trainer takes them,
 so the server never sends more than the trainer takes. While a run is live the server sends a
 keepalive every heartbeat interval, which tells a slow epoch (an Error naming what it waits for)
@@ -68,7 +72,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._instance = accepted.instance  # the server process that serves the run
         self._seq_list, self._seq_order = seq_list, seq_order
         self.reconnects = 0  # times the epoch was asked for again from a restarted server
-        self._consumed = 0
+        self._consumed = 0  # positions taken (yielded, or passed over: seqs the mapper skipped)
+        self.skipped = 0  # seqs the mapper skipped among them (a batch's too)
         self._base = 0  # seqs yielded before the current run began (the server counts from there)
         self._granted = 0  # credit granted to the current run so far (cumulative)
         window = client.window
@@ -166,17 +171,26 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         if self._error is not None:
             raise self._error
         self._client._check_process()
-        expected = self._reorder.expected(self._consumed)
-        while expected not in self._reorder.buffer:
-            if self._finished():
-                self._top_up(end=True)
-                self._client._inbox.drop(self.run)
-                raise StopIteration
-            self._receive("progress")
-        seq = self._build(self._reorder.buffer.pop(expected))
-        self._consumed += 1
-        self._top_up(end=self._finished())  # (at the end, tells the server how many were taken)
-        return seq
+        while True:
+            expected = self._reorder.expected(self._consumed)
+            while expected not in self._reorder.buffer:
+                if self._finished():
+                    self._top_up(end=True)
+                    self._client._inbox.drop(self.run)
+                    raise StopIteration
+                self._receive("progress")
+            item = self._reorder.buffer.pop(expected)
+            if isinstance(item, Item) and item.skip:  # a skipped seq: its position is taken, nothing yielded
+                self._consumed += 1
+                self.skipped += 1
+                self._top_up(end=self._finished())
+                continue
+            seq = self._build(item)
+            self._consumed += 1
+            if isinstance(item, Item):
+                self.skipped += item.skipped
+            self._top_up(end=self._finished())  # (at the end, tells the server how many were taken)
+            return seq
 
     def _build(self, item: Union[Item, Batch]) -> Dict[str, Any]:
         """What the trainer gets: a seq, a padded batch, or the seqs of a batch padded here."""

@@ -377,8 +377,11 @@ class ServerDataset(CachedDataset2):
         return True
 
     def is_less_than_num_seqs(self, n: int) -> bool:
-        if self._num_seqs is None and self._iter is not None and n >= self.expected_load_seq_start:
-            self._load_seqs(self.expected_load_seq_start, n + 1)  # so an epoch found empty ends cleanly
+        # Seqs are read up to n first, so that an epoch found empty ends cleanly, and one whose
+        # seqs the server's mapper skipped ends where they run out: its num_seqs (the positions
+        # the server counts) becomes what came.
+        if self._iter is not None and n >= self.expected_load_seq_start:
+            self._load_seqs(self.expected_load_seq_start, n + 1)
         return super().is_less_than_num_seqs(n)
 
     def _collect_single_seq(self, seq_idx: int) -> Optional[DatasetSeq]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 
 class Throttled:
@@ -18,10 +18,12 @@ class Throttled:
         self.count = 0
         self.logged_at = -interval
 
-    def hit(self, detail: Union[str, Callable[[], str]], n: int = 1) -> None:
-        """Count `n` events; `detail` may be a function, called only when a line is logged."""
+    def hit(self, detail: Union[str, Callable[[], str]], n: int = 1, now: Optional[float] = None) -> None:
+        """Count `n` events; `detail` may be a function, called only when a line is logged. `now`:
+        the time, for a caller that is given it (else the clock's)."""
         self.count += n
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         if now - self.logged_at >= self.interval:
             self.logged_at = now
             total = f" ({self.count} so far)" if self.count > 1 else ""

@@ -35,7 +35,8 @@ def format_status(st: Dict[str, Any]) -> str:
         f"server      {st.get('address')}  (workers connect to {st.get('worker_address')}), up {st.get('uptime_s')} s",
         f"epoch       {st.get('epoch')}  state {st.get('state')}  "
         f"delivered {st.get('seqs_delivered')}/{st.get('num_seqs') if st.get('num_seqs') is not None else '?'}"
-        f"  {st.get('seqs_per_sec')} seqs/s",
+        f"  {st.get('seqs_per_sec')} seqs/s"
+        f"{_skipped(st)}",
         *_progress_lines(st),
         f"queues      waiting {q.get('waiting_for_worker', 0)}  in flight {q.get('in_flight', 0)}  "
         f"reorder {q.get('reorder_buffer', 0)}  client credit {q.get('client_credit', 0)}",
@@ -68,6 +69,12 @@ def format_status(st: Dict[str, Any]) -> str:
                 f"{w['last_heartbeat_s']:>7.1f}s"
             )
     return "\n".join(lines)
+
+
+def _skipped(st: Dict[str, Any]) -> str:
+    """The seqs map_seq skipped (returned None), if it skipped any."""
+    run, total = st.get("seqs_skipped") or 0, st.get("seqs_skipped_total") or 0
+    return f"  skipped {run} (all epochs: {total})" if total else ""
 
 
 def _progress_lines(st: Dict[str, Any]) -> List[str]:

@@ -80,6 +80,13 @@ def number(*, zero: bool = False) -> Check:
     return check
 
 
+def fraction(key: str, value: Any, checked: Dict[str, Any]) -> float:
+    """A fraction from 0 to 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(key, f"must be a number from 0 to 1, got {value!r}")
+    return float(value)
+
+
 def boolean(key: str, value: Any, checked: Dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(key, f"must be True or False, got {value!r}")
@@ -274,6 +281,11 @@ class Config:
     )
     max_seq_retries: int = setting(
         3, integer(1), "workers a seq may be on when they die before its epoch fails", outputs=False
+    )
+    max_skipped: float = setting(
+        0.01,
+        fraction,
+        "fraction of an epoch's seqs map_seq may skip (return None) before the epoch fails (0: any skip fails)",
     )
     max_message_bytes: int = setting(
         1 << 30, integer(1024), "largest frame on the worker socket", shown="1 GiB", outputs=False

@@ -177,14 +177,17 @@ def apply_map_seq(
     seed: int,
     templates: Dict[str, Dict[str, Any]],
     expected_tag: Optional[str] = None,
-) -> Dict[str, Any]:
-    """Apply map_seq to one seq with its own rng; restore dropped meta entries; validate."""
+) -> Optional[Dict[str, Any]]:
+    """Apply map_seq to one seq with its own rng; restore dropped meta entries; validate. None: the
+    mapper skipped the seq (a corrupt file, say): it is left out of the epoch."""
     meta = {k: seq[k] for k in META_KEYS if k in seq}
     seq_idx = int(meta["seq_idx"])
     try:
         out = map_seq(dict(seq), epoch=epoch, seq_idx=seq_idx, rng=seq_rng(seed, epoch, seq_idx), **fwd_compat_kwargs())
     except MappingError:
         raise
+    if out is None:
+        return None
     if not isinstance(out, dict):
         raise MappingError(f"map_seq must return a dict, got {type(out).__name__}", meta.get("seq_tag"))
     for k, v in meta.items():
@@ -253,8 +256,10 @@ def reference_epoch(
     *,
     seq_list=None,
     seq_order=None,
-) -> Iterator[Dict[str, Any]]:
-    """The epoch as the service must deliver it, computed in one process (for checks and benchmarks)."""
+    skipped: bool = False,
+) -> Iterator[Optional[Dict[str, Any]]]:
+    """The epoch as the service must deliver it, computed in one process (for checks and benchmarks):
+    without the seqs map_seq skipped, or (`skipped`) with None in their places."""
     from ppserver.mappers.api import mappers_for
 
     mappers = mappers_for(cfg, dataset.data_keys())
@@ -262,7 +267,7 @@ def reference_epoch(
     if mappers.map_seq is not None:
         for pos in _positions(dataset, 0, 1):
             seq = writable(dataset.get_seq(pos))
-            yield apply_map_seq(
+            out = apply_map_seq(
                 mappers.map_seq,
                 seq,
                 epoch=epoch,
@@ -270,6 +275,8 @@ def reference_epoch(
                 templates=templates,
                 expected_tag=seq["seq_tag"] if seq_list is not None else None,
             )
+            if out is not None or skipped:
+                yield out
         return
     parts = cfg.partitions
     assert mappers.map_seq_stream is not None

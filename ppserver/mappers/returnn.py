@@ -136,12 +136,12 @@ class TensorDicts:
 
 
 def wrap_map_seq(fn: Callable, in_templates: Templates) -> Callable:
-    """A dict-API map_seq running the RETURNN-API `fn`."""
+    """A dict-API map_seq running the RETURNN-API `fn` (None, a skipped seq, stays None)."""
     conv = TensorDicts(in_templates)
 
-    def map_seq(seq: Dict[str, Any], *, epoch: int, seq_idx: int, rng: Any, **kwargs: Any) -> Dict[str, Any]:
+    def map_seq(seq: Dict[str, Any], *, epoch: int, seq_idx: int, rng: Any, **kwargs: Any) -> Optional[Dict[str, Any]]:
         out = fn(conv.to_tdict(seq), epoch=epoch, seq_idx=seq_idx, rng=rng, **kwargs)
-        return conv.to_seq(out, "map_seq")
+        return None if out is None else conv.to_seq(out, "map_seq")
 
     return map_seq
 

@@ -410,6 +410,7 @@ def families(clock: StageClock, st: Dict[str, Any]) -> List[Any]:
             ("reason",),
             [((reason,), n) for reason, n in sorted(st["departures"].items())],
         ),
+        total("ppserver_seqs_skipped", "seqs map_seq skipped (returned None)", st["seqs_skipped_total"]),
         total("ppserver_malformed_results", "malformed results dropped (their seqs redone)", st["malformed_results"]),
         total("ppserver_malformed_messages", "malformed messages dropped", st["malformed_messages"]),
         total("ppserver_refused_handshakes", "connections refused for wrong or missing keys", st["refused_handshakes"]),

@@ -27,6 +27,7 @@ from ppserver.scheduler.jobs import Job, Lane, Run
 from ppserver.scheduler.requests import MAX_READERS, Requests
 from ppserver.scheduler.runs import Lifecycle, run_open
 from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.skips import Skips
 from ppserver.scheduler.workers import Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
@@ -62,6 +63,7 @@ class Scheduler:
         self.requests = Requests(self)
         self.lifecycle = Lifecycle(self)
         self.delivery = Delivery(self)
+        self.skips = Skips(self)
         req, life, deliv = self.requests, self.lifecycle, self.delivery
         self._handlers: Dict[type, Handler] = {
             ev.WorkerJoined: self._joined,
@@ -261,6 +263,13 @@ class Scheduler:
         d = self.dispatch_of(e.run)
         if d is not None:
             self.lifecycle.fail_id(e.run, d.results_received(self.workers[e.wid], e.items, e.bad), out)
+            self._skipped(e.run, out)
+
+    def _skipped(self, run_id: int, out: List[Instruction]) -> None:
+        """Count the seqs the mapper skipped that the run's dispatch accepted; too many fail it."""
+        run = self.runs.get(run_id)
+        if run is not None:
+            self.lifecycle.fail_id(run_id, self.skips.taken(run, self.now), out)
 
     def _malformed(self, n: int, what: str, wid: bytes, first: str) -> None:
         self.malformed_results += n
@@ -312,7 +321,8 @@ class Scheduler:
     def _completed(self, e: ev.CompletedReceived, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
         if d is not None:
-            d.completed(self.workers[e.wid], e.positions, e.nbytes)
+            d.completed(self.workers[e.wid], e.positions, e.nbytes, e.skipped, e.skipped_tags)
+            self._skipped(e.run, out)
 
     def _inputs_lost(self, e: ev.InputsLost, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)

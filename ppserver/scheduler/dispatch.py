@@ -29,6 +29,9 @@ class Dispatch(abc.ABC):
     # Results made again after they were released (a direct result lost on its way), to go to
     # their consumer at once; the scheduler empties it after every event.
     late: List[Item]
+    # Results accepted since the last event that hold seqs map_seq skipped: (position, how many,
+    # the first few tags); the scheduler counts them (skips.py) and empties it.
+    skips: List[Tuple[int, int, List[str]]]
 
     # ---- reading ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -85,8 +88,15 @@ class Dispatch(abc.ABC):
         """map_seq results (and malformed ones) from `w`."""
         return None
 
-    def completed(self, w: WorkerState, positions: List[int], sizes: List[int]) -> None:
-        """map_seq results `w` sent to their consumers itself."""
+    def completed(
+        self,
+        w: WorkerState,
+        positions: List[int],
+        sizes: List[int],
+        skipped: Sequence[int] = (),
+        skipped_tags: Sequence[List[str]] = (),
+    ) -> None:
+        """map_seq results `w` sent to their consumers itself (and the seqs of each it skipped)."""
         return None
 
     def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:

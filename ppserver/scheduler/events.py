@@ -90,6 +90,8 @@ class CompletedReceived(WorkerEvent):
     run: int
     positions: List[int] = field(default_factory=list)
     nbytes: List[int] = field(default_factory=list)
+    skipped: List[int] = field(default_factory=list)  # per position, seqs the mapper skipped (empty: none)
+    skipped_tags: List[List[str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -241,6 +243,7 @@ class RunStarted(Event):
     epoch: int
     num_seqs: Optional[int]  # seqs, or batches of a batched map_seq run; None: learnt by reading (InputsEnded)
     check_tags: bool = False
+    seqs: Optional[int] = None  # seqs of the epoch (also of a batched one), if known (else: num_seqs unbatched)
 
 
 @dataclass(slots=True)
@@ -259,6 +262,7 @@ class InputsEnded(Event):
 
     run: int
     count: int
+    seqs: Optional[int] = None  # the epoch's seqs (else: `count`, unbatched)
 
 
 @dataclass(slots=True)

@@ -136,6 +136,9 @@ class Run:
     total: Optional[int] = None  # outputs of the whole epoch, once known
     held_by: Optional[int] = None  # the lane without room for the next output to release, if one is
     mapped: int = 0  # seqs of batches under way that workers said they mapped (keepalives carry it)
+    seqs: Optional[int] = None  # seqs of the epoch (not batches), once known: max_skipped is a part of them
+    skipped: int = 0  # seqs map_seq skipped in this run (skips.py)
+    skipped_tags: List[str] = field(default_factory=list)  # the first few of their tags
 
     @property
     def width(self) -> int:

@@ -51,6 +51,7 @@ class Lifecycle:
         s = self.s.settings
         run.checked = True
         run.num_seqs = e.num_seqs
+        run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.num_seqs
         run.started = e.now
         run.to(RunState.RUNNING)
         dispatch = run.dispatch = self._dispatch(run, e.num_seqs)
@@ -65,6 +66,10 @@ class Lifecycle:
                 to_lane(lane, self.s.delivery.started(run, lane), out)
         for w in self.s.workers.values():
             out.append(ToWorker(w.wid, run_open(run)))
+
+    def _seqs_known(self, run: Run, out: List[Instruction]) -> None:
+        """The epoch's count of seqs is known now: the seqs skipped so far may be too many."""
+        self.fail_id(run.run, self.s.skips.over(run), out)
 
     def _dispatch(self, run: Run, num_seqs: Optional[int]) -> Dispatch:
         s = self.s.settings
@@ -112,6 +117,9 @@ class Lifecycle:
             run.total = e.count
         run.dispatch.inputs_ended(e.count, run.end())
         log.info("epoch %d (run %d) has %d %s", run.epoch, run.run, e.count, _inputs(run, self.s.settings.stream))
+        if run.seqs is None:
+            run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.count
+            self._seqs_known(run, out)
 
     def replayed(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
         dispatch = self.s.dispatch_of(e.run)
@@ -170,6 +178,8 @@ class Lifecycle:
                 rate,
                 unit,
             )
+        if run.skipped:
+            log.info("epoch %d (run %d): map_seq skipped %d seqs", run.epoch, run.run, run.skipped)
         run.to(state)
         run.ended = self.s.now
         self.s.runs.pop(run.run, None)

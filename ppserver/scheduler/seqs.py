@@ -22,6 +22,10 @@ Direct results: a task may name the consumer its result goes to (`route`); the w
 it there and tells the server only its position and size (`completed`). Its input is kept
 until the consumer has taken the seq (`forget`), so a result lost on the way (`redo_lost`: the
 consumer reports it missing) is made again and sent through the server (`late`).
+
+Skipped seqs (map_seq returned None): a result says how many of its task's seqs were skipped
+(its header, or `completed`); it takes its turn in delivery like any other (a marker, or a batch
+without them), and the accepted ones are listed in `skips` for the scheduler to count (skips.py).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class SeqDispatch(SeqTable, Dispatch):
         self.route = route  # position -> the consumer its result goes to directly (None: the server)
         self.fed = 0  # inputs received from the reader
         self.late: List[Item] = []  # results of REDOING positions, to send to their consumer now
+        self.skips: List[Tuple[int, int, List[str]]] = []  # accepted results with skipped seqs (skips.py)
 
     @property
     def one_output_per_input(self) -> bool:
@@ -154,6 +159,8 @@ class SeqDispatch(SeqTable, Dispatch):
                 mapped = self.inputs[pos]
                 to(pos, READY, w)
                 self.results[pos] = item
+                if item.skipped:
+                    self.skips.append((pos, item.skipped, item.skipped_tags))
                 if self.route is not None:
                     self.kept.keep(pos, mapped)  # a relayed seq may be lost too (a reset connection)
             else:
@@ -180,11 +187,20 @@ class SeqDispatch(SeqTable, Dispatch):
     ) -> Optional[Failure]:
         return self.results_received(w, [], [BadItem(None, reason)])
 
-    def completed(self, w: WorkerState, positions: List[int], sizes: List[int]) -> None:
+    def completed(
+        self,
+        w: WorkerState,
+        positions: List[int],
+        sizes: List[int],
+        skipped: Sequence[int] = (),
+        skipped_tags: Sequence[List[str]] = (),
+    ) -> None:
         """Results the worker sent to their consumers: a placeholder takes each one's turn in
-        delivery order, and the input is kept until the consumer has taken the seq."""
+        delivery order, and the input is kept until the consumer has taken the seq. `skipped[k]`:
+        the seqs of result k the mapper skipped (empty: none), `skipped_tags[k]` a few of their tags."""
         worker, state, to, wid, keep = self.worker, self.state, self._to, w.wid, self.kept.keep
-        for pos, size in zip(positions, sizes):
+        skips = len(skipped) == len(positions) and len(skipped_tags) == len(positions)
+        for k, (pos, size) in enumerate(zip(positions, sizes)):
             if worker.get(pos) != wid:
                 continue  # late or duplicate
             w.done += 1
@@ -193,7 +209,12 @@ class SeqDispatch(SeqTable, Dispatch):
                 continue
             item = self.inputs[pos]
             to(pos, READY, w)
-            self.results[pos] = Item(pos, {}, [], [], size, direct=True, size=None if item.seqs == 1 else item.seqs)
+            n = min(max(skipped[k], 0), item.seqs) if skips else 0
+            self.results[pos] = Item(
+                pos, {}, [], [], size, direct=True, size=None if item.seqs == 1 else item.seqs - n, skipped=n
+            )
+            if n:
+                self.skips.append((pos, n, skipped_tags[k]))
             keep(pos, item)
 
     def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:

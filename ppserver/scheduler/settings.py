@@ -14,6 +14,7 @@ class Settings:
     # the config's settings (their defaults are the config's: ppserver/config/table.py)
     buf_size: int = default("buf_size")  # tasks in flight per worker; inputs and outputs in flight per stream partition
     max_seq_retries: int = default("max_seq_retries")
+    max_skipped: float = default("max_skipped")  # of an epoch's seqs map_seq may skip before the run fails
     heartbeat_interval: float = default("heartbeat_interval")
     heartbeat_timeout: float = default("heartbeat_timeout")
     stream: bool = False

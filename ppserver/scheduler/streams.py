@@ -169,6 +169,7 @@ class StreamDispatch(Dispatch):
         self.tickets = 0  # replay requests so far (each one's ticket is its number)
         self.read_upto = 0  # positions asked of the reader
         self.late: List[Item] = []  # (stream outputs are never sent directly: none is ever lost)
+        self.skips: List[Tuple[int, int, List[str]]] = []  # (a stream skips by yielding less: never)
 
     @property
     def one_output_per_input(self) -> bool:

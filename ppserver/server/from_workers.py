@@ -27,7 +27,9 @@ MAX_REASON = 500  # characters of a worker's reason that are kept
 
 EVENTS: Dict[type, Builder] = {
     protocol.Results: lambda now, wid, m, d: ev.ResultsReceived(now, wid, m.run, d.items, d.bad),
-    protocol.Completed: lambda now, wid, m, d: ev.CompletedReceived(now, wid, m.run, m.pos, m.nbytes),
+    protocol.Completed: lambda now, wid, m, d: ev.CompletedReceived(
+        now, wid, m.run, m.pos, m.nbytes, m.skipped, m.skipped_tags
+    ),
     protocol.RunDropped: lambda now, wid, m, d: ev.RunDropped(now, wid, m.run),
     protocol.Dropped: lambda now, wid, m, d: ev.MessageDropped(
         now, wid, m.what, m.run, m.partition, m.pos, m.reason[:MAX_REASON]

@@ -79,6 +79,7 @@ def scheduler_settings(cfg: Config, fingerprint: Optional[str] = None) -> Settin
     return Settings(
         buf_size=cfg.buf_size,
         max_seq_retries=cfg.max_seq_retries,
+        max_skipped=cfg.max_skipped,
         heartbeat_interval=cfg.heartbeat_interval,
         heartbeat_timeout=cfg.heartbeat_timeout,
         stream=cfg.is_stream,

@@ -248,7 +248,7 @@ class Reader(threading.Thread):
                 return
             self.epoch_args = args
         num_seqs = self.dataset.num_seqs
-        count = None if num_seqs is None else int(num_seqs)
+        count = seqs = None if num_seqs is None else int(num_seqs)
         if cmd.batching is not None:
             try:
                 batched = self._batched(cmd.batching)
@@ -258,7 +258,9 @@ class Reader(threading.Thread):
             self.batched[cmd.run] = batched
             count = len(batched.batches) if batched.up_front else None
         self.runs[cmd.run] = deque()
-        self._emit(ev.RunStarted(time.monotonic(), cmd.run, cmd.epoch, count, check_tags=cmd.seq_list is not None))
+        self._emit(
+            ev.RunStarted(time.monotonic(), cmd.run, cmd.epoch, count, check_tags=cmd.seq_list is not None, seqs=seqs)
+        )
 
     def _batched(self, batching: Batching) -> BatchedRun:
         """The epoch's batches: up front when the dataset knows the measures the cut uses (and no
@@ -338,7 +340,7 @@ class Reader(threading.Thread):
         if index >= len(batched.batches):  # the epoch has fewer batches
             positions.clear()
             self.ends[run] = len(batched.batches)
-            self._emit(ev.InputsEnded(time.monotonic(), run, len(batched.batches)))
+            self._emit(ev.InputsEnded(time.monotonic(), run, len(batched.batches), seqs=batched.next_seq))
             return
         items = self._batch_seqs(batched, batched.batches[index])
         batched.passed(index)

@@ -10,6 +10,11 @@ Results leave in batches, each straight to its consumer when the task names one 
 reaches (with a `completed` to the server), else to the server; a message stays within
 max_message_bytes and the header cap (outputs.py). A failure fails the task's run here, and the
 server hears of it with the seq it names.
+
+A seq map_seq skips (returns None) leaves as a marker that takes its position and holds nothing;
+a batch is padded without its skipped seqs (a batch whose seqs were all skipped is an empty one,
+B = 0, so that every rank still takes a step for it). Both say how many seqs were skipped and
+name a few, so the server counts them wherever the result went.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy
 from ppclient import collate, protocol, shm
 from ppclient.protocol import BadItem, Item
 from ppserver.mappers.api import failure_hint
-from ppserver.mappers.apply import MappingError, apply_map_seq, writable
+from ppserver.mappers.apply import STRING, MappingError, apply_map_seq, writable
 from ppserver.worker.outputs import Means, OpenRun, Runner, check_header, check_size, clip, failure_text
 from ppserver.worker.routes import Routes
 
@@ -168,7 +173,16 @@ class MapSeqRunner(Runner):
             else:
                 relayed.extend(_unplaced(item, block) for item, block in placed)
         if done:
-            self.send(protocol.Completed(run=run, pos=[i.pos for i in done], nbytes=[i.nbytes for i in done]))
+            skips = any(i.skipped for i in done)
+            self.send(
+                protocol.Completed(
+                    run=run,
+                    pos=[i.pos for i in done],
+                    nbytes=[i.nbytes for i in done],
+                    skipped=[i.skipped for i in done] if skips else [],
+                    skipped_tags=[i.skipped_tags for i in done] if skips else [],
+                )
+            )
         if relayed:
             self.send(protocol.Results(run=run), relayed)
         self.messages_out += 1
@@ -186,7 +200,8 @@ class MapSeqRunner(Runner):
             return
         item = task
         try:
-            result = protocol.seq_to_item(self._map(run, item, self.templates()), item.pos)
+            out = self._map(run, item, self.templates())
+            result = protocol.seq_to_item(out, item.pos) if out is not None else _skip(item)
             header_bytes = check_header(result)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
@@ -197,8 +212,9 @@ class MapSeqRunner(Runner):
         self._add_result(run_id, result, dest, header_bytes)
         self.done += 1
 
-    def _map(self, run: OpenRun, item: Item, templates: Dict[str, Any]) -> Dict[str, Any]:
-        """One seq through the config's map_seq (its rng, its meta entries put back), checked."""
+    def _map(self, run: OpenRun, item: Item, templates: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """One seq through the config's map_seq (its rng, its meta entries put back), checked; None:
+        the mapper skipped it."""
         map_seq = self.mappers().map_seq
         assert map_seq is not None
         seq = writable(protocol.item_to_seq(item))
@@ -248,9 +264,10 @@ class MapSeqRunner(Runner):
             self.flush()
 
     def _step_batch(self, run_id: int, run: OpenRun, task: BatchTask, dest: Consumer) -> None:
-        """Map a batch's seqs one by one, then pad them into one result where it travels; a seq that
-        fails fails the batch, naming the seq."""
+        """Map a batch's seqs one by one, then pad them into one result where it travels (without
+        the seqs the mapper skipped); a seq that fails fails the batch, naming the seq."""
         outs: List[Dict[str, Any]] = []
+        skipped: List[Item] = []
         item: Optional[Item] = None
         block: Optional[shm.Block] = None
         try:
@@ -259,11 +276,20 @@ class MapSeqRunner(Runner):
                 if task.probe:
                     self.send(protocol.Mapping(run=run_id, pos=task.pos, seq_tag=clip(item.seq_tag)))
                     time.sleep(PROBE_PAUSE_S)
-                self.under_way = [run_id, task.pos, len(outs)]
-                outs.append(self._map(run, item, templates))
+                self.under_way = [run_id, task.pos, len(outs) + len(skipped)]
+                out = self._map(run, item, templates)
+                if out is None:
+                    skipped.append(item)
+                else:
+                    outs.append(out)
             self.under_way = None
             item = None  # what fails from here fails the batch as a whole
-            result, block = self._padded(task.pos, outs, run.pad, dest)
+            if outs:
+                result, block = self._padded(task.pos, outs, run.pad, dest)
+            else:
+                result = _empty(task.pos, templates)
+            if skipped:
+                result.skipped, result.skipped_tags = len(skipped), _tags(skipped)
             header_bytes = check_header(result)
             check_size(result, self.cfg.max_message_bytes)
         except Exception as exc:
@@ -277,7 +303,7 @@ class MapSeqRunner(Runner):
             self._failed(run_id, task.pos, tag, f"batch {task.pos}: {self._failure(exc)}")
             return
         self._add_result(run_id, result, dest, header_bytes, block)
-        self.done += len(outs)
+        self.done += len(task.items)
 
     def _padded(
         self, pos: int, outs: List[Dict[str, Any]], pad: Dict[str, Any], dest: Consumer
@@ -301,6 +327,34 @@ class MapSeqRunner(Runner):
         ref = block.ref()
         placed = [ref.offset, ref.nbytes, ref.seq, offsets]
         return Item(pos, meta, described, [], nbytes, block=placed, size=len(outs)), block
+
+
+def _tags(items: Sequence[Item]) -> List[str]:
+    """The tags a result names of its skipped seqs (the first few, shortened)."""
+    return [protocol.short_tag(i.seq_tag) or "" for i in items[: protocol.MAX_SKIPPED_TAGS]]
+
+
+def _skip(item: Item) -> Item:
+    """The result of a seq the mapper skipped: its position and meta entries, no arrays."""
+    meta: Dict[str, Any] = {k: item.meta[k] for k in ("seq_tag", "seq_idx") if k in item.meta}
+    return Item(item.pos, meta, [], [], 0, skipped=1, skipped_tags=_tags([item]))
+
+
+def _empty(pos: int, templates: Dict[str, Any]) -> Item:
+    """A batch whose seqs were all skipped: B = 0, each key's array [0, 0, ...] (its fixed axes as
+    the output templates give them) with its empty lengths, as padding would make it."""
+    described: List[List[Any]] = []
+    frames: List[Any] = []
+    for key, tpl in templates.items():
+        shape = [0 if d is None else int(d) for d in tpl["shape"]]
+        dtype = numpy.dtype("<U1") if tpl["dtype"] == STRING else numpy.dtype(tpl["dtype"])
+        arrays = [(key, numpy.empty([0, *shape], dtype))]
+        if shape:
+            arrays.append((key + collate.LENGTHS, numpy.empty([0], numpy.int64)))
+        for name, array in arrays:
+            described.append([name, array.dtype.str, list(array.shape)])
+            frames.append(array)
+    return Item(pos, {"seq_tag": [], "seq_idx": []}, described, frames, 0, size=0)
 
 
 def _culprit(exc: BaseException, task: BatchTask) -> Optional[Item]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import wire
@@ -38,6 +38,11 @@ class Item:
     may come in several messages. `size` without `batch` marks a padded batch of that many seqs:
     its arrays are the padded ones and their `:lengths`, and each meta entry is a list with one
     value per seq.
+
+    Skipped seqs (map_seq returned None): `skipped` (header key "x") counts the seqs of the task
+    the mapper skipped, `skipped_tags` ("xt") names the first few of them. A seq's result that
+    was skipped has no arrays (its meta entries name it); a padded batch holds the seqs that
+    were not skipped (`size` of them: 0 when all were).
     """
 
     pos: int
@@ -50,6 +55,8 @@ class Item:
     spans: Optional[List[List[int]]] = None
     batch: Optional[int] = None
     size: Optional[int] = None
+    skipped: int = 0
+    skipped_tags: List[str] = field(default_factory=list)
 
     def header(self) -> Dict[str, Any]:
         h = {"i": self.pos, "meta": self.meta, "arrays": self.arrays}
@@ -61,6 +68,9 @@ class Item:
             h["g"] = self.batch
         if self.size is not None:
             h["n"] = self.size
+        if self.skipped:
+            h["x"] = self.skipped
+            h["xt"] = self.skipped_tags
         return h
 
     @property
@@ -86,8 +96,13 @@ class Item:
 
     @property
     def seqs(self) -> int:
-        """How many seqs the item holds (a padded batch holds several)."""
-        return self.size if self.padded else 1  # type: ignore[return-value]
+        """How many seqs the item holds (a padded batch holds several, a skipped seq none)."""
+        return self.size if self.padded else 0 if self.skipped else 1  # type: ignore[return-value]
+
+    @property
+    def skip(self) -> bool:
+        """A seq the mapper skipped: a marker that takes its position and holds nothing."""
+        return bool(self.skipped) and not self.padded
 
 
 @dataclass
@@ -198,9 +213,10 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
         raise ProtocolError(f"item {pos}: the arrays list does not match its {len(frames)} frames")
     batch = spec.get("g")
     seqs = spec.get("n")
+    skipped, skipped_tags = _skipped(pos, spec, batch, arrays, block, spans)
     if batch is not None and (type(batch) is not int or batch < 0 or seqs is None):
         raise ProtocolError(f"item {pos}: batch {batch!r:.40} is not an int >= 0 with a size")
-    if seqs is not None and (type(seqs) is not int or seqs < 1):
+    if seqs is not None and (type(seqs) is not int or seqs < (0 if skipped and batch is None else 1)):
         raise ProtocolError(f"item {pos}: bad batch size {seqs!r:.40}")
     if seqs is None or batch is not None:
         for key, value in meta.items():
@@ -242,7 +258,18 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                     f"item {pos}: array {spec_[0]!r} spans {size} bytes, not those of {spec_[2]} {spec_[1]}"
                 )
             nbytes += size
-        return Item(pos, meta, arrays, [], nbytes, spans=spans, batch=batch, size=seqs)
+        return Item(
+            pos,
+            meta,
+            arrays,
+            [],
+            nbytes,
+            spans=spans,
+            batch=batch,
+            size=seqs,
+            skipped=skipped,
+            skipped_tags=skipped_tags,
+        )
     if block is None:
         for spec_, frame, want in zip(arrays, frames, sizes):
             size = frame.nbytes if type(frame) is not bytes and hasattr(frame, "nbytes") else len(frame)
@@ -251,13 +278,36 @@ def check_item(spec: Any, frames: Sequence[Any]) -> Item:
                     f"item {pos}: array {spec_[0]!r} has {size} bytes, not those of {spec_[2]} {spec_[1]}"
                 )
             nbytes += size
-        return Item(pos, meta, arrays, list(frames), nbytes, batch=batch, size=seqs)
+        return Item(
+            pos, meta, arrays, list(frames), nbytes, batch=batch, size=seqs, skipped=skipped, skipped_tags=skipped_tags
+        )
     limit = block[1]
     for offset, size in zip(block[3], sizes):
         if offset + size > limit:
             raise ProtocolError(f"item {pos}: an array lies outside its shared-memory block")
         nbytes += size
-    return Item(pos, meta, arrays, [], nbytes, block=block, batch=batch, size=seqs)
+    return Item(
+        pos, meta, arrays, [], nbytes, block=block, batch=batch, size=seqs, skipped=skipped, skipped_tags=skipped_tags
+    )
+
+
+MAX_SKIPPED_TAGS = 4  # tags of a task's skipped seqs its result names
+
+
+def _skipped(pos: int, spec: Dict[str, Any], batch: Any, arrays: List[Any], block: Any, spans: Any) -> Any:
+    """(count, tags) of an item's skipped seqs (0, [] for none). A skipped seq that is not in a
+    padded batch holds nothing; only a worker's result (not a seq of a batch) skips."""
+    count = spec.get("x")
+    if count is None:
+        return 0, []
+    tags = spec.get("xt")
+    if type(count) is not int or count < 1 or batch is not None:
+        raise ProtocolError(f"item {pos}: bad skipped count {count!r:.40}")
+    if type(tags) is not list or len(tags) > min(count, MAX_SKIPPED_TAGS) or not all(type(t) is str for t in tags):
+        raise ProtocolError(f"item {pos}: bad skipped tags {tags!r:.60}")
+    if spec.get("n") is None and (arrays or block is not None or spans is not None or count != 1):
+        raise ProtocolError(f"item {pos}: a skipped seq holds arrays")
+    return count, tags
 
 
 def _meta_list_ok(key: str, values: List[Any]) -> bool:

@@ -523,7 +523,9 @@ class Mapping(Message):
 
 @dataclass(frozen=True)
 class Completed(Message):
-    """Results sent directly to their consumers: positions and byte counts, no data."""
+    """Results sent directly to their consumers: positions and byte counts, no data. `skipped[k]`:
+    the seqs of task k the mapper skipped, `skipped_tags[k]` the first few of their tags (both
+    empty when no seq of the message was skipped)."""
 
     kind = "completed"
     channel = Channel.WORKER
@@ -532,6 +534,8 @@ class Completed(Message):
     run: int = _nonneg()
     pos: List[int] = field(default_factory=list)
     nbytes: List[int] = field(default_factory=list)
+    skipped: List[int] = field(default_factory=list)
+    skipped_tags: List[List[str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

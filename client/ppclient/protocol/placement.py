@@ -18,7 +18,7 @@ def to_block(items: Sequence[Item], segment: Any, owner: bytes = b"") -> Tuple[L
     one release once the receiver has dropped every array of every seq in it."""
     from .. import shm
 
-    loose = [item for item in items if item.block is None]
+    loose = [item for item in items if item.block is None and not item.skip]  # (a skipped seq holds nothing)
     if not loose:
         return list(items), None
     packed = shm.pack(segment, [_as_array(f) for item in loose for f in item.frames], owner)
@@ -29,7 +29,7 @@ def to_block(items: Sequence[Item], segment: Any, owner: bytes = b"") -> Tuple[L
     out: List[Item] = []
     at = 0
     for item in items:
-        if item.block is not None:
+        if item.block is not None or item.skip:
             out.append(item)
             continue
         n = len(item.frames)
