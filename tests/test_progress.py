@@ -246,6 +246,7 @@ def test_metric_families_name_every_stage_host_and_counter():
         "malformed_messages": 4,
         "refused_handshakes": 5,
         "local_worker_respawns": 6,
+        "seqs_skipped_total": 7,
         "queues": {"in_flight": 1},
         "rate_seqs_per_sec": 1.5,
         "held_back_by": "trainer",
@@ -263,6 +264,7 @@ def test_metric_families_name_every_stage_host_and_counter():
     assert got[("ppserver_worker_departures_total", (("reason", "lost"),))] == 1
     assert got[("ppserver_malformed_messages_total", ())] == 4
     assert got[("ppserver_refused_handshakes_total", ())] == 5
+    assert got[("ppserver_seqs_skipped_total", ())] == 7
     assert got[("ppserver_held_back", (("side", "trainer"),))] == 1
     assert got[("ppserver_held_back", (("side", "dataset"),))] == 0
     assert got[("ppserver_eta_seconds", ())] == 3.0
