@@ -1,7 +1,7 @@
 """The mappers of a config as the runners call them: seq dicts in, seq dicts out.
 
 With ``mapper_api = "dict"`` (the default) they are the config's own functions; with
-``"returnn"`` they are wrapped to take and return RETURNN TensorDicts (returnn_mappers.py),
+``"returnn"`` they are wrapped to take and return RETURNN TensorDicts (mappers/returnn.py),
 which needs the input templates the server sends. The rng of a stream partition follows
 the API: ppserver's own seeding, or PostprocessingDataset's for RETURNN mappers. A RETURNN
 dataset's audio that left the reader encoded becomes its features before the mappers see

@@ -181,10 +181,7 @@ def apply_map_seq(
     """Apply map_seq to one seq with its own rng; restore dropped meta entries; validate."""
     meta = {k: seq[k] for k in META_KEYS if k in seq}
     seq_idx = int(meta["seq_idx"])
-    try:
-        out = map_seq(dict(seq), epoch=epoch, seq_idx=seq_idx, rng=seq_rng(seed, epoch, seq_idx), **fwd_compat_kwargs())
-    except MappingError:
-        raise
+    out = map_seq(dict(seq), epoch=epoch, seq_idx=seq_idx, rng=seq_rng(seed, epoch, seq_idx), **fwd_compat_kwargs())
     if not isinstance(out, dict):
         raise MappingError(f"map_seq must return a dict, got {type(out).__name__}", meta.get("seq_tag"))
     for k, v in meta.items():
