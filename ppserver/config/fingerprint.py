@@ -54,9 +54,9 @@ SERVED_COVERS = FINGERPRINT_COVERS + " and the data files the dataset reads"
 # ppserver's modules that decide a mapped seq besides the config
 SEMANTIC_MODULES = (
     "ppserver.mappers.apply",  # rng seeding, meta entries, validation
-    "ppserver.mappers.api",  # the mappers a worker calls, a stream's rng
+    "ppserver.config.mappers",  # the mappers a worker calls, a stream's rng
     "ppserver.mappers.returnn",  # RETURNN's TensorDicts in and out
-    "ppserver.datasets.cut",  # an epoch's batches
+    "ppserver.scheduler.cut",  # an epoch's batches
     "ppclient.collate",  # padding a batch's seqs into one array per key
     "ppclient.wire",  # which dtypes travel, and how a seq becomes frames
 )

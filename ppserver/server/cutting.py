@@ -1,4 +1,4 @@
-"""A batched run's batches, as the reader cuts its epoch (datasets/cut.py): up front where the
+"""A batched run's batches, as the reader cuts its epoch (scheduler/cut.py): up front where the
 dataset knows every seq's length, else as the seqs are read, measured by the config's
 `batch_length` or by the first axis of the batching's length key.
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ppclient.batching import Batching
 from ppclient.protocol import Item
 from ppserver.datasets.base import is_int
-from ppserver.datasets.cut import Cutter, cut_epoch
+from ppserver.scheduler.cut import Cutter, cut_epoch
 
 Length = Callable[[Dict[str, Any]], int]
 
