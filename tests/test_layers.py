@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterator, List, Set, Tuple
 
@@ -142,6 +143,16 @@ def test_every_module_is_in_a_layer_and_every_exception_is_still_needed():
     for module, (path, package) in found.items():
         used.update((module, target) for _, target in imports(path.read_text(), module, package, set(found)))
     assert EXCEPTIONS - used == set()
+
+
+def test_the_docs_table_is_this_one():
+    text = (Path(REPO) / "docs" / "architecture.md").read_text()
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| .* \| ([^|]+) \|$", section, re.MULTILINE)[1:]  # (the header row first)
+    documented = {
+        name: frozenset(n.strip() for n in imports.split(",") if n.strip() != "(none)") for name, imports in rows
+    }
+    assert documented == LAYERS
 
 
 def test_the_scan_sees_imports_inside_functions_relative_ones_and_submodules():
