@@ -508,6 +508,21 @@ def test_no_module_of_the_client_package_imports_the_server_torch_or_returnn():
 
 
 @pytest.mark.processes
+def test_a_worker_process_loads_neither_the_scheduler_nor_the_server():
+    """The layers at run time (tests/test_layers.py reads the imports): a worker's modules, and the
+    hash of the modules that decide a mapped seq it makes at start (scheduler/cut.py among them)."""
+    code = (
+        "import sys, ppserver.worker.main\n"
+        "from ppserver.config import fingerprint\n"
+        "fingerprint._semantics()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('ppserver.scheduler', 'ppserver.server'))))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "adapter, heavy",
     [

@@ -180,6 +180,21 @@ def _dump(node: Any, out: List[str]) -> None:
 SEMANTICS_ENV = "PPSERVER_SEMANTICS"  # a process's hash of SEMANTIC_MODULES, for the processes it starts
 
 
+def _module_file(name: str) -> Optional[str]:
+    """The file of module `name` (None: not found), without importing it or its packages:
+    find_spec imports a submodule's packages, and a worker would load the scheduler to hash
+    scheduler/cut.py."""
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not rest:
+        return spec.origin if spec is not None else None
+    for folder in spec.submodule_search_locations or ():
+        path = os.path.join(folder, *rest) + ".py"
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def _semantics() -> bytes:
     """What decides a mapped seq besides the config: SEMANTIC_MODULES, the protocol, the version.
 
@@ -188,10 +203,7 @@ def _semantics() -> bytes:
     made from, so that a process whose files are the same takes it instead of making it again."""
     from ppclient import __version__, protocol
 
-    files = []
-    for name in SEMANTIC_MODULES:
-        spec = importlib.util.find_spec(name)
-        files.append((name, spec.origin if spec is not None else None))
+    files = [(name, _module_file(name)) for name in SEMANTIC_MODULES]
     stamp = hashlib.sha256(repr([(name, _stat(origin)) for name, origin in files]).encode()).hexdigest()[:32]
     handed = os.environ.get(SEMANTICS_ENV, "")
     if handed.startswith(stamp + "="):
