@@ -36,8 +36,9 @@ PROBE_EVERY_S = 1.0  # and how often it asks again while the silence lasts
 @dataclass(frozen=True)
 class Session:
     """What an epoch needs of its client, and all it gets: who reads, where the server is, how
-    long a wait may last, and the client's doings an epoch uses. The client makes one for each
-    epoch it starts (Client.epoch); the iterator never holds the client itself."""
+    long a wait may last, the inbox of its runs, and the three things it asks of the client. The
+    client makes one for each epoch it starts (Client.epoch), with the values of that moment; the
+    iterator reaches the client through nothing else."""
 
     reader: resume.Reader  # job, rank, world size, subshard: the lanes and what a state names
     address: str  # the server's, for messages and errors
