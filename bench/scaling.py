@@ -158,10 +158,10 @@ def run_count(lab: Lab, cfg: str, procs: int, seqs: int, warmup_seqs: int, port:
 
 def in_process_baseline(cfg_path: str, seconds: float) -> Dict[str, Any]:
     """The same map_seq, applied in this process in a loop (what one worker can do alone)."""
+    from ppserver.config.mappers import output_templates
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
     from ppserver.mappers.apply import apply_map_seq
-    from ppserver.mappers.outputs import output_templates
 
     cfg = load_config(cfg_path)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)

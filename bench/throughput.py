@@ -436,10 +436,10 @@ class InProcess:
         self.seqs = seqs
 
     def start(self) -> None:
+        from ppserver.config.mappers import output_templates
         from ppserver.config.settings import load_config
         from ppserver.datasets import NumpyDataset
         from ppserver.mappers.apply import apply_map_seq
-        from ppserver.mappers.outputs import output_templates
 
         self.apply = apply_map_seq
         self.cfg = load_config(self.config)
@@ -897,8 +897,8 @@ def run_batched(
     from ppclient import collate
     from ppclient.batching import Batching
     from ppserver.datasets import NumpyDataset
-    from ppserver.datasets.cut import cut_epoch
     from ppserver.mappers.builtin import double
+    from ppserver.scheduler.cut import cut_epoch
 
     assert case.batching is not None
     batching = Batching.from_dict(case.batching)
@@ -1242,9 +1242,8 @@ def print_batch_table(rows: List[Result], notes: List[str]) -> None:
     print(f"        prefetch_factor={PREFETCH}, collating (stacking or padding) in its workers")
     print("us/seq: CPU per seq over the timed epochs: the server process, the workers together (ppserver's or")
     print("        the DataLoader's), the client (this process: the consumer, or the DataLoader's main process)")
-    print(
-        "check: the last timed epoch's cut (every batch's seq tags and shape) is ppserver.datasets.cut.cut_epoch's, and"
-    )
+    print("check: the last timed epoch's cut (every batch's seq tags and shape) is")
+    print("       ppserver.scheduler.cut.cut_epoch's, and")
     print("       its first and last batch equal the in-process reference (the mapper, then")
     print("       ppclient.collate.pad) bit for bit: data, data:lengths, seq_tag, seq_idx")
 

@@ -598,10 +598,10 @@ def map_seq_stream(seqs, *, rng, **kwargs):
 def reference(config: str, epoch: int, **kw) -> List[Any]:
     """The epoch computed in this process by the same definition the service implements
     (`skipped=True`: with None for each seq map_seq skipped)."""
+    from ppserver.config.mappers import output_templates
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
-    from ppserver.mappers.apply import reference_epoch
-    from ppserver.mappers.outputs import output_templates
+    from ppserver.reference import reference_epoch
 
     cfg = load_config(config)
     ds = make_dataset(cfg.dataset, order_seed=cfg.seed)
@@ -629,10 +629,10 @@ def reference_batches(config: str, epoch: int, batching: dict, **kw) -> List[dic
     empty_batch)."""
     from ppclient import collate
     from ppclient.batching import Batching
+    from ppserver.config.mappers import output_templates
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
-    from ppserver.datasets.cut import cut_epoch
-    from ppserver.mappers.outputs import output_templates
+    from ppserver.scheduler.cut import cut_epoch
 
     seqs = reference(config, epoch, skipped=True, **kw)
     cfg = load_config(config)

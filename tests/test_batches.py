@@ -41,9 +41,9 @@ import ppclient
 from ppclient import collate, protocol
 from ppclient.batching import Batching
 from ppclient.protocol import Batch
-from ppserver.datasets.cut import Cutter, cut, cut_epoch
 from ppserver.scheduler import Reply, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.cut import Cutter, cut, cut_epoch
 
 MAPPER = SCALE_MAPPER
 BATCHING = {"max_seqs": 6, "max_frames": 160, "bucket_window": 16, "pad": {"classes": -1}}

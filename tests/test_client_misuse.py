@@ -127,6 +127,20 @@ def test_ints_beyond_64_bits_are_usage_errors_and_the_client_goes_on(server, whe
         assert_same_epoch(collect(c.epoch(2)), reference(cfg, 2))
 
 
+def test_an_epoch_holds_its_session_not_its_client(server):
+    """What an epoch needs of its client comes in one Session (ppclient/epoch.py), so an iterator
+    reaches no further into the client than that; its state names the client's reader."""
+    srv, _ = server
+    with srv.client(rank=0, world_size=1) as c:
+        it = c.epoch(1)
+        assert not any(isinstance(v, ppclient.Client) for v in vars(it).values())
+        session = it._session
+        assert (session.address, session.timeout, session.inbox) == (c.address, c.timeout, c._inbox)
+        state = it.state_dict()
+        assert (state["job"], state["rank"], state["world_size"], state["subshard"]) == (c.job, 0, 1, [0, 1])
+        assert len(collect(it)) == 50
+
+
 def test_an_iterator_used_in_a_forked_child_is_a_usage_error_and_the_parent_goes_on(server):
     srv, cfg = server
     want = reference(cfg, 1)

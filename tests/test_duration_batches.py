@@ -25,8 +25,8 @@ from conftest import (
 import ppclient
 from ppclient.batching import Batching
 from ppserver.config.settings import from_settings
-from ppserver.datasets.cut import Cutter, counted_seconds, cut_epoch
 from ppserver.errors import ConfigError
+from ppserver.scheduler.cut import Cutter, counted_seconds, cut_epoch
 
 
 def padded_seconds(durations: List[float], q: Optional[float]) -> float:

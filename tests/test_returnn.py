@@ -407,7 +407,7 @@ def test_a_returnn_hdf_dataset_is_cut_into_batches_up_front_from_its_lengths(hdf
     import tdmappers
 
     from ppclient.batching import Batching
-    from ppserver.datasets.cut import cut_epoch
+    from ppserver.scheduler.cut import cut_epoch
 
     srv, spec = hdf_server
     batching = {"max_frames": 40, "bucket_window": 4}
@@ -781,8 +781,8 @@ def test_what_makes_a_failing_dict_api_mapper_look_written_for_tensor_dicts():
     from returnn.datasets.postprocessing import LaplaceOrdering, Sequential
     from returnn.tensor import TensorDict
 
+    from ppserver.config.mappers import missing_returnn_api_hint
     from ppserver.config.settings import Config
-    from ppserver.mappers.api import missing_returnn_api_hint
     from ppserver.mappers.apply import MappingError
 
     def checks(tdict, **kwargs):

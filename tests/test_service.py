@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Any, Dict
 
 import pytest
 import zmq
@@ -465,11 +466,72 @@ def test_memory_is_bounded_by_credits_not_epoch_size(tmp_path):
         assert sum(1 for _ in it) == 2999
 
 
-@pytest.mark.processes
-def test_client_package_does_not_import_the_server():
-    code = "import sys, ppclient; bad = [m for m in sys.modules if m.startswith('ppserver')]; assert not bad, bad"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+ADAPTERS = ("ppclient.torch", "ppclient.returnn")  # they import PyTorch and RETURNN by design
+IMPORTED = f"""
+import importlib, json, pkgutil, sys
+import ppclient
+names = sys.argv[1:] or sorted(
+    m.name for m in pkgutil.walk_packages(ppclient.__path__, "ppclient.") if m.name not in {set(ADAPTERS)!r}
+)
+for name in names:
+    importlib.import_module(name)
+heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"ppserver", "torch", "returnn"}})
+print(json.dumps({{"modules": names, "file": ppclient.__file__, "heavy": heavy}}))
+"""
+
+
+def imported(*modules: str) -> Dict[str, Any]:
+    """In a fresh interpreter: import `modules` (none: every module of ppclient but the adapters);
+    which of ppserver, torch and returnn came with them."""
+    res = subprocess.run(
+        [sys.executable, "-c", IMPORTED, *modules], capture_output=True, text=True, timeout=120, cwd="/"
+    )
     assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.processes
+def test_no_module_of_the_client_package_imports_the_server_torch_or_returnn():
+    got = imported()
+    package = os.path.dirname(got["file"])
+    assert package == os.path.join(REPO, "client", "ppclient")
+    files = {
+        os.path.relpath(os.path.join(folder, name), os.path.dirname(package))[: -len(".py")].replace(os.sep, ".")
+        for folder, _, names in os.walk(package)
+        if "__pycache__" not in folder
+        for name in names
+        if name.endswith(".py")
+    }
+    every = {name[: -len(".__init__")] if name.endswith(".__init__") else name for name in files} - {"ppclient"}
+    assert set(got["modules"]) == every - set(ADAPTERS)  # the walk imported every module
+    assert got["heavy"] == []
+
+
+@pytest.mark.processes
+def test_a_worker_process_loads_neither_the_scheduler_nor_the_server():
+    """The layers at run time (tests/test_layers.py reads the imports): a worker's modules, and the
+    hash of the modules that decide a mapped seq it makes at start (scheduler/cut.py among them)."""
+    code = (
+        "import sys, ppserver.worker.main\n"
+        "from ppserver.config import fingerprint\n"
+        "fingerprint._semantics()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('ppserver.scheduler', 'ppserver.server'))))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "adapter, heavy",
+    [
+        pytest.param("ppclient.torch", ["torch"], marks=pytest.mark.torch),
+        pytest.param("ppclient.returnn", ["returnn"], marks=pytest.mark.returnn),
+    ],
+)
+def test_the_framework_adapters_import_their_framework_only(adapter, heavy):
+    assert imported(adapter)["heavy"] == heavy
 
 
 @pytest.mark.sockets

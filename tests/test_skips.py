@@ -285,7 +285,7 @@ def _cut(cfg: str, batching: Batching) -> List[List[int]]:
     """The epoch's batches as positions of its seqs (as the reader cuts epoch 2)."""
     from ppserver.config.settings import load_config
     from ppserver.datasets import make_dataset
-    from ppserver.datasets.cut import cut_epoch
+    from ppserver.scheduler.cut import cut_epoch
 
     config = load_config(cfg)
     ds = make_dataset(config.dataset, order_seed=config.seed)

@@ -16,10 +16,10 @@ import pytest
 from conftest import assert_same_batches, collect, reference_batches, run_cli, run_server, write_config
 
 import ppclient
+from ppserver.config.mappers import output_templates
 from ppserver.config.settings import from_settings
 from ppserver.errors import ConfigError
 from ppserver.mappers import Sequential, decode, fbank, spec_augment, speed_perturb, tokenize
-from ppserver.mappers.outputs import output_templates
 
 # A sentence of about 9 s as espeak-ng speaks it (the cost of each mapper is measured on it too).
 SENTENCE = (

@@ -22,7 +22,7 @@ from . import endpoints, keyfiles, protocol, resume
 from .alive import AliveThread
 from .arguments import int_arg, shard_args, timeout_arg
 from .batching import argument as batching_arg
-from .epoch import EpochIterator
+from .epoch import EpochIterator, Session
 from .errors import Error, Superseded, UsageError
 from .inbox import Inbox
 from .requester import Requester
@@ -215,12 +215,13 @@ class Client:
         fingerprint = None  # not resuming a state: nothing to check
         batching = self.batching
         if state is not None:
-            epoch, start, fingerprint, batching = resume.check(state, self, epoch, resume.seq_selection(tags, order))
+            selection = resume.seq_selection(tags, order)
+            epoch, start, fingerprint, batching = resume.check(state, self._reader(), self.batching, epoch, selection)
         int_arg("epoch", epoch, 0)
         int_arg("start", start, 0)
         assert isinstance(epoch, int)
         accepted = self._ask(epoch, start, tags, order, fingerprint, batching)
-        it = EpochIterator(self, self._data_socket(), accepted, epoch, start, tags, order, batching)
+        it = EpochIterator(self._session(), self._data_socket(), accepted, epoch, start, tags, order, batching)
         self._inbox.open(it.run)
         try:
             it._wait_started()
@@ -232,6 +233,23 @@ class Client:
             old._stop(Superseded(f"epoch {old.epoch} was superseded by epoch {epoch} of this client"))
             self._inbox.drop(old.run)
         return it
+
+    def _reader(self) -> resume.Reader:
+        return resume.Reader(self.job, self.rank, self.world_size, self.drop_last, self.subshard, self.subshards)
+
+    def _session(self) -> Session:
+        """What an epoch gets of this client (after `_ask`, which binds the direct result socket)."""
+        return Session(
+            reader=self._reader(),
+            address=self.address,
+            timeout=self.timeout,
+            window=self.window,
+            direct=self._direct is not None,
+            inbox=self._inbox,
+            probe=self._requests.probe,
+            ask=self._ask,
+            check_process=self._check_process,
+        )
 
     def _ask(
         self,

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Union
 
 import zmq
 
 from . import collate, protocol, resume
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded
+from .inbox import Inbox
 from .protocol import Batch, Item
-
-if TYPE_CHECKING:
-    from .client import Client
 
 log = logging.getLogger("ppclient")
 
@@ -36,6 +35,28 @@ KEEPALIVE_MISSES = 2  # the server is alive if something came within this many o
 MISSING_AFTER = 2.0  # heartbeat intervals a client waits for its next direct seq before saying it is missing
 PROBE_WAIT_S = 1.0  # how long a client that hears nothing of its run waits for the answer to `info`
 PROBE_EVERY_S = 1.0  # and how often it asks again while the silence lasts
+
+
+@dataclass(frozen=True)
+class Session:
+    """What an epoch needs of its client, and all it gets: who reads, where the server is, how
+    long a wait may last, the inbox of its runs, and the three things it asks of the client. The
+    client makes one for each epoch it starts (Client.epoch), with the values of that moment; the
+    iterator reaches the client through nothing else."""
+
+    reader: resume.Reader  # job, rank, world size, subshard: the lanes and what a state names
+    address: str  # the server's, for messages and errors
+    timeout: float  # the longest wait for the server, in s
+    window: Optional[int]  # the client's window (None: the default for the cut)
+    direct: bool  # results come straight from the workers (map_seq), not through the server
+    inbox: Inbox  # the messages of the live runs: next(run, deadline), open(run), drop(run)
+    probe: Callable[[float], Optional[protocol.InfoReply]]  # `info`, waiting up to s: who answers
+    # ask for the epoch again (epoch, start, seq_list, seq_order, fingerprint, batching), after a restart
+    ask: Callable[
+        [int, int, Optional[List[str]], Optional[List[int]], Optional[str], Optional[Dict[str, Any]]],
+        protocol.EpochAccepted,
+    ]
+    check_process: Callable[[], None]  # UsageError in a forked child of the client's process
 
 
 class EpochIterator(Iterator[Dict[str, Any]]):
@@ -49,7 +70,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
 
     def __init__(
         self,
-        client: Client,
+        session: Session,
         sock: zmq.Socket,
         accepted: protocol.EpochAccepted,
         epoch: int,
@@ -59,13 +80,14 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         batching: Optional[Dict[str, Any]] = None,
     ):
         """`batching`: the cut asked for ({}: none; None: the server's default)."""
-        self._client = client
+        self._session = session
         self._sock = sock
         self.run = accepted.run
         self.epoch = epoch
         self.start = start  # index in the shard of the first seq (or batch) this iterator yields
-        self.rank = client.rank
-        self.world_size = client.world_size
+        reader = session.reader
+        self.rank = reader.rank
+        self.world_size = reader.world_size
         self.num_seqs: Optional[int] = None  # seqs (batches, when the job batches) it yields in all
         self.batching: Optional[Dict[str, Any]] = None  # the job's cut, once started (None: seq by seq)
         self.fingerprint = accepted.fingerprint
@@ -76,7 +98,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self.skipped = 0  # seqs the mapper skipped among them (a batch's too)
         self._base = 0  # seqs yielded before the current run began (the server counts from there)
         self._granted = 0  # credit granted to the current run so far (cumulative)
-        window = client.window
+        window = session.window
         if window is None:  # the default: fewer positions when they are batches (each holds many seqs);
             # with the server's default cut (None), the smaller one until Started says (_on)
             window = WINDOW if batching == {} else BATCH_WINDOW
@@ -85,9 +107,9 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._done = False
         self._end: Optional[int] = None  # seqs the current run has for this iterator, once End came
         self._error: Optional[Error] = None
-        self._direct = client._direct is not None
-        lanes = client.world_size * client.subshards
-        self._reorder = Reorder(client.rank + client.subshard * client.world_size + start * lanes, lanes, self._direct)
+        self._direct = session.direct
+        lanes = reader.world_size * reader.subshards
+        self._reorder = Reorder(reader.rank + reader.subshard * reader.world_size + start * lanes, lanes, self._direct)
         self._awaited = -1  # direct results: the position waited for since _ask_at's count began
         self._ask_at = 0.0  # when to say it is missing
         self._mapped = 0  # the run's seqs of batches under way mapped, as the last keepalive said
@@ -117,7 +139,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         """Where this iterator is: small and msgpack-able. `client.epoch(state=...)` resumes from it,
         delivering exactly what this iterator would have delivered next."""
         return {
-            **resume.reader(self._client),
+            **self._session.reader.names(),
             "epoch": self.epoch,
             "position": self.position,
             "fingerprint": self.fingerprint,
@@ -153,7 +175,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
 
     def _raise(self, error: Error) -> NoReturn:
         self._error = error
-        self._client._inbox.drop(self.run)
+        self._session.inbox.drop(self.run)
         self._reorder.clear()
         raise error
 
@@ -170,13 +192,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def __next__(self) -> Dict[str, Any]:
         if self._error is not None:
             raise self._error
-        self._client._check_process()
+        self._session.check_process()
         while True:
             expected = self._reorder.expected(self._consumed)
             while expected not in self._reorder.buffer:
                 if self._finished():
                     self._top_up(end=True)
-                    self._client._inbox.drop(self.run)
+                    self._session.inbox.drop(self.run)
                     raise StopIteration
                 self._receive("progress")
             item = self._reorder.buffer.pop(expected)
@@ -210,7 +232,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         for a seq sent directly, say every 2 heartbeat intervals that it is missing (it may be lost).
         When nothing at all comes for 2 heartbeat intervals, ask who serves the address: a
         restarted server is asked for the epoch again from here (and this returns)."""
-        timeout, server = self._client.timeout, self._server
+        timeout, server = self._session.timeout, self._server
         began = time.monotonic()
         deadline = began + timeout
         ask = deadline
@@ -221,13 +243,13 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             ask = self._ask_at
         while True:
             try:
-                decoded = self._client._inbox.next(self.run, min(deadline, ask, max(server.probe_at, began)))
+                decoded = self._session.inbox.next(self.run, min(deadline, ask, max(server.probe_at, began)))
             except Error as exc:
                 self._raise(exc)
             if decoded is None:
                 now = time.monotonic()
                 if now >= deadline:
-                    self._raise(server.timed_out(what, timeout, began, self.epoch, self._client.address))
+                    self._raise(server.timed_out(what, timeout, began, self.epoch, self._session.address))
                 if now >= server.probe_at and self._restarted(deadline):
                     self._resume_run()
                     return
@@ -249,10 +271,10 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def _restarted(self, deadline: float) -> bool:
         """Nothing came for a while: ask `info` whose server answers at the address. True: another
         instance of the same config (a restart); another config is an error naming both."""
-        client = self._client
+        session = self._session
         self._server.probes += 1
         try:
-            info = client._requests.probe(max(0.05, min(PROBE_WAIT_S, deadline - time.monotonic())))
+            info = session.probe(max(0.05, min(PROBE_WAIT_S, deadline - time.monotonic())))
         except Error as exc:
             self._raise(exc)
         self._server.probe_at = time.monotonic() + PROBE_EVERY_S
@@ -262,7 +284,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         if info.fingerprint != self.fingerprint:
             self._raise(
                 Error(
-                    f"the server at {client.address} restarted with another config: its fingerprint is "
+                    f"the server at {session.address} restarted with another config: its fingerprint is "
                     f"{info.fingerprint!r}, epoch {self.epoch} was read with {self.fingerprint!r} (the config, "
                     "its values, the modules it uses, its data files or ppserver differ), so the rest of the epoch "
                     "would not be the same"
@@ -273,23 +295,23 @@ class EpochIterator(Iterator[Dict[str, Any]]):
     def _resume_run(self) -> None:
         """Ask the restarted server for the epoch from this iterator's position, as a resume state
         would; what arrived of the old run and was not yielded yet is dropped (it comes again)."""
-        client = self._client
+        session = self._session
         log.warning(
             "the server at %s restarted: asking for epoch %d again from seq %d of this shard",
-            client.address,
+            session.address,
             self.epoch,
             self.position,
         )
-        client._inbox.drop(self.run)
+        session.inbox.drop(self.run)
         self._reorder.clear(self._reorder.expected(self._consumed))
         try:
-            accepted = client._ask(
+            accepted = session.ask(
                 self.epoch, self.position, self._seq_list, self._seq_order, self.fingerprint, self.batching or {}
             )
         except Error as exc:
             self._raise(exc)
         self.run, self._instance = accepted.run, accepted.instance
-        client._inbox.open(self.run)
+        session.inbox.open(self.run)
         self._base = self._consumed
         self._granted = self._told = 0
         self._done, self._end, self._started = False, None, False
@@ -316,7 +338,7 @@ class EpochIterator(Iterator[Dict[str, Any]]):
             self._started = True
             self.fingerprint = msg.fingerprint
             self.batching = msg.batching
-            if self._client.window is None:
+            if self._session.window is None:
                 self._window = BATCH_WINDOW if self.batching else WINDOW
         elif isinstance(msg, (protocol.Seqs, protocol.DirectSeqs)):
             if decoded.bad:

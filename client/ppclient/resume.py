@@ -4,16 +4,14 @@ resumes one, so that a state is resumed only by the reader it was taken of."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 
 from . import batching
 from .arguments import int_arg
 from .errors import UsageError
-
-if TYPE_CHECKING:
-    from .client import Client
 
 STATE_KEYS = ("job", "epoch", "rank", "world_size", "position", "fingerprint", "drop_last", "subshard")
 
@@ -28,25 +26,41 @@ def seq_selection(seq_list: Optional[List[str]], seq_order: Optional[List[int]])
     return f"{kind} of {len(values or ())} entries, sha256 {digest}"
 
 
-def reader(client: Client) -> Dict[str, Any]:
-    """Who reads: what a state names and must match."""
-    return {
-        "job": client.job,
-        "rank": client.rank,
-        "world_size": client.world_size,
-        "drop_last": client.drop_last,
-        "subshard": [client.subshard, client.subshards],
-    }
+@dataclass(frozen=True)
+class Reader:
+    """Who reads: a client's job and place in it, what a state names and must match."""
+
+    job: str
+    rank: int
+    world_size: int
+    drop_last: bool
+    subshard: int
+    subshards: int
+
+    def names(self) -> Dict[str, Any]:
+        """The reader as a state holds it."""
+        return {
+            "job": self.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "drop_last": self.drop_last,
+            "subshard": [self.subshard, self.subshards],
+        }
 
 
 def check(
-    state: Dict[str, Any], client: Client, epoch: Optional[int], selection: Optional[str]
+    state: Dict[str, Any],
+    reader: Reader,
+    asks: Optional[Dict[str, Any]],
+    epoch: Optional[int],
+    selection: Optional[str],
 ) -> Tuple[int, int, str, Dict[str, Any]]:
-    """(epoch, position, fingerprint, batching) of a state `client` may resume, asked for with
-    `epoch` (None: the state's) and the seq selection `selection`; else UsageError saying why."""
+    """(epoch, position, fingerprint, batching) of a state `reader` may resume, asked for with the
+    cut `asks` (the client's batching; None: whatever the state's), `epoch` (None: the state's)
+    and the seq selection `selection`; else UsageError saying why."""
     if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
         raise UsageError(f"state must be a dict from EpochIterator.state_dict() with {', '.join(STATE_KEYS)}")
-    for key, value in reader(client).items():
+    for key, value in reader.names().items():
         theirs = list(state[key]) if isinstance(state[key], (list, tuple)) else state[key]
         if theirs != value:
             raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
@@ -70,9 +84,9 @@ def check(
     # was read seq by seq)
     cut = batching.argument(state.get("batching") or False)
     assert cut is not None
-    if client.batching is not None and client.batching != cut:
+    if asks is not None and asks != cut:
         raise UsageError(
             f"the state was taken of an epoch read in {batching.describe(cut)}, "
-            f"this client asks for {batching.describe(client.batching)}"
+            f"this client asks for {batching.describe(asks)}"
         )
     return state["epoch"], state["position"], fingerprint, cut

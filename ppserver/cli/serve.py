@@ -18,8 +18,9 @@ def run(args: argparse.Namespace) -> int:
     from ppclient import UsageError, endpoints, keyfiles
     from ppserver.config.settings import load
     from ppserver.errors import ConfigError, Stopped
+    from ppserver.logs import setup_logging
     from ppserver.observe.metrics import parse_address
-    from ppserver.server.loop import serve, setup_logging, stop_on_signals
+    from ppserver.server.loop import serve, stop_on_signals
     from ppserver.server.owners import OwnerWatch
 
     ready = ready_stream()

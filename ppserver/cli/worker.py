@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from ppclient import UsageError, endpoints, keyfiles
     from ppserver.config.settings import load
     from ppserver.errors import ConfigError
-    from ppserver.server.loop import setup_logging
+    from ppserver.logs import setup_logging
 
     stdout_to_stderr()  # a worker host prints nothing on stdout
     setup_logging("ppworker-host")

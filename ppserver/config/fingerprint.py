@@ -54,9 +54,9 @@ SERVED_COVERS = FINGERPRINT_COVERS + " and the data files the dataset reads"
 # ppserver's modules that decide a mapped seq besides the config
 SEMANTIC_MODULES = (
     "ppserver.mappers.apply",  # rng seeding, meta entries, validation
-    "ppserver.mappers.api",  # the mappers a worker calls, a stream's rng
+    "ppserver.config.mappers",  # the mappers a worker calls, a stream's rng
     "ppserver.mappers.returnn",  # RETURNN's TensorDicts in and out
-    "ppserver.datasets.cut",  # an epoch's batches
+    "ppserver.scheduler.cut",  # an epoch's batches
     "ppclient.collate",  # padding a batch's seqs into one array per key
     "ppclient.wire",  # which dtypes travel, and how a seq becomes frames
 )
@@ -180,6 +180,21 @@ def _dump(node: Any, out: List[str]) -> None:
 SEMANTICS_ENV = "PPSERVER_SEMANTICS"  # a process's hash of SEMANTIC_MODULES, for the processes it starts
 
 
+def _module_file(name: str) -> Optional[str]:
+    """The file of module `name` (None: not found), without importing it or its packages:
+    find_spec imports a submodule's packages, and a worker would load the scheduler to hash
+    scheduler/cut.py."""
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not rest:
+        return spec.origin if spec is not None else None
+    for folder in spec.submodule_search_locations or ():
+        path = os.path.join(folder, *rest) + ".py"
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def _semantics() -> bytes:
     """What decides a mapped seq besides the config: SEMANTIC_MODULES, the protocol, the version.
 
@@ -188,10 +203,7 @@ def _semantics() -> bytes:
     made from, so that a process whose files are the same takes it instead of making it again."""
     from ppclient import __version__, protocol
 
-    files = []
-    for name in SEMANTIC_MODULES:
-        spec = importlib.util.find_spec(name)
-        files.append((name, spec.origin if spec is not None else None))
+    files = [(name, _module_file(name)) for name in SEMANTIC_MODULES]
     stamp = hashlib.sha256(repr([(name, _stat(origin)) for name, origin in files]).encode()).hexdigest()[:32]
     handed = os.environ.get(SEMANTICS_ENV, "")
     if handed.startswith(stamp + "="):

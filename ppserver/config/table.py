@@ -5,8 +5,9 @@ and type (the field's), its default, the check that turns the value a config giv
 value served (or raises a one-line ConfigError naming the key), and a short doc.
 `settings.from_settings` runs the checks in this order, each seeing the values checked before
 it, so a setting that depends on another (stream_partitions on map_seq_stream) says so in its
-own check. The scheduler's settings take their defaults from here (`default`), and
-tests/test_config.py checks docs/config.md's table against `SETTINGS`.
+own check. The scheduler, which imports no config, repeats four of these defaults in its
+`Settings`; tests/test_config.py checks that they agree, and docs/config.md's table against
+`SETTINGS`.
 """
 
 from __future__ import annotations
@@ -344,9 +345,3 @@ def _table() -> Tuple[Setting, ...]:
 
 SETTINGS = _table()
 KNOWN_KEYS = frozenset(s.key for s in SETTINGS)
-_BY_NAME = {s.name: s for s in SETTINGS}
-
-
-def default(name: str) -> Any:
-    """The default of the setting that is Config field `name`."""
-    return _BY_NAME[name].default

@@ -1,6 +1,6 @@
 """Running the user's mappers: seeding, meta entries, output validation.
 
-Kept free of I/O so the worker, the in-process reference run and the tests share one
+Kept free of I/O so the workers and the reference epoch (ppserver/reference.py) share one
 definition of what "the mapped epoch" is.
 """
 
@@ -182,10 +182,7 @@ def apply_map_seq(
     mapper skipped the seq (a corrupt file, say): it is left out of the epoch."""
     meta = {k: seq[k] for k in META_KEYS if k in seq}
     seq_idx = int(meta["seq_idx"])
-    try:
-        out = map_seq(dict(seq), epoch=epoch, seq_idx=seq_idx, rng=seq_rng(seed, epoch, seq_idx), **fwd_compat_kwargs())
-    except MappingError:
-        raise
+    out = map_seq(dict(seq), epoch=epoch, seq_idx=seq_idx, rng=seq_rng(seed, epoch, seq_idx), **fwd_compat_kwargs())
     if out is None:
         return None
     if not isinstance(out, dict):
@@ -238,72 +235,3 @@ def run_stream(
     check = StreamValidator(templates)
     for seq in out:
         yield check(seq)
-
-
-def _positions(dataset: Any, first: int, step: int) -> Iterator[int]:
-    """first, first + step, ... while the epoch has them (also for counts known only by reading)."""
-    pos = first
-    while dataset.is_less_than_num_seqs(pos):
-        yield pos
-        pos += step
-
-
-def reference_epoch(
-    cfg,
-    dataset,
-    epoch: int,
-    templates: Dict[str, Dict[str, Any]],
-    *,
-    seq_list=None,
-    seq_order=None,
-    skipped: bool = False,
-) -> Iterator[Optional[Dict[str, Any]]]:
-    """The epoch as the service must deliver it, computed in one process (for checks and benchmarks):
-    without the seqs map_seq skipped, or (`skipped`) with None in their places."""
-    from ppserver.mappers.api import mappers_for
-
-    mappers = mappers_for(cfg, dataset.data_keys())
-    dataset.init_seq_order(epoch, seq_list=seq_list, seq_order=seq_order)
-    if mappers.map_seq is not None:
-        for pos in _positions(dataset, 0, 1):
-            seq = writable(dataset.get_seq(pos))
-            out = apply_map_seq(
-                mappers.map_seq,
-                seq,
-                epoch=epoch,
-                seed=cfg.seed,
-                templates=templates,
-                expected_tag=seq["seq_tag"] if seq_list is not None else None,
-            )
-            if out is not None or skipped:
-                yield out
-        return
-    parts = cfg.partitions
-    assert mappers.map_seq_stream is not None
-    streams = [
-        run_stream(
-            mappers.map_seq_stream,
-            (writable(dataset.get_seq(pos)) for pos in _positions(dataset, p, parts)),
-            epoch=epoch,
-            seed=cfg.seed,
-            partition=p,
-            templates=templates,
-            rng=mappers.stream_rng(epoch, p),
-        )
-        for p in range(parts)
-    ]
-    yield from interleave(streams)
-
-
-def interleave(streams) -> Iterator[Dict[str, Any]]:
-    """Round-robin over the partition streams, skipping exhausted ones (the delivery order)."""
-    live = list(streams)
-    done = [False] * len(live)
-    i = 0
-    while not all(done):
-        if not done[i]:
-            try:
-                yield next(live[i])
-            except StopIteration:
-                done[i] = True
-        i = (i + 1) % len(live)

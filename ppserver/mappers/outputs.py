@@ -1,5 +1,5 @@
-"""What a config's mapper returns, as templates: `map_outputs` if the config sets it, else what
-its mappers declare, else the dataset's keys.
+"""What a mapper declares it returns, as templates (the config's `map_outputs`, if set, comes
+first: config/mappers.py).
 
 A mapper declares its outputs with a method (or, for a function, an attribute)
 ``outputs(inputs) -> templates``: given the templates of the seqs it gets, those of the seqs it
@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
-
-from ppserver.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ppserver.config.table import Config
+from typing import Any, Callable, Dict, Optional
 
 Templates = Dict[str, Dict[str, Any]]
 
@@ -57,26 +52,3 @@ def declared_outputs(mapper: Any, inputs: Templates) -> Optional[Templates]:
     if not callable(declare):
         return None
     return declare(inputs, **keywords)
-
-
-def output_templates(cfg: Config, inputs: Templates) -> Templates:
-    """The templates the config's outputs are checked against (and the client is told of), for
-    seqs of `inputs` (the dataset's keys); ConfigError, one line, naming `map_outputs` where it is
-    required and missing, or naming the mapper whose declaration refuses the dataset's keys."""
-    if cfg.map_outputs is not None:
-        return cfg.map_outputs
-    key, mapper = ("map_seq", cfg.map_seq) if cfg.map_seq is not None else ("map_seq_stream", cfg.map_seq_stream)
-    if mapper is None or cfg.mapper_api != "dict":
-        return inputs
-    try:
-        declared = declared_outputs(mapper, inputs)
-    except Undeclared as exc:
-        raise ConfigError(
-            "map_outputs",
-            f"needed: {mapper_name(exc.mapper)} declares no outputs and comes after {mapper_name(exc.changed)}, which "
-            "changes the dataset's keys; set map_outputs to what the mapper returns",
-        ) from None
-    except (KeyError, ValueError) as exc:
-        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-        raise ConfigError(key, " ".join(text.split()) or type(exc).__name__) from None
-    return inputs if declared is None else declared

@@ -24,8 +24,8 @@ from ppclient import collate
 from ppclient.batching import default_length_key
 from ppclient.collate import BatchError
 from ppclient.protocol import Batch, End, FailureKind, Item, Message, Seqs, Started
-from ppserver.datasets.cut import Cutter
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.dispatch import Room
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import Lane, Run

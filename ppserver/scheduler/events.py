@@ -1,7 +1,7 @@
 """What happens to the scheduler: each event carries the time it happened (`now`, monotonic s).
 
-Events are built on the hot path, so they are plain slotted dataclasses; nothing changes one
-after it is made.
+Events are frozen slotted dataclasses: nothing changes one after it is made. (Frozen costs
+about 1 us per event, little beside the message each one comes from.)
 
 The server turns checked protocol messages, reader hand-overs, process exits and the clock
 into these; nothing else reaches the scheduler.
@@ -17,13 +17,13 @@ from ppclient.protocol import BadItem, Batch, Item
 from ppserver.scheduler.workers import InputPath
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     now: float
 
 
 # ---- workers ----------------------------------------------------------------------------
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkerJoined(Event):
     """A worker passed the protocol and fingerprint checks (the server has welcomed it)."""
 
@@ -34,21 +34,21 @@ class WorkerJoined(Event):
     replaces: Optional[bytes] = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkerEvent(Event):
     """Anything from a registered worker; an unknown `wid` is told so and otherwise ignored."""
 
     wid: bytes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class HeartbeatReceived(WorkerEvent):
     """`mapping`: (run, pos, seqs mapped) of the batch the worker maps now, if it maps one."""
 
     mapping: Optional[Tuple[int, int, int]] = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class InputsShared(WorkerEvent):
     """How the worker gets its inputs changed (in the messages again, in shared memory, or by
     address in the server's memory): it bounds the input bytes of its task messages."""
@@ -56,26 +56,26 @@ class InputsShared(WorkerEvent):
     path: InputPath = field(default_factory=InputPath)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RunDropped(WorkerEvent):
     """The worker dropped a closed run: the inputs of that run's tasks it held may go."""
 
     run: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkerLeft(WorkerEvent):
     """The worker said goodbye: its work goes back to the queue, nothing is blamed."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ResultsReceived(WorkerEvent):
     run: int
     items: List[Item] = field(default_factory=list)
     bad: List[BadItem] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkerMessageMalformed(WorkerEvent):
     """A message on the worker's task socket that did not decode: it may have held results (of
     any run), so every seq and stream partition the worker holds is charged with it."""
@@ -83,7 +83,7 @@ class WorkerMessageMalformed(WorkerEvent):
     reason: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CompletedReceived(WorkerEvent):
     """Results the worker sent to their consumers itself: their positions and sizes."""
 
@@ -94,7 +94,7 @@ class CompletedReceived(WorkerEvent):
     skipped_tags: List[List[str]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class InputsLost(WorkerEvent):
     """Tasks whose inputs the worker could not read: taken back, redone if still wanted."""
 
@@ -103,7 +103,7 @@ class InputsLost(WorkerEvent):
     reason: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class MessageDropped(WorkerEvent):
     """The worker dropped a message of the server's unread (see protocol.Dropped): what it carried
     is redone elsewhere, charged, or the run fails naming the seq."""
@@ -115,7 +115,7 @@ class MessageDropped(WorkerEvent):
     reason: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TaskFailed(WorkerEvent):
     run: int
     pos: int
@@ -124,7 +124,7 @@ class TaskFailed(WorkerEvent):
     traceback: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class MappingReported(WorkerEvent):
     """The worker is about to map seq `seq_tag` of the suspect batch at `pos` (it runs it alone)."""
 
@@ -133,7 +133,7 @@ class MappingReported(WorkerEvent):
     seq_tag: Optional[str]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StreamAcked(WorkerEvent):
     run: int
     partition: int
@@ -141,7 +141,7 @@ class StreamAcked(WorkerEvent):
     n: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StreamOutputsReceived(WorkerEvent):
     run: int
     partition: int
@@ -150,14 +150,14 @@ class StreamOutputsReceived(WorkerEvent):
     bad: List[BadItem] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StreamFinished(WorkerEvent):
     run: int
     partition: int
     incarnation: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StreamFailed(WorkerEvent):
     run: int
     partition: int
@@ -167,7 +167,7 @@ class StreamFailed(WorkerEvent):
     traceback: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LocalWorkerExited(Event):
     """A worker process the server started exited (its supervisor reaped it)."""
 
@@ -176,7 +176,7 @@ class LocalWorkerExited(Event):
     returncode: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Tick(Event):
     """Time passed: heartbeats are due, silent workers expire. `reader_busy` says what the
     reader is doing when it has been at it for a while (e.g. "in get_seq for 12.0 s")."""
@@ -185,7 +185,7 @@ class Tick(Event):
 
 
 # ---- runs and the reader ------------------------------------------------------------------
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EpochRequested(Event):
     """A client asks for rank `rank`'s shard of an epoch of job `job` (the request's form is checked).
 
@@ -219,7 +219,7 @@ class EpochRequested(Event):
         return (self.job, self.world_size, self.drop_last, self.subshards, self.batching)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RunChecked(Event):
     """The reader checked the run's request against the dataset; it will set the epoch up
     once the runs of other epochs have stopped reading."""
@@ -227,7 +227,7 @@ class RunChecked(Event):
     run: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RunRejected(Event):
     """The reader refused the request (e.g. an unknown seq tag); nothing running is touched."""
 
@@ -235,7 +235,7 @@ class RunRejected(Event):
     message: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RunStarted(Event):
     """The reader set up the dataset for this run's epoch; `num_seqs` inputs will follow."""
 
@@ -246,7 +246,7 @@ class RunStarted(Event):
     seqs: Optional[int] = None  # seqs of the epoch (also of a batched one), if known (else: num_seqs unbatched)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class InputsRead(Event):
     """Inputs the reader read: seqs, or the batches of a batched map_seq run."""
 
@@ -254,7 +254,7 @@ class InputsRead(Event):
     items: List[Union[Item, Batch]]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class InputsEnded(Event):
     """A dataset whose count was not known in advance has no seq at `count`: the epoch has
     `count` inputs (batches, of a batched map_seq run), and the positions asked for from there
@@ -265,7 +265,7 @@ class InputsEnded(Event):
     seqs: Optional[int] = None  # the epoch's seqs (else: `count`, unbatched)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ReplayRead(Event):
     """Inputs read again for a stream partition that restarts on another worker."""
 
@@ -275,14 +275,14 @@ class ReplayRead(Event):
     items: List[Item]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ReadFailed(Event):
     run: int
     message: str
     traceback: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RunFailedElsewhere(Event):
     """Fail a run for a reason outside the scheduler (an internal error of the server)."""
 
@@ -291,7 +291,7 @@ class RunFailedElsewhere(Event):
 
 
 # ---- clients ------------------------------------------------------------------------------
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CreditGranted(Event):
     consumer: bytes
     run: int
@@ -299,7 +299,7 @@ class CreditGranted(Event):
     consumed: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class MissingReported(Event):
     """The client has waited long for the seq at `pos`: a direct result may have been lost."""
 
@@ -308,13 +308,13 @@ class MissingReported(Event):
     pos: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ConsumerAlive(Event):
     """A client's keepalive: its data socket `consumer` lives (its process does, at least)."""
 
     consumer: bytes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ConsumerClosed(Event):
     consumer: bytes

@@ -14,8 +14,8 @@ import logging
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ppclient.protocol import FailureKind, RunClose, RunFailed, RunOpen, Superseded
-from ppserver.datasets.cut import Cutter
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.delivery import StreamCut, flush, to_lane
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker

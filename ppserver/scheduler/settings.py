@@ -1,4 +1,9 @@
-"""The scheduler's settings (from the config: server/loop.py builds them) and the failure of a run."""
+"""The scheduler's settings and the failure of a run.
+
+The settings are plain values: the server builds them from the config (server/loop.py), and
+the scheduler imports no config. The four that are config settings repeat the config's
+defaults (tests/test_config.py checks that they agree), for tests that build a scheduler alone.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ppclient.protocol import FailureKind
-from ppserver.config.table import default
 
 
 @dataclass(frozen=True)
 class Settings:
-    # the config's settings (their defaults are the config's: ppserver/config/table.py)
-    buf_size: int = default("buf_size")  # tasks in flight per worker; inputs and outputs in flight per stream partition
-    max_seq_retries: int = default("max_seq_retries")
-    max_skipped: float = default("max_skipped")  # of an epoch's seqs map_seq may skip before the run fails
-    heartbeat_interval: float = default("heartbeat_interval")
-    heartbeat_timeout: float = default("heartbeat_timeout")
+    # the config's settings, with the config's defaults (ppserver/config/table.py)
+    buf_size: int = 1  # tasks in flight per worker; inputs and outputs in flight per stream partition
+    max_seq_retries: int = 3
+    max_skipped: float = 0.01  # of an epoch's seqs map_seq may skip before the run fails
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
     stream: bool = False
     partitions: int = 1
     preserves_num_seqs: bool = True  # stream mode: every input gives exactly one output

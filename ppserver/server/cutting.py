@@ -1,4 +1,4 @@
-"""A batched run's batches, as the reader cuts its epoch (datasets/cut.py): up front where the
+"""A batched run's batches, as the reader cuts its epoch (scheduler/cut.py): up front where the
 dataset knows every measure the cut uses (lengths, durations) for every seq, else as the seqs are
 read, a seq's length measured by the config's `batch_length` or by the first axis of the
 batching's length key, its duration by the config's `batch_duration` or the dataset's
@@ -23,7 +23,7 @@ import numpy
 from ppclient.batching import Batching
 from ppclient.protocol import Item
 from ppserver.datasets.base import is_int
-from ppserver.datasets.cut import Cutter, cut_epoch
+from ppserver.scheduler.cut import Cutter, cut_epoch
 
 Length = Callable[[Dict[str, Any]], int]
 Duration = Callable[[int, Dict[str, Any]], float]  # (epoch position, the read seq) -> seconds

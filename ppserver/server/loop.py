@@ -34,10 +34,10 @@ from ppclient.batching import default_length_key
 from ppclient.protocol import Channel, Peer
 from ppclient.throttle import Throttled
 from ppserver.config.fingerprint import served_fingerprint
+from ppserver.config.mappers import output_templates
 from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError, Stopped, one_line
-from ppserver.mappers.outputs import output_templates
 from ppserver.observe.monitor import Monitor
 from ppserver.scheduler import (
     Instruction,
@@ -503,11 +503,3 @@ def serve(
     finally:
         server.shutdown()
     return 0
-
-
-def setup_logging(name: str = "ppserver") -> None:
-    logging.basicConfig(
-        level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
-        stream=sys.stderr,
-        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s",
-    )

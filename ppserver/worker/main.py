@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -22,9 +21,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import zmq
 
 from ppclient import UsageError, endpoints, keyfiles, protocol
+from ppserver.config.mappers import Mappers, mappers_for
 from ppserver.config.settings import Config, load, read_source
 from ppserver.errors import ConfigError
-from ppserver.mappers.api import Mappers, mappers_for
+from ppserver.logs import setup_logging
 from ppserver.worker.clock import heartbeat_stats
 from ppserver.worker.map_seq import MapSeqRunner
 from ppserver.worker.memory import keep_freed_memory
@@ -230,10 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--returnn-dataset", default=None, help="CONFIG is a RETURNN config: serve this dataset of it")
     parser.add_argument("--config-source", default=None, help="run this file as CONFIG: a snapshot")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("PPSERVER_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s ppworker[{os.getpid()}] %(levelname)s %(message)s",
-    )
+    setup_logging("ppworker")
     set_process_title(f"ppworker {args.index}")
     try:
         endpoints.check(args.connect, "--connect")

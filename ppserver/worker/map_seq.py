@@ -32,7 +32,7 @@ import numpy
 
 from ppclient import collate, protocol, shm
 from ppclient.protocol import BadItem, Item
-from ppserver.mappers.api import failure_hint
+from ppserver.config.mappers import failure_hint
 from ppserver.mappers.apply import STRING, MappingError, apply_map_seq, writable
 from ppserver.worker.outputs import Means, OpenRun, Runner, check_header, check_size, clip, failure_text
 from ppserver.worker.routes import Routes

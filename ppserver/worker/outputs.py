@@ -17,8 +17,8 @@ import numpy
 
 from ppclient import collate, protocol
 from ppclient.protocol import Item
+from ppserver.config.mappers import Mappers
 from ppserver.config.settings import Config
-from ppserver.mappers.api import Mappers
 from ppserver.mappers.apply import MappingError
 from ppserver.worker.clock import MapperClock
 

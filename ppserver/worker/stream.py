@@ -16,7 +16,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from ppclient import protocol
 from ppclient.protocol import Item
-from ppserver.mappers.api import failure_hint
+from ppserver.config.mappers import failure_hint
 from ppserver.mappers.apply import MappingError, run_stream, writable
 from ppserver.worker.outputs import Means, OpenRun, Runner, check_header, check_size, clip, failure_text
 

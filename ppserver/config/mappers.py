@@ -1,7 +1,8 @@
-"""The mappers of a config as the runners call them: seq dicts in, seq dicts out.
+"""The mappers of a config as the runners call them (seq dicts in, seq dicts out), and the
+templates their outputs are checked against.
 
 With ``mapper_api = "dict"`` (the default) they are the config's own functions; with
-``"returnn"`` they are wrapped to take and return RETURNN TensorDicts (returnn_mappers.py),
+``"returnn"`` they are wrapped to take and return RETURNN TensorDicts (mappers/returnn.py),
 which needs the input templates the server sends. The rng of a stream partition follows
 the API: ppserver's own seeding, or PostprocessingDataset's for RETURNN mappers. A RETURNN
 dataset's audio that left the reader encoded becomes its features before the mappers see
@@ -18,7 +19,9 @@ from typing import Any, Callable, Dict, Optional
 import numpy
 
 from ppserver.config.settings import Config
+from ppserver.errors import ConfigError
 from ppserver.mappers.apply import TemplateMismatch, partition_rng
+from ppserver.mappers.outputs import Templates, Undeclared, declared_outputs, mapper_name
 
 
 @dataclass(frozen=True)
@@ -122,3 +125,26 @@ def _names_tensor_dict(fn: Any) -> bool:
     return annotation is not inspect.Parameter.empty and "TensorDict" in (
         annotation if isinstance(annotation, str) else repr(annotation)
     )
+
+
+def output_templates(cfg: Config, inputs: Templates) -> Templates:
+    """The templates the config's outputs are checked against (and the client is told of), for
+    seqs of `inputs` (the dataset's keys); ConfigError, one line, naming `map_outputs` where it is
+    required and missing, or naming the mapper whose declaration refuses the dataset's keys."""
+    if cfg.map_outputs is not None:
+        return cfg.map_outputs
+    key, mapper = ("map_seq", cfg.map_seq) if cfg.map_seq is not None else ("map_seq_stream", cfg.map_seq_stream)
+    if mapper is None or cfg.mapper_api != "dict":
+        return inputs
+    try:
+        declared = declared_outputs(mapper, inputs)
+    except Undeclared as exc:
+        raise ConfigError(
+            "map_outputs",
+            f"needed: {mapper_name(exc.mapper)} declares no outputs and comes after {mapper_name(exc.changed)}, which "
+            "changes the dataset's keys; set map_outputs to what the mapper returns",
+        ) from None
+    except (KeyError, ValueError) as exc:
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise ConfigError(key, " ".join(text.split()) or type(exc).__name__) from None
+    return inputs if declared is None else declared
