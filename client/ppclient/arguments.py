@@ -23,6 +23,16 @@ def timeout_arg(value: Any) -> float:
     return float(value)
 
 
+SHARDINGS = ("strided", "contiguous")
+
+
+def sharding_arg(sharding: Any) -> str:
+    """How a job's ranks shard an epoch: "strided" or "contiguous" (RETURNN's shards)."""
+    if sharding not in SHARDINGS:
+        raise UsageError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r}")
+    return str(sharding)
+
+
 def shard_args(rank: Any, world_size: Any, subshard: Any) -> Tuple[int, int, int, int]:
     """(rank, world_size, subshard index, subshard count), each checked."""
     world_size = int_arg("world_size", world_size, 1)

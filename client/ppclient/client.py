@@ -20,7 +20,7 @@ import zmq
 
 from . import endpoints, keyfiles, protocol, resume
 from .alive import AliveThread
-from .arguments import int_arg, shard_args, timeout_arg
+from .arguments import int_arg, shard_args, sharding_arg, timeout_arg
 from .batching import argument as batching_arg
 from .epoch import EpochIterator
 from .errors import Error, Superseded, UsageError
@@ -63,6 +63,10 @@ class Client:
     None: as the server's config says; False: one seq at a time. With batches, an epoch yields
     padded batches and every count, `start` and `window` counts batches.
 
+    `sharding`: "strided" (above) or "contiguous": the rank's reader gets RETURNN's shard instead,
+    one contiguous chunk of the epoch's order (seq by seq; a server whose `info()["shardings"]`
+    has it). The same for every rank of a job.
+
     Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
     directory or key file, a rank not below world_size) raise UsageError here, before any
     socket exists.
@@ -82,6 +86,7 @@ class Client:
         subshard: Tuple[int, int] = (0, 1),
         direct: Union[bool, str] = True,
         batching: Union[bool, Dict[str, Any], None] = None,
+        sharding: str = "strided",
     ):
         self.address = endpoints.check(address, "address")
         self.batching = batching_arg(batching)
@@ -93,6 +98,7 @@ class Client:
         self.job = job
         self.rank, self.world_size, self.subshard, self.subshards = shard_args(rank, world_size, subshard)
         self.drop_last = bool(drop_last)
+        self.sharding = sharding_arg(sharding)
         self.keys = keys
         self._keys = keyfiles.client_keys(keys) if keys else None
         self._pid = os.getpid()  # sockets do not survive fork(): a child must make its own client
@@ -268,6 +274,7 @@ class Client:
                 direct_key=self._keys.public if self._keys is not None and results is not None else b"",
                 host=results.host if results is not None else "",
                 batching=batching,
+                sharding=self.sharding,
             ),
             protocol.EpochAccepted,
         )

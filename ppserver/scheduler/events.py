@@ -207,14 +207,15 @@ class EpochRequested(Event):
     direct_key: bytes = b""
     host: str = ""
     batching: Optional[Batching] = None  # the job's cut (the server's default applied); None: seq by seq
+    sharding: str = "strided"  # or "contiguous": RETURNN's shards (server/shards.py)
 
     @property
     def lane(self) -> int:
         return self.rank + self.subshard * self.world_size
 
     @property
-    def job_key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
-        return (self.job, self.world_size, self.drop_last, self.subshards, self.batching)
+    def job_key(self) -> Tuple[str, int, bool, int, Optional[Batching], str]:
+        return (self.job, self.world_size, self.drop_last, self.subshards, self.batching, self.sharding)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,9 @@ A job that batches has its epochs cut into batches (cut.py), and then a position
 batch j goes to lane j % lanes, counts, starts and credit count batches, and drop_last makes
 every rank's number of batches equal.
 
+With `sharding` "contiguous" the lanes stay as they are and the reader serves position
+row * lanes + lane as row `row` of RETURNN's contiguous chunk `lane` (server/shards.py).
+
 A lane has state of its own only once its reader comes (or it leaves the run): until then
 it is the run's `base` one (expected from index `base` on; gone, in a solo run). So a job
 of many readers costs, on a request and on every event, what its readers that came cost,
@@ -254,6 +257,7 @@ class Job:
     drop_last: bool
     subshards: int = 1  # readers per rank
     batching: Optional[Batching] = None  # the cut of its epochs (None: seq by seq)
+    sharding: str = "strided"  # "contiguous": lane l reads RETURNN's chunk l instead (server/shards.py)
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
     finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> lanes that finished it (recent ones)
@@ -291,8 +295,13 @@ class Job:
         return "batches" if self.batching is not None else "seqs"
 
     @property
-    def key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
-        return (self.name, self.world, self.drop_last, self.subshards, self.batching)
+    def key(self) -> Tuple[str, int, bool, int, Optional[Batching], str]:
+        return (self.name, self.world, self.drop_last, self.subshards, self.batching, self.sharding)
+
+    @property
+    def contiguous(self) -> Optional[Tuple[int, int]]:
+        """(world_size, readers per rank) whose chunks the reader serves, for contiguous shards (else None)."""
+        return (self.world, self.subshards) if self.sharding == "contiguous" else None
 
     def describe(self) -> Dict[str, Any]:
         return {
@@ -301,6 +310,7 @@ class Job:
             "drop_last": self.drop_last,
             "subshards": self.subshards,
             "batching": None if self.batching is None else self.batching.to_dict(),
+            "sharding": self.sharding,
             "clients": len(self.clients),
         }
 

@@ -22,6 +22,7 @@ from ppserver.config.settings import Config
 from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
+from ppserver.server.shards import CONTIGUOUS, SHARDINGS
 
 # a client's message that is only news for the scheduler: (now, sender, message) -> the event
 EVENTS: Dict[type, Callable[[float, bytes, Any], ev.Event]] = {
@@ -87,6 +88,11 @@ class Control:
                 batching = self._batching(msg.batching)
             except UsageError as exc:
                 refusal = str(exc)
+        if refusal is None and msg.sharding == CONTIGUOUS and batching is not None:
+            refusal = (
+                "sharding 'contiguous' is for seqs, not batches (a job's batches go to lane j % lanes): "
+                "ask for batching=False, or for sharding 'strided'"
+            )
         if refusal is not None:
             return protocol.ErrorReply(error=refusal), []
         return None, self.sched.handle(
@@ -109,6 +115,7 @@ class Control:
                 direct_key=msg.direct_key,
                 host=msg.host,
                 batching=batching,
+                sharding=msg.sharding,
             )
         )
 
@@ -131,6 +138,13 @@ class Control:
             return "map_seq_stream is set: seq_list and seq_order are not supported"
         if msg.seq_list is not None and msg.seq_order is not None:
             return "give at most one of seq_list and seq_order"
+        if msg.sharding not in SHARDINGS:
+            return f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {msg.sharding[:64]!r}"
+        if msg.sharding == CONTIGUOUS and CONTIGUOUS not in self.info["shardings"]:
+            return (
+                "sharding 'contiguous' is not served here: it needs map_seq and a dataset that reads any "
+                "position and knows its count up front; use sharding 'strided'"
+            )
         if msg.fingerprint == "":
             return "the resume state has no config fingerprint (EpochIterator.state_dict() always gives one)"
         served = self.sched.settings.fingerprint

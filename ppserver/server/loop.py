@@ -57,6 +57,7 @@ from ppserver.server import sockets
 from ppserver.server.control import Control, check_default
 from ppserver.server.from_workers import FromWorkers
 from ppserver.server.owners import OwnerWatch
+from ppserver.server.shards import CONTIGUOUS, STRIDED
 from ppserver.transport.inputs import WorkerInputs
 from ppserver.worker import memory
 from ppserver.worker.pool import ProcessPool, worker_argv
@@ -361,7 +362,14 @@ class Server:
             "config_fingerprint": self.cfg.fingerprint,
             "instance": self.sched.settings.instance,
             "batching": None if self.cfg.batching is None else self.cfg.batching.to_dict(),
+            "shardings": self._shardings(),
         }
+
+    def _shardings(self) -> List[str]:
+        """How ranks may shard an epoch here: contiguous needs map_seq and a dataset that reads any
+        position and knows its count (server/shards.py)."""
+        random_access = getattr(self.dataset, "random_access", True)
+        return [STRIDED, CONTIGUOUS] if random_access and not self.cfg.is_stream else [STRIDED]
 
     def status(self) -> Dict[str, Any]:
         now = time.monotonic()

@@ -1,0 +1,57 @@
+"""Contiguous shards (RETURNN's) served through the strided lanes: a run's positions in another order.
+
+The scheduler deals position p to lane p % lanes (jobs.py), lane rank + reader * world_size for
+`readers` per rank. RETURNN cuts an epoch's order into `lanes` consecutive chunks instead
+(`Dataset._apply_partition_epoch_and_sharding`: the first num_seqs % lanes chunks one seq
+longer) and gives chunk rank * readers + reader to a rank's DataLoader worker `reader`
+(`set_sharding`). Serving position p = row * lanes + lane as the seq at row `row` of that lane's
+chunk gives every lane exactly RETURNN's shard, in order, and leaves everything the
+scheduler does by position (exactly once, release in order, resume, solo runs, drop_last) as it
+is. The reader reads the chunks side by side, one seq of each in turn, so the dataset must read
+at any position; a seq keeps its `seq_idx` (the epoch position, so its rng is that of the
+strided epoch), and its `complete_frac` is how far its chunk has got, as RETURNN gives a shard's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+STRIDED = "strided"
+CONTIGUOUS = "contiguous"
+SHARDINGS = (STRIDED, CONTIGUOUS)
+
+
+def chunk_starts(num_seqs: int, lanes: int) -> List[int]:
+    """Where each of RETURNN's `lanes` chunks of an epoch of `num_seqs` starts, and the end."""
+    size, longer = divmod(num_seqs, lanes)
+    starts = [0]
+    for lane in range(lanes):
+        starts.append(starts[-1] + size + (lane < longer))
+    return starts
+
+
+def chunk_of(lane: int, world: int, readers: int) -> int:
+    """RETURNN's shard index of a lane (rank lane % world, its reader lane // world)."""
+    return lane % world * readers + lane // world
+
+
+class Contiguous:
+    """A run's positions as epoch positions: position p is row p // lanes of its lane's chunk."""
+
+    def __init__(self, num_seqs: int, world: int, readers: int):
+        self.lanes = world * readers
+        starts = chunk_starts(num_seqs, self.lanes)
+        chunks = [chunk_of(lane, world, readers) for lane in range(self.lanes)]
+        self.starts = [starts[c] for c in chunks]  # by lane
+        self.sizes = [starts[c + 1] - starts[c] for c in chunks]
+
+    def epoch_pos(self, pos: int) -> int:
+        row, lane = divmod(pos, self.lanes)
+        return self.starts[lane] + row
+
+    def served(self, pos: int, seq: Dict[str, Any]) -> Dict[str, Any]:
+        """The seq read at epoch_pos(pos), with its chunk's complete_frac."""
+        row, lane = divmod(pos, self.lanes)
+        out = dict(seq)
+        out["complete_frac"] = (row + 1) / self.sizes[lane]
+        return out
