@@ -177,7 +177,8 @@ class Client:
     def info(self) -> Dict[str, Any]:
         """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, the
         served fingerprint (what a resume state is checked against: the config's with the data files
-        its dataset reads), the config's own fingerprint and the config's batching."""
+        its dataset reads), the config's own fingerprint, the config's batching and the shardings an
+        epoch may ask for."""
         reply = self._requests.ask(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
@@ -190,6 +191,7 @@ class Client:
             "protocol": protocol.PROTOCOL,
             "fingerprint": reply.fingerprint,
             "config_fingerprint": reply.config_fingerprint,
+            "shardings": list(reply.shardings),
             "batching": reply.batching,
         }
 
