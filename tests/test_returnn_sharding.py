@@ -174,7 +174,7 @@ def test_a_rank_resumes_its_contiguous_shard_exactly_while_the_other_reads(serve
 def test_contiguous_shards_where_the_server_cannot_serve_them(served, tmp_path):
     """A forward-only dataset offers strided shards only: a client asking for contiguous ones gets
     one line saying why, RETURNN's dataset reads strided ones by default; a job that batches is
-    refused contiguous shards with one line."""
+    refused contiguous shards with one line, and so is a rank asking for other shards than its job's."""
     spec, cfg = served
     forward = write_config(tmp_path, CONFIG.format(spec=spec, extra=', "random_access": False'), name="forward.py")
     with run_server(forward, workers=1) as srv:
@@ -187,9 +187,16 @@ def test_contiguous_shards_where_the_server_cannot_serve_them(served, tmp_path):
     for rank in (0, 1):
         assert [t for t, _ in got[rank]] == whole[rank::2]  # strided
     batching = {"max_seqs": 2}
-    with run_server(cfg, workers=1) as srv, ppclient.Client(srv.address, sharding="contiguous", batching=batching) as c:
-        assert c.info()["shardings"] == ["strided", "contiguous"]
-        with pytest.raises(ppclient.Error, match="sharding 'contiguous' is for seqs, not batches"):
-            c.epoch(1)
+    with run_server(cfg, workers=1) as srv:
+        with ppclient.Client(srv.address, sharding="contiguous", batching=batching) as c:
+            assert c.info()["shardings"] == ["strided", "contiguous"]
+            with pytest.raises(ppclient.Error, match="sharding 'contiguous' is for seqs, not batches"):
+                c.epoch(1)
+        kw: Dict[str, Any] = dict(world_size=2, job="mixed", timeout=30)
+        with ppclient.Client(srv.address, rank=0, sharding="contiguous", **kw) as first:
+            first.epoch(1)
+            with ppclient.Client(srv.address, rank=1, **kw) as other:
+                with pytest.raises(ppclient.Error, match="sharding strided, where the job has sharding contiguous"):
+                    other.epoch(1)
     with pytest.raises(ppclient.UsageError, match="sharding must be one of 'strided', 'contiguous'"):
         ppclient.Client("tcp://127.0.0.1:5555", sharding="blocks")
