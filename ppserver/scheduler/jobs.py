@@ -300,8 +300,9 @@ class Job:
 
     @property
     def contiguous(self) -> Optional[Tuple[int, int]]:
-        """(world_size, readers per rank) whose chunks the reader serves, for contiguous shards (else None)."""
-        return (self.world, self.subshards) if self.sharding == "contiguous" else None
+        """(world_size, readers per rank) whose chunks the reader serves, for contiguous shards of
+        more than one lane (else None: one lane's chunk is the epoch, in its order)."""
+        return (self.world, self.subshards) if self.sharding == "contiguous" and self.lanes > 1 else None
 
     def describe(self) -> Dict[str, Any]:
         return {
