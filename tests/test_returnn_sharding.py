@@ -17,7 +17,7 @@ from ppclient.returnn import ServerDataset
 
 pytestmark = [pytest.mark.processes, pytest.mark.returnn, pytest.mark.usefixtures("in_temporary_cwd")]
 
-NUM_SEQS = 23  # 4 readers: chunks of 6, 6, 6, 5
+NUM_SEQS = 22  # 4 readers: chunks of 6, 6, 5, 5 (rank 0's two readers get the longer ones)
 
 CONFIG = """
 dataset = {{"class": "returnn", "dataset": {spec!r}{extra}}}
@@ -119,7 +119,8 @@ def test_returnns_dataset_with_two_shards_reads_returnns_own_shards(served):
 def test_two_ranks_of_two_readers_get_returnns_shards_bit_identical_for_1_and_2_workers(served):
     """2 ranks x 2 DataLoader-worker readers, contiguous: reader w of rank r gets RETURNN's shard
     r * 2 + w of 4 (set_sharding's), exactly once over the job, the same bytes with 1 and 2
-    workers, and each seq the bytes it has in the strided epoch (it keeps its seq_idx and rng)."""
+    workers, and each seq the bytes it has in the strided epoch (it keeps its seq_idx and rng);
+    with drop_last every reader the same count."""
     spec, cfg = served
     runs = {}
     for workers in (1, 2):
@@ -127,12 +128,15 @@ def test_two_ranks_of_two_readers_get_returnns_shards_bit_identical_for_1_and_2_
             runs[workers] = read_job(srv.address, 2, 2, 2, sharding="contiguous", drop_last=False)
             if workers == 2:
                 strided = read_job(srv.address, 2, 2, 2, drop_last=False)
+                equal = read_job(srv.address, 2, 2, 2, sharding="contiguous")
     for (rank, w), seqs in runs[2].items():
         want = returnn_shard(spec, 2, 4, rank * 2 + w)
         assert [s["seq_tag"] for s in seqs] == [t for t, _ in want], (rank, w)
         assert [s["complete_frac"] for s in seqs] == pytest.approx([f for _, f in want])
     tags = [s["seq_tag"] for seqs in runs[2].values() for s in seqs]
     assert sorted(tags) == sorted(f"s-{i}" for i in range(NUM_SEQS))
+    for reader, seqs in equal.items():  # drop_last: every reader NUM_SEQS // 4, the longer chunks' last dropped
+        assert [s["seq_tag"] for s in seqs] == [s["seq_tag"] for s in runs[2][reader]][: NUM_SEQS // 4]
     by_tag = {s["seq_tag"]: s for seqs in strided.values() for s in seqs}
     for reader, seqs in runs[2].items():
         assert len(runs[1][reader]) == len(seqs)

@@ -19,6 +19,7 @@ import zmq
 from . import collate, protocol, resume
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded
 from .protocol import Batch, Item
+from .shards import lane_of
 
 if TYPE_CHECKING:
     from .client import Client
@@ -82,7 +83,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._error: Optional[Error] = None
         self._direct = client._direct is not None
         lanes = client.world_size * client.subshards
-        self._reorder = Reorder(client.rank + client.subshard * client.world_size + start * lanes, lanes, self._direct)
+        lane = lane_of(client.rank, client.world_size, client.subshard, client.subshards, client.sharding)
+        self._reorder = Reorder(lane + start * lanes, lanes, self._direct)
         self._awaited = -1  # direct results: the position waited for since _ask_at's count began
         self._ask_at = 0.0  # when to say it is missing
         self._mapped = 0  # the run's seqs of batches under way mapped, as the last keepalive said

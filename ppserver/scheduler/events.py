@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import BadItem, Batch, Item
+from ppclient.shards import lane_of
 from ppserver.scheduler.workers import InputPath
 
 
@@ -211,7 +212,7 @@ class EpochRequested(Event):
 
     @property
     def lane(self) -> int:
-        return self.rank + self.subshard * self.world_size
+        return lane_of(self.rank, self.world_size, self.subshard, self.subshards, self.sharding)
 
     @property
     def job_key(self) -> Tuple[str, int, bool, int, Optional[Batching], str]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple, 
 
 from ppclient.batching import Batching
 from ppclient.protocol import Batch, ConsumerRoute, Item
+from ppclient.shards import CONTIGUOUS, STRIDED, reader_of
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import ToClient
 
@@ -65,7 +66,7 @@ _LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow
 
 @dataclass
 class Lane:
-    """The lane at `index` of a run (index = rank + subshard * world_size): positions index,
+    """The lane at `index` of a run (ppclient/shards.py: rank + subshard * world_size, strided): positions index,
     index + lanes, ... from index `start` of the lane on. Its consumer has taken (`consumed`) no
     more than it was sent (`delivered`), which is no more than it granted nor than was released
     from `start` on; between events nothing waits in `ready`."""
@@ -236,7 +237,7 @@ class Run:
         """The first position no rank gets in an epoch of `total` outputs."""
         if total is None:
             return None
-        w = self.job.world
+        w = self.job.lanes if self.job.sharding == CONTIGUOUS else self.job.world  # every chunk as long
         return total // w * w if self.job.drop_last else total
 
 
@@ -244,7 +245,7 @@ class Run:
 class Client:
     """A client of the job (one data socket, one lane): alive while its keepalives come."""
 
-    lane: int  # the lane it reads: rank + subshard * world_size
+    lane: int  # the lane it reads (ppclient/shards.py)
     timeout: float
     alive_at: float
     route: Optional[ConsumerRoute] = None  # how workers reach its direct ROUTER (None: through the server)
@@ -257,7 +258,7 @@ class Job:
     drop_last: bool
     subshards: int = 1  # readers per rank
     batching: Optional[Batching] = None  # the cut of its epochs (None: seq by seq)
-    sharding: str = "strided"  # "contiguous": lane l reads RETURNN's chunk l instead (server/shards.py)
+    sharding: str = STRIDED  # CONTIGUOUS: lane l reads RETURNN's chunk l instead (server/shards.py)
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
     finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> lanes that finished it (recent ones)
@@ -280,9 +281,13 @@ class Job:
     def lanes(self) -> int:
         return self.world * self.subshards
 
+    def reader_of(self, lane: int) -> Tuple[int, int]:
+        """(rank, reader of the rank) of a lane (ppclient/shards.py)."""
+        return reader_of(lane, self.world, self.subshards, self.sharding)
+
     def who(self, lane: int) -> str:
         """A lane in words: "rank 1", or "rank 1 (reader 2 of 4)" with subshards."""
-        rank, part = lane % self.world, lane // self.world
+        rank, part = self.reader_of(lane)
         return f"rank {rank}" if self.subshards == 1 else f"rank {rank} (reader {part} of {self.subshards})"
 
     @property
@@ -299,10 +304,10 @@ class Job:
         return (self.name, self.world, self.drop_last, self.subshards, self.batching, self.sharding)
 
     @property
-    def contiguous(self) -> Optional[Tuple[int, int]]:
-        """(world_size, readers per rank) whose chunks the reader serves, for contiguous shards of
-        more than one lane (else None: one lane's chunk is the epoch, in its order)."""
-        return (self.world, self.subshards) if self.sharding == "contiguous" and self.lanes > 1 else None
+    def contiguous(self) -> Optional[int]:
+        """The lanes whose chunks the reader serves, for contiguous shards of more than one lane
+        (else None: one lane's chunk is the epoch, in its order)."""
+        return self.lanes if self.sharding == CONTIGUOUS and self.lanes > 1 else None
 
     def describe(self) -> Dict[str, Any]:
         return {

@@ -17,12 +17,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ppclient import protocol
 from ppclient.batching import Batching
 from ppclient.errors import UsageError
+from ppclient.shards import CONTIGUOUS, SHARDINGS
 from ppserver.config.fingerprint import SERVED_COVERS
 from ppserver.config.settings import Config
 from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
-from ppserver.server.shards import CONTIGUOUS, SHARDINGS
 
 # a client's message that is only news for the scheduler: (now, sender, message) -> the event
 EVENTS: Dict[type, Callable[[float, bytes, Any], ev.Event]] = {

@@ -32,6 +32,7 @@ import ppclient
 from ppclient import endpoints, keyfiles, protocol
 from ppclient.batching import default_length_key
 from ppclient.protocol import Channel, Peer
+from ppclient.shards import CONTIGUOUS, STRIDED
 from ppclient.throttle import Throttled
 from ppserver.config.fingerprint import served_fingerprint
 from ppserver.config.settings import Config
@@ -57,7 +58,6 @@ from ppserver.server import sockets
 from ppserver.server.control import Control, check_default
 from ppserver.server.from_workers import FromWorkers
 from ppserver.server.owners import OwnerWatch
-from ppserver.server.shards import CONTIGUOUS, STRIDED
 from ppserver.transport.inputs import WorkerInputs
 from ppserver.worker import memory
 from ppserver.worker.pool import ProcessPool, worker_argv

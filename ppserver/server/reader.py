@@ -254,7 +254,7 @@ class Reader(threading.Thread):
             if count is None:
                 self._failed(cmd.run, "contiguous shards", ValueError(CONTIGUOUS_NEEDS))
                 return
-            self.contiguous[cmd.run] = Contiguous(count, *cmd.contiguous)
+            self.contiguous[cmd.run] = Contiguous(count, cmd.contiguous)
         if cmd.batching is not None:
             try:
                 batched = self._batched(cmd.batching)

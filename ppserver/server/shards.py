@@ -1,24 +1,22 @@
 """Contiguous shards (RETURNN's) served through the strided lanes: a run's positions in another order.
 
-The scheduler deals position p to lane p % lanes (jobs.py), lane rank + reader * world_size for
-`readers` per rank. RETURNN cuts an epoch's order into `lanes` consecutive chunks instead
+The scheduler deals position p to lane p % lanes (jobs.py); for contiguous shards lane
+rank * readers + reader (ppclient/shards.py), the index RETURNN's `set_sharding` gives a rank's
+DataLoader worker. RETURNN cuts an epoch's order into `lanes` consecutive chunks
 (`Dataset._apply_partition_epoch_and_sharding`: the first num_seqs % lanes chunks one seq
-longer) and gives chunk rank * readers + reader to a rank's DataLoader worker `reader`
-(`set_sharding`). Serving position p = row * lanes + lane as the seq at row `row` of that lane's
-chunk gives every lane exactly RETURNN's shard, in order, and leaves everything the
-scheduler does by position (exactly once, release in order, resume, solo runs, drop_last) as it
-is. The reader reads the chunks side by side, one seq of each in turn, so the dataset must read
-at any position; a seq keeps its `seq_idx` (the epoch position, so its rng is that of the
-strided epoch), and its `complete_frac` is how far its chunk has got, as RETURNN gives a shard's.
+longer, as the strided rule gives the first num_seqs % lanes lanes one more position). Serving
+position p = row * lanes + lane as the seq at row `row` of chunk `lane` gives every lane exactly
+RETURNN's shard, in order, and leaves everything the scheduler does by position (exactly once,
+release in order, resume, solo runs) as it is. The reader reads the chunks side by side, one
+seq of each in turn, so the dataset must read at any position; a seq keeps its `seq_idx` (the
+epoch position, so its rng is that of the strided epoch), and its `complete_frac` is how far its
+chunk has got, as RETURNN gives a shard's.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, List
-
-STRIDED = "strided"
-CONTIGUOUS = "contiguous"
-SHARDINGS = (STRIDED, CONTIGUOUS)
 
 
 def chunk_starts(num_seqs: int, lanes: int) -> List[int]:
@@ -30,20 +28,14 @@ def chunk_starts(num_seqs: int, lanes: int) -> List[int]:
     return starts
 
 
-def chunk_of(lane: int, world: int, readers: int) -> int:
-    """RETURNN's shard index of a lane (rank lane % world, its reader lane // world)."""
-    return lane % world * readers + lane // world
-
-
 class Contiguous:
-    """A run's positions as epoch positions: position p is row p // lanes of its lane's chunk."""
+    """A run's positions as epoch positions: position p is row p // lanes of chunk p % lanes."""
 
-    def __init__(self, num_seqs: int, world: int, readers: int):
-        self.lanes = world * readers
-        starts = chunk_starts(num_seqs, self.lanes)
-        chunks = [chunk_of(lane, world, readers) for lane in range(self.lanes)]
-        self.starts = [starts[c] for c in chunks]  # by lane
-        self.sizes = [starts[c + 1] - starts[c] for c in chunks]
+    def __init__(self, num_seqs: int, lanes: int):
+        self.lanes = lanes
+        starts = chunk_starts(num_seqs, lanes)
+        self.starts = starts[:-1]  # by lane
+        self.sizes = [end - start for start, end in itertools.pairwise(starts)]
 
     def epoch_pos(self, pos: int) -> int:
         row, lane = divmod(pos, self.lanes)
