@@ -15,8 +15,11 @@ A job that batches has its epochs cut into batches (cut.py), and then a position
 batch j goes to lane j % lanes, counts, starts and credit count batches, and drop_last makes
 every rank's number of batches equal.
 
-With `sharding` "contiguous" the lanes stay as they are and the reader serves position
-row * lanes + lane as row `row` of RETURNN's contiguous chunk `lane` (server/shards.py).
+With `sharding` "contiguous" reader s of rank r reads lane r * subshards + s (RETURNN's shard
+index, ppclient/shards.py), the reader serves position row * lanes + lane as row `row` of
+RETURNN's contiguous chunk `lane` (server/shards.py), and drop_last drops the last
+num_seqs % lanes positions (the longer chunks' last seqs), so that every reader gets the same
+count.
 
 A lane has state of its own only once its reader comes (or it leaves the run): until then
 it is the run's `base` one (expected from index `base` on; gone, in a solo run). So a job

@@ -111,9 +111,10 @@ class EpochRequest(Message):
     `batching`: how the job's epochs are cut into batches (ppclient.batching's dict; None: as the
     server's config says; {}: one seq at a time). With batches, positions, `start` and counts
     count batches: batch j of the epoch goes to lane j % (world_size * subshards).
-    `sharding`: "strided" (the lanes above) or "contiguous": lane rank + subshard * world_size
-    gets RETURNN's shard rank * subshards + subshard, a contiguous chunk of the epoch's order
-    (seq by seq, map_seq, a dataset that reads any position; InfoReply.shardings says).
+    `sharding`: "strided" (the lanes above) or "contiguous": the reader takes lane
+    rank * subshards + subshard and gets RETURNN's shard of that index, a contiguous chunk of the
+    epoch's order (seq by seq, map_seq, a dataset that reads any position; InfoReply.shardings
+    says); drop_last then gives every reader num_seqs // (world_size * subshards).
     """
 
     kind = "epoch"
