@@ -17,9 +17,9 @@ every rank's number of batches equal.
 
 With `sharding` "contiguous" reader s of rank r reads lane r * subshards + s (RETURNN's shard
 index, ppclient/shards.py), the reader serves position row * lanes + lane as row `row` of
-RETURNN's contiguous chunk `lane` (server/shards.py), and drop_last drops the last
-num_seqs % lanes positions (the longer chunks' last seqs), so that every reader gets the same
-count.
+RETURNN's contiguous chunk `lane` (server/shards.py), and drop_last (with more than one rank)
+drops the last num_seqs % lanes positions (the longer chunks' last seqs): those are the first
+ranks', so only then every rank gets the same count.
 
 A lane has state of its own only once its reader comes (or it leaves the run): until then
 it is the run's `base` one (expected from index `base` on; gone, in a solo run). So a job
@@ -240,7 +240,9 @@ class Run:
         """The first position no rank gets in an epoch of `total` outputs."""
         if total is None:
             return None
-        w = self.job.lanes if self.job.sharding == CONTIGUOUS else self.job.world  # every chunk as long
+        w = self.job.world
+        if self.job.sharding == CONTIGUOUS and w > 1:
+            w = self.job.lanes  # the longer chunks are the first ranks': only cutting them all leaves ranks equal
         return total // w * w if self.job.drop_last else total
 
 

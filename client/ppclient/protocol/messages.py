@@ -114,7 +114,7 @@ class EpochRequest(Message):
     `sharding`: "strided" (the lanes above) or "contiguous": the reader takes lane
     rank * subshards + subshard and gets RETURNN's shard of that index, a contiguous chunk of the
     epoch's order (seq by seq, map_seq, a dataset that reads any position; InfoReply.shardings
-    says); drop_last then gives every reader num_seqs // (world_size * subshards).
+    says); drop_last then gives every reader num_seqs // (world_size * subshards) if world_size > 1.
     """
 
     kind = "epoch"
