@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import BadItem, Batch, Item
-from ppclient.shards import lane_of
+from ppclient.shards import STRIDED, lane_of
 from ppserver.scheduler.workers import InputPath
 
 
@@ -208,7 +208,7 @@ class EpochRequested(Event):
     direct_key: bytes = b""
     host: str = ""
     batching: Optional[Batching] = None  # the job's cut (the server's default applied); None: seq by seq
-    sharding: str = "strided"  # or "contiguous": RETURNN's shards (server/shards.py)
+    sharding: str = STRIDED  # or CONTIGUOUS: RETURNN's shards (server/shards.py)
 
     @property
     def lane(self) -> int:

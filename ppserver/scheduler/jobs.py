@@ -69,7 +69,7 @@ _LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow
 
 @dataclass
 class Lane:
-    """The lane at `index` of a run (ppclient/shards.py: rank + subshard * world_size, strided): positions index,
+    """The lane at `index` of a run (a reader's, ppclient/shards.py): positions index,
     index + lanes, ... from index `start` of the lane on. Its consumer has taken (`consumed`) no
     more than it was sent (`delivered`), which is no more than it granted nor than was released
     from `start` on; between events nothing waits in `ready`."""
