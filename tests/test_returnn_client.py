@@ -318,12 +318,13 @@ def test_data_loader_workers_are_the_readers_of_their_rank(tmp_path):
 
 
 def test_two_shards_are_two_ranks_of_one_job(server):
+    """Strided shards, asked for (RETURNN's contiguous ones: test_returnn_sharding.py)."""
     srv, cfg = server
     want = without_seq_idx(reference(cfg, 6))
     got: Dict[int, List[Dict[str, Any]]] = {}
 
     def rank_main(rank: int) -> None:  # the ranks read at once, as DDP ranks do
-        ds = dataset(srv.address, job="h", _num_shards=2, _shard_index=rank)
+        ds = dataset(srv.address, job="h", sharding="strided", _num_shards=2, _shard_index=rank)
         try:
             got[rank] = read_epoch(ds, 6)
             assert ds.num_seqs == 11

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 from .errors import UsageError
+from .shards import SHARDINGS
 
 MAX_INT = 2**63 - 1  # what a message can carry
 MAX_TIMEOUT_S = 365 * 86400.0
@@ -21,6 +22,13 @@ def timeout_arg(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
         raise UsageError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {value!r}")
     return float(value)
+
+
+def sharding_arg(sharding: Any) -> str:
+    """How a job's ranks shard an epoch: "strided" or "contiguous" (RETURNN's shards)."""
+    if sharding not in SHARDINGS:
+        raise UsageError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r}")
+    return str(sharding)
 
 
 def shard_args(rank: Any, world_size: Any, subshard: Any) -> Tuple[int, int, int, int]:

@@ -20,7 +20,7 @@ import zmq
 
 from . import endpoints, keyfiles, protocol, resume
 from .alive import AliveThread
-from .arguments import int_arg, shard_args, timeout_arg
+from .arguments import int_arg, shard_args, sharding_arg, timeout_arg
 from .batching import argument as batching_arg
 from .epoch import EpochIterator, Session
 from .errors import Error, Superseded, UsageError
@@ -63,6 +63,10 @@ class Client:
     None: as the server's config says; False: one seq at a time. With batches, an epoch yields
     padded batches and every count, `start` and `window` counts batches.
 
+    `sharding`: "strided" (above) or "contiguous": the rank's reader gets RETURNN's shard instead,
+    one contiguous chunk of the epoch's order (seq by seq; a server whose `info()["shardings"]`
+    has it). The same for every rank of a job.
+
     Bad arguments (an address that is not tcp://HOST:PORT or ipc://PATH, a missing keys
     directory or key file, a rank not below world_size) raise UsageError here, before any
     socket exists.
@@ -82,6 +86,7 @@ class Client:
         subshard: Tuple[int, int] = (0, 1),
         direct: Union[bool, str] = True,
         batching: Union[bool, Dict[str, Any], None] = None,
+        sharding: str = "strided",
     ):
         self.address = endpoints.check(address, "address")
         self.batching = batching_arg(batching)
@@ -93,6 +98,7 @@ class Client:
         self.job = job
         self.rank, self.world_size, self.subshard, self.subshards = shard_args(rank, world_size, subshard)
         self.drop_last = bool(drop_last)
+        self.sharding = sharding_arg(sharding)
         self.keys = keys
         self._keys = keyfiles.client_keys(keys) if keys else None
         self._pid = os.getpid()  # sockets do not survive fork(): a child must make its own client
@@ -171,7 +177,8 @@ class Client:
     def info(self) -> Dict[str, Any]:
         """Data keys of the mapped outputs (and of the inputs), num_seqs (or None), mode, protocol, the
         served fingerprint (what a resume state is checked against: the config's with the data files
-        its dataset reads), the config's own fingerprint and the config's batching."""
+        its dataset reads), the config's own fingerprint, the config's batching and the shardings an
+        epoch may ask for."""
         reply = self._requests.ask(protocol.InfoRequest(), protocol.InfoReply)
         return {
             "data_keys": reply.data_keys,
@@ -184,6 +191,7 @@ class Client:
             "protocol": protocol.PROTOCOL,
             "fingerprint": reply.fingerprint,
             "config_fingerprint": reply.config_fingerprint,
+            "shardings": list(reply.shardings),
             "batching": reply.batching,
         }
 
@@ -235,7 +243,9 @@ class Client:
         return it
 
     def _reader(self) -> resume.Reader:
-        return resume.Reader(self.job, self.rank, self.world_size, self.drop_last, self.subshard, self.subshards)
+        return resume.Reader(
+            self.job, self.rank, self.world_size, self.drop_last, self.subshard, self.subshards, self.sharding
+        )
 
     def _session(self) -> Session:
         """What an epoch gets of this client (after `_ask`, which binds the direct result socket)."""
@@ -286,6 +296,7 @@ class Client:
                 direct_key=self._keys.public if self._keys is not None and results is not None else b"",
                 host=results.host if results is not None else "",
                 batching=batching,
+                sharding=self.sharding,
             ),
             protocol.EpochAccepted,
         )

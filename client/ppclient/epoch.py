@@ -25,6 +25,7 @@ from . import collate, protocol, resume
 from .errors import DatasetError, Error, MapperError, ServerUnavailable, Superseded
 from .inbox import Inbox
 from .protocol import Batch, Item
+from .shards import lane_of
 
 log = logging.getLogger("ppclient")
 
@@ -109,7 +110,8 @@ class EpochIterator(Iterator[Dict[str, Any]]):
         self._error: Optional[Error] = None
         self._direct = session.direct
         lanes = reader.world_size * reader.subshards
-        self._reorder = Reorder(reader.rank + reader.subshard * reader.world_size + start * lanes, lanes, self._direct)
+        lane = lane_of(reader.rank, reader.world_size, reader.subshard, reader.subshards, reader.sharding)
+        self._reorder = Reorder(lane + start * lanes, lanes, self._direct)
         self._awaited = -1  # direct results: the position waited for since _ask_at's count began
         self._ask_at = 0.0  # when to say it is missing
         self._mapped = 0  # the run's seqs of batches under way mapped, as the last keepalive said

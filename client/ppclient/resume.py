@@ -36,6 +36,7 @@ class Reader:
     drop_last: bool
     subshard: int
     subshards: int
+    sharding: str = "strided"
 
     def names(self) -> Dict[str, Any]:
         """The reader as a state holds it."""
@@ -45,6 +46,7 @@ class Reader:
             "world_size": self.world_size,
             "drop_last": self.drop_last,
             "subshard": [self.subshard, self.subshards],
+            "sharding": self.sharding,
         }
 
 
@@ -61,9 +63,10 @@ def check(
     if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
         raise UsageError(f"state must be a dict from EpochIterator.state_dict() with {', '.join(STATE_KEYS)}")
     for key, value in reader.names().items():
-        theirs = list(state[key]) if isinstance(state[key], (list, tuple)) else state[key]
+        mine = state.get(key, "strided") if key == "sharding" else state[key]  # (older states: strided)
+        theirs = list(mine) if isinstance(mine, (list, tuple)) else mine
         if theirs != value:
-            raise UsageError(f"the state is of {key} {state[key]!r}, this client's is {value!r}")
+            raise UsageError(f"the state is of {key} {mine!r}, this client's is {value!r}")
     if epoch is not None and epoch != state["epoch"]:
         raise UsageError(f"the state is of epoch {state['epoch']}, not {epoch}")
     # (a state of ppclient 0.2.0 has no seq_selection: it cannot be checked)

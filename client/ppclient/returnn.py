@@ -18,12 +18,13 @@ server's dataset decides which seqs an epoch holds and in which order, so `parti
 is refused and `seq_ordering` has no effect.
 
 RETURNN's shards (`torch_distributed` with ``"dataset_distribution": "shard"``) become ranks
-of one job: shard k of n reads the positions i with i % n == k (strided, where RETURNN would
-cut contiguous blocks), each shard num_seqs // n of them with `drop_last` (the default).
-The DataLoader workers RETURNN shards (``torch_dataloader_opts = {"num_workers": k}``: shard
-rank * k + w of n * k) are the readers of their rank, as with ppclient.torch: worker w reads
-every k-th seq of the rank's shard from its w-th on, and drop_last takes nothing from them.
-Without "shard", every rank would read as the one shard of its job and take it from the others.
+of one job. The DataLoader workers RETURNN shards (``torch_dataloader_opts = {"num_workers": k}``:
+shard rank * k + w of n * k) are the readers of their rank, as with ppclient.torch. Where the
+server serves them, each reader gets RETURNN's own shard (`sharding` "contiguous": a contiguous
+chunk of the epoch's order); else shard k of n reads the positions i with i % n == k (strided),
+and worker w every k-th seq of its rank's shard from its w-th on. `drop_last` (the default) gives
+every rank num_seqs // n seqs. Without "shard", every rank would read as the one shard of its
+job and take it from the others.
 
 The client connects in the process that reads (a DataLoader worker), when an epoch starts.
 The data keys come from one info request when RETURNN initializes the dataset (its
@@ -43,6 +44,7 @@ from returnn.datasets.cached2 import CachedDataset2
 from returnn.util.basic import OptionalNotImplementedError
 
 from . import endpoints
+from .arguments import sharding_arg
 from .client import Client, EpochIterator
 from .errors import Error, UsageError
 from .wire import META_KEYS
@@ -117,6 +119,10 @@ class ServerDataset(CachedDataset2):
 
     `timeout`, `keys`, `drop_last` and `direct` are the Client's; `prefetch` is its `window` (the seqs
     the server may send ahead; RETURNN's Dataset already has an argument named `window`).
+    `sharding` is the Client's too; None (the default): RETURNN's contiguous shards where the server
+    serves them (map_seq, a dataset that reads any position), else strided ones: RETURNN batches
+    the seqs a reader gets, and a strided reader's run of seqs spans `readers` times the lengths
+    of a contiguous one in a length-sorted order (bench/RESULTS.md, "RETURNN sharding").
     Any other argument is RETURNN's (name, _num_shards, ...). Errors of the server (a
     ppclient.Error) reach the trainer as they are.
     """
@@ -133,6 +139,7 @@ class ServerDataset(CachedDataset2):
         keys: Optional[str] = None,
         drop_last: bool = True,
         direct: Union[bool, str] = True,
+        sharding: Optional[str] = None,
         dataset: Optional[Dict[str, Any]] = None,
         map_seq: Optional[Callable] = None,
         map_seq_stream: Optional[Callable] = None,
@@ -168,6 +175,7 @@ class ServerDataset(CachedDataset2):
         self._keys = keys
         self._drop_last = drop_last
         self._direct = direct
+        self._sharding = None if sharding is None else sharding_arg(sharding)
         self._info: Optional[Dict[str, Any]] = None  # {"templates": ..., "num_seqs": ...}: plain, picklable
         self._client: Optional[Client] = None
         self._client_key: Optional[Tuple[int, int, int]] = None  # (pid, shard, shards) it was made for
@@ -246,7 +254,9 @@ class ServerDataset(CachedDataset2):
         return func, (cls, kwargs, state)
 
     # ---- the connection ----------------------------------------------------------------------
-    def _new_client(self, rank: int, world_size: int, subshard: Tuple[int, int] = (0, 1)) -> Client:
+    def _new_client(
+        self, rank: int, world_size: int, subshard: Tuple[int, int] = (0, 1), sharding: str = "strided"
+    ) -> Client:
         return Client(
             self._address,
             rank=rank,
@@ -259,13 +269,14 @@ class ServerDataset(CachedDataset2):
             drop_last=self._drop_last,
             direct=self._direct,
             batching=False,  # RETURNN batches by itself: one seq at a time
+            sharding=sharding,
         )
 
     def _client_for_shard(self) -> Client:
         key = (os.getpid(), self._shard_index, self._num_shards)
         if self._client is None or self._client_key != key:
             self._close_client()
-            self._client = self._new_client(*self._reader())
+            self._client = self._new_client(*self._reader(), sharding=self._sharding_used())
             self._client_key = key
         return self._client
 
@@ -280,6 +291,12 @@ class ServerDataset(CachedDataset2):
         if info is not None and k > 1 and shards % k == 0 and shard % k == info.id:
             return shard // k, shards // k, (info.id, k)
         return shard, shards, (0, 1)
+
+    def _sharding_used(self) -> str:
+        """The one asked for, else contiguous (RETURNN's) where the server serves it."""
+        if self._sharding is not None:
+            return self._sharding
+        return "contiguous" if "contiguous" in self._describe()["shardings"] else "strided"
 
     def _close_client(self) -> None:
         client, key = getattr(self, "_client", None), getattr(self, "_client_key", None)
@@ -297,7 +314,8 @@ class ServerDataset(CachedDataset2):
                     info = client.info()
             self._check_serves(info)
             templates = {k: v for k, v in info["data_keys"].items() if k not in META_KEYS}
-            self._info = {"templates": templates, "num_seqs": info.get("num_seqs")}
+            shardings = list(info.get("shardings") or ["strided"])  # (an older server's: strided)
+            self._info = {"templates": templates, "num_seqs": info.get("num_seqs"), "shardings": shardings}
             self.num_outputs = {k: num_outputs_entry(t) for k, t in templates.items()}
             self.num_inputs = self.num_outputs["data"][0] if "data" in self.num_outputs else 0
             self.labels = {k: [str(s) for s in t["labels"]] for k, t in templates.items() if t.get("labels")}

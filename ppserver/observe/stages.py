@@ -275,7 +275,7 @@ class StageClock:
         if job is None or client is None:
             label = ("", "")
         else:
-            label = (job.name, str(client.lane % job.world))
+            label = (job.name, str(job.reader_of(client.lane)[0]))
         if label not in self.delivered and len(self.delivered) >= MAX_SERIES:
             label = ("other", "other")
         slot = self.delivered.setdefault(label, [0, 0])

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import BadItem, Batch, Item
+from ppclient.shards import STRIDED, lane_of
 from ppserver.scheduler.workers import InputPath
 
 
@@ -209,14 +210,15 @@ class EpochRequested(Event):
     direct_key: bytes = b""
     host: str = ""
     batching: Optional[Batching] = None  # the job's cut (the server's default applied); None: seq by seq
+    sharding: str = STRIDED  # or CONTIGUOUS: RETURNN's shards (server/shards.py)
 
     @property
     def lane(self) -> int:
-        return self.rank + self.subshard * self.world_size
+        return lane_of(self.rank, self.world_size, self.subshard, self.subshards, self.sharding)
 
     @property
-    def job_key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
-        return (self.job, self.world_size, self.drop_last, self.subshards, self.batching)
+    def job_key(self) -> Tuple[str, int, bool, int, Optional[Batching], str]:
+        return (self.job, self.world_size, self.drop_last, self.subshards, self.batching, self.sharding)
 
 
 @dataclass(frozen=True, slots=True)

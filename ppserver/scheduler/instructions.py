@@ -45,13 +45,15 @@ class Reply(Instruction):
 class Prepare(Instruction):
     """Set the dataset up for a new run's epoch (after checking the request against it).
     `batching`: a map_seq run that batches; its positions are then the epoch's batches (the
-    reader cuts them) and its inputs are Batch objects."""
+    reader cuts them) and its inputs are Batch objects. `contiguous`: the job's lanes, when
+    it reads RETURNN's contiguous shards (server/shards.py); None: strided."""
 
     run: int
     epoch: int
     seq_list: Optional[List[str]] = None
     seq_order: Optional[List[int]] = None
     batching: Optional[Batching] = None
+    contiguous: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ A job that batches has its epochs cut into batches (cut.py), and then a position
 batch j goes to lane j % lanes, counts, starts and credit count batches, and drop_last makes
 every rank's number of batches equal.
 
+With `sharding` "contiguous" reader s of rank r reads lane r * subshards + s (RETURNN's shard
+index, ppclient/shards.py), the reader serves position row * lanes + lane as row `row` of
+RETURNN's contiguous chunk `lane` (server/shards.py), and drop_last (with more than one rank)
+drops the last num_seqs % lanes positions (the longer chunks' last seqs): those are the first
+ranks', so only then every rank gets the same count.
+
 A lane has state of its own only once its reader comes (or it leaves the run): until then
 it is the run's `base` one (expected from index `base` on; gone, in a solo run). So a job
 of many readers costs, on a request and on every event, what its readers that came cost,
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple, 
 
 from ppclient.batching import Batching
 from ppclient.protocol import Batch, ConsumerRoute, Item
+from ppclient.shards import CONTIGUOUS, STRIDED, reader_of
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import ToClient
 
@@ -62,7 +69,7 @@ _LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow
 
 @dataclass
 class Lane:
-    """The lane at `index` of a run (index = rank + subshard * world_size): positions index,
+    """The lane at `index` of a run (a reader's, ppclient/shards.py): positions index,
     index + lanes, ... from index `start` of the lane on. Its consumer has taken (`consumed`) no
     more than it was sent (`delivered`), which is no more than it granted nor than was released
     from `start` on; between events nothing waits in `ready`."""
@@ -237,6 +244,8 @@ class Run:
         if total is None:
             return None
         w = self.job.world
+        if self.job.sharding == CONTIGUOUS and w > 1:
+            w = self.job.lanes  # the longer chunks are the first ranks': only cutting them all leaves ranks equal
         return total // w * w if self.job.drop_last else total
 
 
@@ -244,7 +253,7 @@ class Run:
 class Client:
     """A client of the job (one data socket, one lane): alive while its keepalives come."""
 
-    lane: int  # the lane it reads: rank + subshard * world_size
+    lane: int  # the lane it reads (ppclient/shards.py)
     timeout: float
     alive_at: float
     route: Optional[ConsumerRoute] = None  # how workers reach its direct ROUTER (None: through the server)
@@ -257,6 +266,7 @@ class Job:
     drop_last: bool
     subshards: int = 1  # readers per rank
     batching: Optional[Batching] = None  # the cut of its epochs (None: seq by seq)
+    sharding: str = STRIDED  # CONTIGUOUS: lane l reads RETURNN's chunk l instead (server/shards.py)
     runs: Dict[int, Run] = field(default_factory=dict)  # live runs
     clients: Dict[bytes, Client] = field(default_factory=dict)  # live clients, by data socket
     finished: Dict[int, Set[int]] = field(default_factory=dict)  # epoch -> lanes that finished it (recent ones)
@@ -279,9 +289,13 @@ class Job:
     def lanes(self) -> int:
         return self.world * self.subshards
 
+    def reader_of(self, lane: int) -> Tuple[int, int]:
+        """(rank, reader of the rank) of a lane (ppclient/shards.py)."""
+        return reader_of(lane, self.world, self.subshards, self.sharding)
+
     def who(self, lane: int) -> str:
         """A lane in words: "rank 1", or "rank 1 (reader 2 of 4)" with subshards."""
-        rank, part = lane % self.world, lane // self.world
+        rank, part = self.reader_of(lane)
         return f"rank {rank}" if self.subshards == 1 else f"rank {rank} (reader {part} of {self.subshards})"
 
     @property
@@ -294,8 +308,14 @@ class Job:
         return "batches" if self.batching is not None else "seqs"
 
     @property
-    def key(self) -> Tuple[str, int, bool, int, Optional[Batching]]:
-        return (self.name, self.world, self.drop_last, self.subshards, self.batching)
+    def key(self) -> Tuple[str, int, bool, int, Optional[Batching], str]:
+        return (self.name, self.world, self.drop_last, self.subshards, self.batching, self.sharding)
+
+    @property
+    def contiguous(self) -> Optional[int]:
+        """The lanes whose chunks the reader serves, for contiguous shards of more than one lane
+        (else None: one lane's chunk is the epoch, in its order)."""
+        return self.lanes if self.sharding == CONTIGUOUS and self.lanes > 1 else None
 
     def describe(self) -> Dict[str, Any]:
         return {
@@ -304,6 +324,7 @@ class Job:
             "drop_last": self.drop_last,
             "subshards": self.subshards,
             "batching": None if self.batching is None else self.batching.to_dict(),
+            "sharding": self.sharding,
             "clients": len(self.clients),
         }
 

@@ -12,7 +12,7 @@ once it closed, or after its timeout without a keepalive or credit.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ppclient.batching import describe as describe_batching
 from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorReply, Superseded
@@ -68,9 +68,9 @@ class Requests:
             )
             for run in list(job.runs.values()):
                 self.s.lifecycle.supersede(run, e.epoch, out)
-        self.s.job = Job(e.job, e.world_size, e.drop_last, e.subshards, e.batching)
-        kind = (e.drop_last, readers(e.subshards), describe_batching(e.batching))
-        log.info("job %r: world_size %d, drop_last %s, %s, %s", e.job, e.world_size, *kind)
+        self.s.job = Job(e.job, e.world_size, e.drop_last, e.subshards, e.batching, e.sharding)
+        kind = (e.drop_last, readers(e.subshards), describe_batching(e.batching), e.sharding)
+        log.info("job %r: world_size %d, drop_last %s, %s, %s, %s shards", e.job, e.world_size, *kind)
         return self.s.job
 
     def _attach(self, run: Run, e: ev.EpochRequested, out: List[Instruction]) -> None:
@@ -123,7 +123,8 @@ class Requests:
         self.s.runs[run.run] = run
         self.s.last_run = run
         self._attach(run, e, out)
-        out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, None if self.s.settings.stream else job.batching))
+        batching = None if self.s.settings.stream else job.batching
+        out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, batching, job.contiguous))
         if solo is not None:
             log.info(
                 "%s of job %r resumes epoch %d at %s %d of its shard, behind the job's run: "
@@ -263,8 +264,9 @@ def _conflict(job: Job, e: ev.EpochRequested, others: List[Client]) -> str:
             f"drop_last {job.drop_last}, {readers(job.subshards)}); a request of job {e.job!r} must "
             f"wait until {'it is' if one else 'they are'} gone ({gone})"
         )
-    mine = {"world_size": job.world, "drop_last": job.drop_last, "readers": job.subshards}
-    asked = {"world_size": e.world_size, "drop_last": e.drop_last, "readers": e.subshards}
+    mine: Dict[str, Any] = {"world_size": job.world, "drop_last": job.drop_last, "readers": job.subshards}
+    asked: Dict[str, Any] = {"world_size": e.world_size, "drop_last": e.drop_last, "readers": e.subshards}
+    mine["sharding"], asked["sharding"] = job.sharding, e.sharding
     conflicts = [
         f"{readers(asked[k])}, where the job has {readers(mine[k])}"
         if k == "readers"
@@ -277,7 +279,7 @@ def _conflict(job: Job, e: ev.EpochRequested, others: List[Client]) -> str:
     return (
         f"this request of job {job.name!r} conflicts with the job's {clients}: "
         f"{'; '.join(conflicts)}. Every rank of a job must use the same world_size, drop_last, "
-        f"DataLoader num_workers and batching; the job keeps its settings until "
+        f"DataLoader num_workers, batching and sharding; the job keeps its settings until "
         f"{'that client is' if one else 'they are'} gone ({gone})"
     )
 

@@ -124,9 +124,10 @@ def _rank(s: Scheduler, run: Run, lane: Lane, now: float) -> Dict[str, Any]:
     job = run.job
     took = max(now - lane.attached_at, 1e-9)
     client = job.clients.get(lane.consumer) if lane.consumer is not None else None
+    rank, subshard = job.reader_of(lane.index)
     return {
-        "rank": lane.index % job.world,
-        "subshard": lane.index // job.world,
+        "rank": rank,
+        "subshard": subshard,
         "epoch": run.epoch,
         "run": run.run,
         "solo": run.solo is not None,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ppclient import protocol
 from ppclient.batching import Batching
 from ppclient.errors import UsageError
+from ppclient.shards import CONTIGUOUS, SHARDINGS
 from ppserver.config.fingerprint import SERVED_COVERS
 from ppserver.config.settings import Config
 from ppserver.config.table import STREAM_DURATIONS
@@ -90,6 +91,11 @@ class Control:
                 batching = self._batching(msg.batching)
             except UsageError as exc:
                 refusal = str(exc)
+        if refusal is None and msg.sharding == CONTIGUOUS and batching is not None:
+            refusal = (
+                "sharding 'contiguous' is for seqs, not batches (a job's batches go to lane j % lanes): "
+                "ask for batching=False, or for sharding 'strided'"
+            )
         if refusal is not None:
             return protocol.ErrorReply(error=refusal), []
         return None, self.sched.handle(
@@ -112,6 +118,7 @@ class Control:
                 direct_key=msg.direct_key,
                 host=msg.host,
                 batching=batching,
+                sharding=msg.sharding,
             )
         )
 
@@ -141,6 +148,13 @@ class Control:
             return "map_seq_stream is set: seq_list and seq_order are not supported"
         if msg.seq_list is not None and msg.seq_order is not None:
             return "give at most one of seq_list and seq_order"
+        if msg.sharding not in SHARDINGS:
+            return f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {msg.sharding[:64]!r}"
+        if msg.sharding == CONTIGUOUS and CONTIGUOUS not in self.info["shardings"]:
+            return (
+                "sharding 'contiguous' is not served here: it needs map_seq and a dataset that reads any "
+                "position and knows its count up front; use sharding 'strided'"
+            )
         if msg.fingerprint == "":
             return "the resume state has no config fingerprint (EpochIterator.state_dict() always gives one)"
         served = self.sched.settings.fingerprint

@@ -32,6 +32,7 @@ import ppclient
 from ppclient import endpoints, keyfiles, protocol
 from ppclient.batching import default_length_key
 from ppclient.protocol import Channel, Peer
+from ppclient.shards import CONTIGUOUS, STRIDED
 from ppclient.throttle import Throttled
 from ppserver.config.fingerprint import served_fingerprint
 from ppserver.config.mappers import output_templates
@@ -369,7 +370,14 @@ class Server:
             "config_fingerprint": self.cfg.fingerprint,
             "instance": self.sched.settings.instance,
             "batching": None if self.cfg.batching is None else self.cfg.batching.to_dict(),
+            "shardings": self._shardings(),
         }
+
+    def _shardings(self) -> List[str]:
+        """How ranks may shard an epoch here: contiguous needs map_seq and a dataset that reads any
+        position and knows its count (server/shards.py)."""
+        random_access = getattr(self.dataset, "random_access", True)
+        return [STRIDED, CONTIGUOUS] if random_access and not self.cfg.is_stream else [STRIDED]
 
     def status(self) -> Dict[str, Any]:
         now = time.monotonic()

@@ -37,6 +37,7 @@ from ppserver.scheduler import Instruction, Prepare, Read, Replay, StopReading
 from ppserver.scheduler import events as ev
 from ppserver.server.cutting import BatchedRun, checked_durations, seq_duration, seq_length
 from ppserver.server.handover import Mailbox, Outbox
+from ppserver.server.shards import Contiguous
 
 log = logging.getLogger("ppserver.reader")
 
@@ -52,6 +53,11 @@ DATASET_CALLS = (
     "epoch_durations",
 )
 REFUSALS = (ValueError, KeyError, IndexError, TypeError)  # what a dataset raises for a request it refuses
+
+CONTIGUOUS_NEEDS = (
+    "sharding 'contiguous' needs a dataset that reads any position and knows its count up front "
+    "(this one reads forward only, or learns its count by reading): use sharding 'strided'"
+)
 
 EpochArgs = Tuple[int, Optional[Tuple[str, ...]], Optional[Tuple[int, ...]]]
 
@@ -106,6 +112,7 @@ class Reader(threading.Thread):
         self.replays: Deque[Replay] = deque()
         self.ends: Dict[int, int] = {}  # runs whose epoch ended (count learnt by reading) -> the count
         self.batched: Dict[int, BatchedRun] = {}  # runs that batch: their batches
+        self.contiguous: Dict[int, Contiguous] = {}  # runs of contiguous shards: their positions (shards.py)
         self.rr = 0
         self._apply: Dict[type, Callable[[Any], None]] = {
             Prepare: self._prepare,
@@ -208,6 +215,7 @@ class Reader(threading.Thread):
         self.runs.pop(run, None)
         self.ends.pop(run, None)
         self.batched.pop(run, None)
+        self.contiguous.pop(run, None)
         self.waiting = deque(p for p in self.waiting if p.run != run)
         self.replays = deque(r for r in self.replays if r.run != run)
         while self.waiting and (not self.runs or epoch_args(self.waiting[0]) == self.epoch_args):
@@ -233,6 +241,9 @@ class Reader(threading.Thread):
             cmd, "check_epoch_args", "the dataset failed to check the request", check
         ):
             return
+        if cmd.contiguous is not None and not getattr(self.dataset, "random_access", True):
+            self._emit(ev.RunRejected(time.monotonic(), cmd.run, CONTIGUOUS_NEEDS))
+            return
         self._emit(ev.RunChecked(time.monotonic(), cmd.run))
         if epoch_args(cmd) == self.epoch_args or not self.runs:
             self._start(cmd)
@@ -249,6 +260,11 @@ class Reader(threading.Thread):
             self.epoch_args = args
         num_seqs = self.dataset.num_seqs
         count = seqs = None if num_seqs is None else int(num_seqs)
+        if cmd.contiguous is not None:
+            if count is None:
+                self._failed(cmd.run, "contiguous shards", ValueError(CONTIGUOUS_NEEDS))
+                return
+            self.contiguous[cmd.run] = Contiguous(count, cmd.contiguous)
         if cmd.batching is not None:
             try:
                 batched = self._batched(cmd.batching)
@@ -311,6 +327,7 @@ class Reader(threading.Thread):
         get_seq, commands, outbox, monotonic = self.dataset.get_seq, self.commands, self.outbox, time.monotonic
         seconds, calls = self.seconds, self.calls
         counted = self.dataset.num_seqs is not None
+        shards = self.contiguous.get(run)
         while positions:
             pos = positions[0]
             if not counted and not self._call("is_less_than_num_seqs", pos, self.dataset.is_less_than_num_seqs, pos):
@@ -320,7 +337,7 @@ class Reader(threading.Thread):
                 return
             since = monotonic()
             self.busy = ("get_seq", pos, since)
-            seq = get_seq(pos)
+            seq = get_seq(pos) if shards is None else shards.served(pos, get_seq(shards.epoch_pos(pos)))
             self.busy = None
             seconds["get_seq"] += monotonic() - since
             calls["get_seq"] += 1

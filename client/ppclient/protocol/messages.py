@@ -111,6 +111,10 @@ class EpochRequest(Message):
     `batching`: how the job's epochs are cut into batches (ppclient.batching's dict; None: as the
     server's config says; {}: one seq at a time). With batches, positions, `start` and counts
     count batches: batch j of the epoch goes to lane j % (world_size * subshards).
+    `sharding`: "strided" (the lanes above) or "contiguous": the reader takes lane
+    rank * subshards + subshard and gets RETURNN's shard of that index, a contiguous chunk of the
+    epoch's order (seq by seq, map_seq, a dataset that reads any position; InfoReply.shardings
+    says); drop_last then gives every reader num_seqs // (world_size * subshards) if world_size > 1.
     """
 
     kind = "epoch"
@@ -135,6 +139,7 @@ class EpochRequest(Message):
     direct_key: bytes = b""
     host: str = ""
     batching: Optional[Dict[str, Any]] = None
+    sharding: str = "strided"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,7 @@ class InfoReply(Message):
     config_fingerprint: str = ""  # the config's alone, as whoever holds the config computes it
     instance: str = ""
     batching: Optional[Dict[str, Any]] = None  # the config's default batching (None: one seq at a time)
+    shardings: List[str] = field(default_factory=lambda: ["strided"])  # what EpochRequest.sharding may be
 
 
 @dataclass(frozen=True)
