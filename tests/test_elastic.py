@@ -4,6 +4,7 @@ mapper), or that share K cores (a CPU-bound one), with noise on the delivered ra
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import List, Optional, Tuple
 
@@ -112,7 +113,7 @@ def test_noisy_rates_do_not_make_it_oscillate():
         assert all(a is Action.ADD for _, a, r in late[0::2]), (seed, late)
         assert all(r is Reason.NO_GAIN for _, a, r in late[1::2]), (seed, late)
         starts = [t for t, _, _ in late[0::2]]
-        assert all(b - a >= hold for a, b in zip(starts, starts[1:])), (seed, late)
+        assert all(b - a >= hold for a, b in itertools.pairwise(starts)), (seed, late)
 
 
 def test_cpu_bound_it_stops_adding_when_a_worker_gains_nothing():

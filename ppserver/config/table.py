@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import MISSING, dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy
 
@@ -27,6 +27,7 @@ from ppserver.mappers.apply import STRING, dtype_text
 Check = Callable[[str, Any, Dict[str, Any]], Any]
 
 MAPPER_APIS = ("dict", "returnn")
+AUTO = "auto"  # num_workers: the server sizes its pool (ppserver/scheduler/elastic.py)
 MAX_SHM_MB = 4096  # a segment per worker and direction; more buys nothing and risks the host's memory
 
 
@@ -184,6 +185,35 @@ def _heartbeat_timeout(key: str, value: Any, checked: Dict[str, Any]) -> float:
     return timeout
 
 
+def _num_workers(key: str, value: Any, checked: Dict[str, Any]) -> Union[int, str]:
+    if value == AUTO:
+        return AUTO
+    try:
+        return integer(1)(key, value, checked)
+    except ConfigError:
+        raise ConfigError(key, f"must be an int >= 1 or 'auto', got {value!r}") from None
+
+
+def _max_workers(key: str, value: Any, checked: Dict[str, Any]) -> Optional[int]:
+    if value is None:
+        return None
+    n = integer(1)(key, value, checked)
+    if n < checked["min_workers"]:
+        raise ConfigError(key, f"must be >= min_workers ({checked['min_workers']}), got {n}")
+    return n
+
+
+def _stream_partitions(key: str, value: Any, checked: Dict[str, Any]) -> Optional[int]:
+    """A stream's outputs depend on its partitions, never on the workers that run them: with
+    num_workers = 'auto' they are max_workers, which must then be given (its default is the host's)."""
+    value = stream_only(optional(integer(1)))(key, value, checked)
+    if value is None and checked["map_seq_stream"] is not None and checked["num_workers"] == AUTO:
+        if checked["max_workers"] is None:
+            raise ConfigError(key, "set it (or max_workers) with num_workers = 'auto': a stream's outputs depend on it")
+        return checked["max_workers"]
+    return value
+
+
 def _batching(key: str, value: Any, checked: Dict[str, Any]) -> Batching:
     try:
         return Batching.from_dict(value, key)
@@ -229,10 +259,18 @@ class Config:
     direct_results: bool = setting(True, boolean, "map_seq results go from workers to clients without the server")
     shm_mb: int = setting(64, integer(0, MAX_SHM_MB), "MiB of shared memory per worker and direction (0: none)")
     buf_size: int = setting(1, integer(1), "seqs (or batches) in flight per worker")
-    num_workers: int = setting(1, integer(1), "local worker processes")
+    num_workers: Union[int, str] = setting(
+        1, _num_workers, "local worker processes; 'auto': as many as the trainer needs (min_workers to max_workers)"
+    )
+    min_workers: int = setting(1, integer(1), "with num_workers = 'auto': the fewest workers")
+    max_workers: Optional[int] = setting(
+        None, _max_workers, "with num_workers = 'auto': the most local workers", shown="the host's cores less one"
+    )
+    elastic_settle: float = setting(2.0, number(), "advanced, 'auto': seconds after a pool change before measuring")
+    elastic_window: float = setting(5.0, number(), "advanced, 'auto': seconds each measurement of the rate lasts")
     seed: int = setting(0, integer(0), "seeds the mappers' rngs and offsets the datasets' orderings")
     stream_partitions: Optional[int] = setting(
-        None, stream_only(optional(integer(1))), "independent streams of map_seq_stream", shown="num_workers"
+        None, _stream_partitions, "independent streams of map_seq_stream", shown="num_workers (max_workers if 'auto')"
     )
     heartbeat_interval: float = setting(1.0, number(), "seconds between heartbeats")
     heartbeat_timeout: float = setting(5.0, _heartbeat_timeout, "seconds of silence after which a peer is lost")
@@ -257,8 +295,14 @@ class Config:
         return self.map_seq_stream is not None
 
     @property
+    def auto_workers(self) -> bool:
+        return self.num_workers == AUTO
+
+    @property
     def partitions(self) -> int:
-        return self.stream_partitions or self.num_workers
+        if self.stream_partitions:
+            return self.stream_partitions
+        return self.num_workers if isinstance(self.num_workers, int) else self.max_workers or 1
 
     @property
     def counts_seqs(self) -> bool:

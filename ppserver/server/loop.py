@@ -51,11 +51,13 @@ from ppserver.scheduler import (
     ToWorker,
 )
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.elastic import Limits
 from ppserver.server import reader as rd
 from ppserver.server import sockets
 from ppserver.server.control import Control
 from ppserver.server.from_workers import FromWorkers
 from ppserver.server.owners import OwnerWatch
+from ppserver.server.pool_size import PoolSize
 from ppserver.transport.inputs import WorkerInputs
 from ppserver.worker import memory
 from ppserver.worker.pool import ProcessPool, worker_argv
@@ -98,6 +100,8 @@ class Server:
         keys: Optional[str] = None,
         insecure: bool = False,
         metrics: Optional[Tuple[str, int]] = None,
+        elastic: Optional[Limits] = None,
+        local_max: int = 0,
     ):
         self.cfg = cfg
         for option, endpoint in (("--bind", bind), ("--worker-bind", worker_bind)):
@@ -132,6 +136,11 @@ class Server:
             self.sched, self.reader, stream=cfg.is_stream, progress_interval=cfg.progress_interval, metrics=metrics
         )
         self.stages = self.monitor.stages  # the hooks below time each seq's stages
+        self.pool: Optional[ProcessPool] = None
+        self.sizer = PoolSize(
+            self.sched, self.stages, limits=elastic, local_max=local_max, pool=lambda: self.pool, handle=self.handle
+        )
+        self.sizing_failed_at = float("-inf")
         self.ctl = Control(
             cfg,
             self.sched,
@@ -140,10 +149,10 @@ class Server:
             worker_address=lambda: self.worker_address,
             observe=self.stages.on_event,
             length_keys=tuple(self.out_templates if cfg.is_stream else self.in_templates),
+            hosts=self.sizer.host_request,
         )
         self.stopping = False
         self.started = time.monotonic()
-        self.pool: Optional[ProcessPool] = None
         self.ipc_dir: Optional[str] = None
         self.last_tick = 0.0
         self.junk = sockets.Junk(self.malformed)
@@ -352,6 +361,7 @@ class Server:
                 "malformed_messages": self.malformed.count,
                 "refused_handshakes": self.refused.count,
                 "dataset": self.reader.describe_busy(now) or "idle",
+                "pool": self.sizer.status(now),
             }
         )
         st.update(self.monitor.status(st))
@@ -367,8 +377,18 @@ class Server:
         if self.pool is not None:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))
+        self._size_pool(now)
         self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
         self.monitor.tick(now, self.status)
+
+    def _size_pool(self, now: float) -> None:
+        """A failure of the pool's sizing is logged (at most once a minute); the epochs go on."""
+        try:
+            self.sizer.tick(now)
+        except Exception:
+            if now - self.sizing_failed_at >= 60.0:
+                self.sizing_failed_at = now
+                log.exception("sizing the worker pool failed")
 
 
 def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
@@ -395,6 +415,8 @@ def serve(
     metrics: Optional[Tuple[str, int]] = None,
     ready: Optional[TextIO] = None,
     owners: Optional[str] = None,
+    elastic: Optional[Limits] = None,
+    local_max: int = 0,
 ) -> int:
     """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`.
     `owners`: also until no process registered in that folder lives (see owners.py)."""
@@ -403,7 +425,16 @@ def serve(
     if watch is not None:
         watch.start()  # before the dataset opens: a trainer that dies meanwhile ends this process too
     try:
-        server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
+        server = Server(
+            cfg,
+            bind=bind,
+            worker_bind=worker_bind,
+            keys=keys,
+            insecure=insecure,
+            metrics=metrics,
+            elastic=elastic,
+            local_max=local_max,
+        )
 
         def _stop(signum: int, frame: Any) -> None:
             server.stopping = True
@@ -414,11 +445,12 @@ def serve(
             server.monitor.start()
             server.start_local_workers(workers)
             log.info(
-                "serving %s on %s (workers connect to %s); %d local workers",
+                "serving %s on %s (workers connect to %s); %d local workers%s",
                 cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
                 server.address,
                 server.worker_address,
                 workers,
+                "" if elastic is None else f" to start with (auto: {elastic.min_workers} to {local_max} here)",
             )
             print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
             if watch is not None:

@@ -29,7 +29,7 @@ from ppserver.worker.clock import heartbeat_stats
 from ppserver.worker.map_seq import MapSeqRunner
 from ppserver.worker.memory import keep_freed_memory
 from ppserver.worker.outputs import Means, OpenRun
-from ppserver.worker.pool import EXIT_REFUSED, set_process_title
+from ppserver.worker.pool import EXIT_REFUSED, EXIT_RETIRED, set_process_title
 from ppserver.worker.routes import Routes
 from ppserver.worker.session import POLL_MS, Refused, Session, Stopped
 from ppserver.worker.stream import StreamRunner
@@ -68,6 +68,7 @@ class Worker:
             mapping=lambda: self.seqs.under_way,
         )
         self.runs: Dict[int, OpenRun] = {}
+        self.retired = False  # the server retired it: it exits with EXIT_RETIRED, not to be started again
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
@@ -124,7 +125,7 @@ class Worker:
             self.routes.over_socket.count,
             self.routes.via_server.count,
         )
-        return 0
+        return EXIT_RETIRED if self.retired else 0
 
     def _drop_all(self) -> None:
         self.routes.clear()
@@ -175,6 +176,10 @@ class Worker:
             self._unreadable(msg, decoded.unreadable)
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags, msg.pad)
+        elif isinstance(msg, protocol.Retire):
+            log.info("retired by the server (the pool shrinks); exiting")
+            self.retired = True
+            self.stop()
         elif isinstance(msg, protocol.ConsumerRoute):
             self.routes.identity = self.session.identity or b""
             self.routes.set(msg)
