@@ -131,28 +131,26 @@ def test_cpu_bound_it_stops_adding_when_a_worker_gains_nothing():
 
 
 def test_a_retire_that_costs_rate_is_undone():
-    """A model whose trainer is blamed though it is not (the side is a guess): the retire costs
-    rate and is undone; the pool stays above that size."""
+    """Busy seconds that mislead (reported as none, as a mapper that waits outside its timing
+    might): the pool retires while the trainer holds the epoch back, until a retire makes the
+    workers hold it back and costs rate; that one is undone and the pool stays above it."""
     policy = Elastic(LIMITS)
-
-    class Misleading(Model):
-        def step(self, n, dt):
-            rate, _ = super().step(n, dt)
-            return rate, "trainer"
-
-    model = Misleading(30.0, 0.1)
-    model.busy_override = True
-    t, n, changes = 0.0, 4, []
-    for _ in range(400):
-        model.step(n, STEP)
+    model = Model(30.0, 0.1)
+    t, n, changes = 0.0, 5, []
+    for _ in range(280):  # 70 s: within hold_windows windows of the undo
+        _, side = model.step(n, STEP)
         t += STEP
-        # busy reported low, as a mapper that waits on I/O outside its timing might
-        d = policy.sample(PoolSample(t, int(model.delivered), "trainer", n, 0.0, 12))
+        d = policy.sample(PoolSample(t, int(model.delivered), side, n, 0.0, 12))
         if d.action is not Action.HOLD:
-            changes.append((d.action, d.reason))
+            changes.append((t, d.action, d.reason))
             n += 1 if d.action is Action.ADD else -1
-    assert (Action.ADD, Reason.RATE_LOST) in changes
-    assert n >= 3
+    assert [(a, r) for _, a, r in changes] == [
+        (Action.RETIRE, Reason.TRAINER_HOLDS_BACK),  # 5 -> 4
+        (Action.RETIRE, Reason.TRAINER_HOLDS_BACK),  # 4 -> 3: still enough
+        (Action.RETIRE, Reason.TRAINER_HOLDS_BACK),  # 3 -> 2: the workers hold it back now
+        (Action.ADD, Reason.RATE_LOST),
+    ], changes
+    assert n == 3
 
 
 def test_bounds_and_capacity():

@@ -9,10 +9,15 @@ decides from that window alone:
 - the workers hold the epoch back (seqs wait for one): add a worker;
 - the trainer holds it back, and the pool would have room without one worker (the seconds
   spent mapping over the window fit into `SPARE` of one worker less), twice in a row: retire one;
-- an add is kept only if it raised the delivered rate by more than `GAIN`; else it is undone
-  and the pool stays below that size for `hold_windows` windows (then it tries again);
-- a retire is kept only if the rate lost no more than `LOSS`; else it is undone, and the pool
-  stays above that size for `hold_windows` windows.
+- an add is kept if it raised the delivered rate by more than `GAIN` or the trainer holds the
+  epoch back since; else it is undone and the pool stays below that size for `hold_windows`
+  windows (then it tries again);
+- a retire is kept if the rate lost no more than `LOSS` or the trainer still holds the epoch
+  back; else it is undone, and the pool stays above that size for `hold_windows` windows.
+
+The rate decides only where the side does not: an add the trainer takes all of, or a retire
+it does not notice, stands whatever the rate did (a trainer that takes seqs in bursts makes
+the rate of a short window noisy).
 
 So the pool grows one worker per window while a worker helps, stops where the trainer takes
 all it gets or where another worker gains nothing (the CPUs are full), and shrinks only with
@@ -69,6 +74,7 @@ class PoolSample:
     workers: int  # workers serving (registered, not retiring)
     busy_s: float  # seconds inside the mappers, cumulative over every worker
     capacity: int  # workers the pool can hold now (local room plus the hosts that size themselves)
+    starting: int = 0  # workers started that have not registered yet
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ class Elastic:
                 self.probe = None
             self.since = s.now
             self.window = None
-        if s.workers < lim.min_workers and self.wanted <= s.workers:
+        if s.workers + s.starting < lim.min_workers and self.wanted <= s.workers:
             return self._change(s, Action.ADD, Reason.BELOW_MIN, f"fewer than min_workers ({lim.min_workers})")
         if s.workers > lim.max_workers and self.wanted >= s.workers:
             return self._change(s, Action.RETIRE, Reason.ABOVE_MAX, f"more than max_workers ({lim.max_workers})")
@@ -155,17 +161,18 @@ class Elastic:
         lim, n = self.limits, s.workers
         rate, side = w.rate(), w.side()
         probe, self.probe = self.probe, None
-        if side is None or rate <= 0:
+        if side is None:
             self.last_rate = None
             self.trainer_windows = 0
             return self._hold("no epoch is being delivered")
         if probe is not None and probe[1] > 0:
             change = rate / probe[1] - 1.0
-            if probe[0] is Action.ADD and change <= GAIN:
+            # (an add after which the trainer holds the epoch back did its job, whatever the gain)
+            if probe[0] is Action.ADD and change <= GAIN and side != "trainer":
                 self.ceiling = (n, s.now + lim.hold_windows * (lim.settle_s + lim.window_s))
                 text = f"worker {n} raised the rate by {change:+.0%} only (needs > {GAIN:.0%})"
                 return self._change(s, Action.RETIRE, Reason.NO_GAIN, text)
-            if probe[0] is Action.RETIRE and -change > LOSS:
+            if probe[0] is Action.RETIRE and -change > LOSS and side != "trainer":
                 self.floor = (n, s.now + lim.hold_windows * (lim.settle_s + lim.window_s))
                 text = f"retiring worker {n + 1} cost {-change:.0%} of the rate (allowed {LOSS:.0%})"
                 return self._change(s, Action.ADD, Reason.RATE_LOST, text)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ppclient import protocol
-from ppserver.observe.progress import Sample, Window, held_back_by
+from ppserver.observe.progress import side_of
 from ppserver.observe.stages import StageClock
 from ppserver.scheduler import Scheduler, WorkerState
 from ppserver.scheduler import events as ev
@@ -83,7 +83,6 @@ class PoolSize:
         self.policy = Elastic(limits) if limits is not None else None
         step = limits.settle_s / 4 if limits is not None else 1.0
         self.step = min(max(step, 0.05), 1.0)
-        self.window = Window(span=limits.settle_s if limits is not None else 1.0, step=self.step)
         self.sampled = float("-inf")
         self.hosts: Dict[str, Host] = {}
         self.changes: Deque[Change] = deque(maxlen=HISTORY)
@@ -138,17 +137,18 @@ class PoolSize:
 
     def capacity(self) -> int:
         hosts = sum(max(h.max_procs - h.wanted, 0) for h in self.hosts.values())
-        return self.serving() + self._local_room() + hosts
+        return self.serving() + self._pending() + self._local_room() + hosts
 
     def _sample(self, now: float) -> PoolSample:
+        """Who holds the epoch back now: the scheduler's word for what the newest live run waits
+        for (the trainer's credit, the workers, the dataset), sampled several times a window."""
         stages = self.stages
-        seconds, seqs = stages.totals()
-        self.window.add(Sample(now, stages.total_delivered, dict(stages.run_delivered), seconds, seqs))
         live = [r for r in self.sched.runs.values() if r.dispatch is not None and r.live]
         run = max(live, key=lambda r: r.run) if live else None
-        waiting_for = holdup(self.sched, run)[0] if run is not None else None
-        side = held_back_by(self.window, waiting_for, run.run if run is not None else None)
-        return PoolSample(now, stages.total_delivered, side, self.serving(), seconds["mapper"], self.capacity())
+        side = side_of(holdup(self.sched, run)[0]) if run is not None else None
+        serving, starting = self.serving(), self._pending()
+        busy = stages.seconds["mapper"]
+        return PoolSample(now, stages.total_delivered, side, serving, busy, self.capacity(), starting)
 
     # ---- decisions ------------------------------------------------------------------------------
     def _perform(self, now: float, d: Decision) -> None:

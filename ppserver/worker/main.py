@@ -39,6 +39,7 @@ log = logging.getLogger("ppserver.worker")
 
 LOOK_S = 0.001  # how often a busy worker looks for messages (cancellations, more tasks)
 # messages of a run whose loss would leave work undone (a stream_close asks for none)
+RETIRE_LINGER_S = 10.0  # a retired worker waits at most this long for consumers to take its results
 CARRY_WORK = (protocol.Tasks, protocol.StreamOpen, protocol.StreamInputs, protocol.StreamEnd, protocol.StreamCredit)
 
 
@@ -69,6 +70,7 @@ class Worker:
         )
         self.runs: Dict[int, OpenRun] = {}
         self.retired = False  # the server retired it: it exits with EXIT_RETIRED, not to be started again
+        self.retire_by = 0.0
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
@@ -137,6 +139,9 @@ class Worker:
         s = self.session
         look_at = 0.0
         while not s.stopping:
+            if self.retired and (self.routes.untaken() == 0 or time.monotonic() > self.retire_by):
+                self.stop()
+                return
             busy = bool(self.seqs.tasks) or self.streams.runnable() is not None
             # While tasks wait, messages are looked at every LOOK_S, not between every two seqs
             # (each look costs system calls; a closed run's tasks are dropped at the next look).
@@ -177,9 +182,11 @@ class Worker:
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags, msg.pad)
         elif isinstance(msg, protocol.Retire):
+            # It holds no task; its last direct results may still wait in their consumers'
+            # sockets, in its shared memory: it exits once they took them (or after a while).
             log.info("retired by the server (the pool shrinks); exiting")
             self.retired = True
-            self.stop()
+            self.retire_by = time.monotonic() + RETIRE_LINGER_S
         elif isinstance(msg, protocol.ConsumerRoute):
             self.routes.identity = self.session.identity or b""
             self.routes.set(msg)
