@@ -85,8 +85,8 @@ def parser() -> argparse.ArgumentParser:
         "--procs",
         default=str(os.cpu_count() or 1),
         metavar="N",
-        help="worker processes to start (default: CPU count, %(default)s); 'auto': up to the CPU count, as many as "
-        "the server wants (it starts with one and retires and asks for processes as the trainer needs)",
+        help="worker processes to start (default: CPU count, %(default)s); 'auto': as many as the server wants, up to "
+        "the CPUs this host gives it (its cpuset, at most its cgroup's CPU limit), starting with one",
     )
     w.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys (client pair and server public key)")
 

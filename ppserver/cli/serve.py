@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         # partitions follow the config, not --workers, so outputs never depend on the worker count
         cfg.stream_partitions = cfg.partitions
         elastic, local_max = local_limits(cfg, os.cpu_count()) if asked == AUTO else (None, 0)
-        workers = cfg.min_workers if asked == AUTO else int(asked)
+        workers = min(cfg.min_workers, local_max) if asked == AUTO else int(asked)
         cfg.num_workers = max(workers, 1)
         return serve(
             cfg,

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from ppserver.config.settings import load
     from ppserver.errors import ConfigError
     from ppserver.server.loop import setup_logging
-    from ppserver.worker.host import ASK_EVERY_S, HostAsker
+    from ppserver.worker.host import ASK_EVERY_S, HostAsker, host_cpus
     from ppserver.worker.pool import EXIT_REFUSED, ProcessPool, worker_argv
     from ppserver.worker.threads import thread_env
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, UsageError) as exc:
         return fail_config("worker", exc)
     config = os.path.abspath(path)
-    max_procs = os.cpu_count() or 1
+    max_procs = host_cpus()
     pool = ProcessPool(
         lambda i: worker_argv(config, args.connect, index=i, keys=args.keys, returnn_dataset=returnn_dataset),
         1 if auto else int(args.procs),

@@ -195,12 +195,8 @@ def _num_workers(key: str, value: Any, checked: Dict[str, Any]) -> Union[int, st
 
 
 def _max_workers(key: str, value: Any, checked: Dict[str, Any]) -> Optional[int]:
-    if value is None:
-        return None
-    n = integer(1)(key, value, checked)
-    if n < checked["min_workers"]:
-        raise ConfigError(key, f"must be >= min_workers ({checked['min_workers']}), got {n}")
-    return n
+    """Local workers only (0: none, the self-sizing hosts make the pool); min_workers counts them all."""
+    return None if value is None else integer(0)(key, value, checked)
 
 
 def _stream_partitions(key: str, value: Any, checked: Dict[str, Any]) -> Optional[int]:
@@ -208,7 +204,7 @@ def _stream_partitions(key: str, value: Any, checked: Dict[str, Any]) -> Optiona
     num_workers = 'auto' they are max_workers, which must then be given (its default is the host's)."""
     value = stream_only(optional(integer(1)))(key, value, checked)
     if value is None and checked["map_seq_stream"] is not None and checked["num_workers"] == AUTO:
-        if checked["max_workers"] is None:
+        if not checked["max_workers"]:
             raise ConfigError(key, "set it (or max_workers) with num_workers = 'auto': a stream's outputs depend on it")
         return checked["max_workers"]
     return value
@@ -264,7 +260,10 @@ class Config:
     )
     min_workers: int = setting(1, integer(1), "with num_workers = 'auto': the fewest workers")
     max_workers: Optional[int] = setting(
-        None, _max_workers, "with num_workers = 'auto': the most local workers", shown="the host's cores less one"
+        None,
+        _max_workers,
+        "with num_workers = 'auto': the most local workers (0: none)",
+        shown="the host's cores less one",
     )
     elastic_settle: float = setting(2.0, number(), "advanced, 'auto': seconds after a pool change before measuring")
     elastic_window: float = setting(5.0, number(), "advanced, 'auto': seconds each measurement of the rate lasts")

@@ -69,7 +69,7 @@ class Limits:
 @dataclass(frozen=True)
 class PoolSample:
     now: float
-    delivered: int  # seqs (or batches) delivered, cumulative
+    delivered: int  # seqs (or batches) mapped for the trainer, cumulative
     held_back: Optional[str]  # "trainer", "workers", "dataset", or None (no live run)
     workers: int  # workers serving (registered, not retiring)
     busy_s: float  # seconds inside the mappers, cumulative over every worker

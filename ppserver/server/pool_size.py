@@ -147,8 +147,11 @@ class PoolSize:
         run = max(live, key=lambda r: r.run) if live else None
         side = side_of(holdup(self.sched, run)[0]) if run is not None else None
         serving, starting = self.serving(), self._pending()
+        # The rate: results the workers sent (to the server or, direct, to their consumers), which
+        # is what the trainer took where it holds the epoch back; delivery itself is only heard
+        # of with a direct consumer's credit, in bursts.
         busy = stages.seconds["mapper"]
-        return PoolSample(now, stages.total_delivered, side, serving, busy, self.capacity(), starting)
+        return PoolSample(now, stages.results, side, serving, busy, self.capacity(), starting)
 
     # ---- decisions ------------------------------------------------------------------------------
     def _perform(self, now: float, d: Decision) -> None:
@@ -233,7 +236,7 @@ class PoolSize:
 def local_limits(cfg: Any, cores: Optional[int]) -> Tuple[Limits, int]:
     """The policy's limits and the most local workers, for num_workers = 'auto': max_workers, else
     the host's cores less one for the trainer (at least 1, and at least min_workers)."""
-    local_max = cfg.max_workers or max((cores or 1) - 1, 1, cfg.min_workers)
+    local_max = cfg.max_workers if cfg.max_workers is not None else max((cores or 1) - 1, 1, cfg.min_workers)
     limits = Limits(
         min_workers=cfg.min_workers,
         max_workers=1 << 20,  # the capacity bounds it (local room plus the self-sizing hosts')

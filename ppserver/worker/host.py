@@ -25,6 +25,24 @@ log = logging.getLogger("ppserver.supervisor")
 
 ASK_EVERY_S = 1.0
 ANSWER_TIMEOUT_S = 2.0
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+
+
+def host_cpus() -> int:
+    """The CPUs this host gives its workers: those this process may run on (Slurm's and
+    taskset's cpusets), at most its cgroup's CPU quota rounded up (a container's CPU limit)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open(CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(-(-int(quota) // int(period)), 1))
+    except (OSError, ValueError):
+        pass
+    return max(cpus, 1)
 
 
 class HostAsker:
