@@ -436,7 +436,7 @@ def test_a_self_sizing_host_runs_as_many_processes_as_the_trainer_needs(net, tmp
     """The server has no local workers (max_workers = 0); a host with `--procs auto` starts with
     one process, gets a second while the workers hold the epoch back, and has one retired once
     the trainer slows down; the epoch is the reference all along."""
-    cfg = numpy_config(tmp_path, MAPPER, n=700, extra=SETTINGS + AUTO_POOL)
+    cfg = numpy_config(tmp_path, MAPPER, n=480, extra=SETTINGS + AUTO_POOL)
     srv = net.start_server(cfg, port=PORT, extra=["--workers", "auto"])
     host = net.start_workers(1, cfg, port=PORT, procs="auto", env={"PP_NETNS_MAP_DELAY": "0.04"})
     host_pids(host, 1)
@@ -446,7 +446,7 @@ def test_a_self_sizing_host_runs_as_many_processes_as_the_trainer_needs(net, tmp
         step_end = time.monotonic()
         for seq in client.epoch(1):  # ~25 seqs/s per process: 40/s needs two, 8/s one
             got.append(dict(seq))
-            rate = 40.0 if len(got) < 450 else 8.0
+            rate = 40.0 if len(got) < 400 else 8.0
             step_end = max(step_end, time.monotonic()) + 1 / rate
             time.sleep(max(step_end - time.monotonic(), 0))
             if len(got) % 20 == 0:
