@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from typing import Any, Dict, Iterable, List, Tuple
 
 import pytest
@@ -15,9 +16,11 @@ from conftest import (
     STREAM_MAPPER,
     assert_same_batches,
     assert_same_epoch,
+    free_port,
     numpy_config,
     reference,
     reference_batches,
+    run_cli,
     run_server,
 )
 
@@ -97,13 +100,18 @@ def changes(pool: Dict[str, Any]) -> Dict[Tuple[str, str], int]:
 def test_the_pool_grows_to_what_the_trainer_needs_stays_and_shrinks(tmp_path):
     """50 seqs/s of a 50 ms mapper: 2.5 workers' worth. From 1 the pool grows to 3 (one more at
     most), stays, and once the trainer takes 8 seqs/s it shrinks; the epoch is the reference."""
-    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=COST), n=560, extra=AUTO)
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=COST), n=590, extra=AUTO)
     log = str(tmp_path / "server.log")
-    with run_server(cfg, log_path=log) as srv, Watch(srv) as watch:
+    port = free_port()
+    with run_server(cfg, log_path=log, extra=["--metrics", f"127.0.0.1:{port}"]) as srv, Watch(srv) as watch:
         marks: List[float] = []
         with srv.client(timeout=30) as c:
-            got = paced(c.epoch(1), [(FAST, 500), (SLOW, 60)], marks)
+            got = paced(c.epoch(1), [(FAST, 500), (SLOW, 90)], marks)
         pool = watch.last
+        shown = run_cli("status", srv.address).stdout
+        time.sleep(1.2)  # the metrics are published about once a second
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
     assert_same_epoch(got, reference(cfg, 1))
     grown, end = marks
     need = 3
@@ -114,11 +122,18 @@ def test_the_pool_grows_to_what_the_trainer_needs_stays_and_shrinks(tmp_path):
     ups = sum(n for (d, _), n in changes(pool).items() if d == "up")
     assert ups <= need + 1, pool  # 1 -> 3, at most one probe more
     # the slower trainer: the pool shrank, each retire for the trainer holding the epoch back
-    assert watch.size_at(end) <= 2, watch.seen
+    assert watch.size_at(end) < watch.size_at(grown), watch.seen
     assert changes(pool).get(("down", "trainer_holds_back"), 0) >= 1, pool
     text = open(log).read()
     assert "pool: add a worker (1 -> 2): the workers hold the epoch back" in text
     assert "pool: retire a worker" in text and "retired by the server" in text
+    # ppserver status and the metrics say the same
+    assert f"pool        auto: {pool['current']} workers" in shown, shown
+    last = pool["changes"][0]
+    assert f"{last['action']} {last['from']} -> {last['to']}: {last['text']}" in shown, shown
+    assert f"ppserver_workers_wanted {float(pool['wanted'])}" in metrics
+    ups = 'ppserver_pool_changes_total{direction="up",reason="workers_hold_back"}'
+    assert f"{ups} {float(changes(pool)[('up', 'workers_hold_back')])}" in metrics, metrics
 
 
 @pytest.mark.parametrize("mode", ["map_seq_stream", "batches"])

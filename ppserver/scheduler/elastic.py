@@ -12,8 +12,8 @@ decides from that window alone:
 - an add is kept if it raised the delivered rate by more than `GAIN` or the trainer holds the
   epoch back since; else it is undone and the pool stays below that size for `hold_windows`
   windows (then it tries again);
-- a retire is kept if the rate lost no more than `LOSS` or the trainer still holds the epoch
-  back; else it is undone, and the pool stays above that size for `hold_windows` windows.
+- a retire is kept unless the workers hold the epoch back since and the rate fell by more than
+  `LOSS`; then it is undone, and the pool stays above that size for `hold_windows` windows.
 
 The rate decides only where the side does not: an add the trainer takes all of, or a retire
 it does not notice, stands whatever the rate did (a trainer that takes seqs in bursts makes
@@ -172,7 +172,7 @@ class Elastic:
                 self.ceiling = (n, s.now + lim.hold_windows * (lim.settle_s + lim.window_s))
                 text = f"worker {n} raised the rate by {change:+.0%} only (needs > {GAIN:.0%})"
                 return self._change(s, Action.RETIRE, Reason.NO_GAIN, text)
-            if probe[0] is Action.RETIRE and -change > LOSS and side != "trainer":
+            if probe[0] is Action.RETIRE and -change > LOSS and side == "workers":
                 self.floor = (n, s.now + lim.hold_windows * (lim.settle_s + lim.window_s))
                 text = f"retiring worker {n + 1} cost {-change:.0%} of the rate (allowed {LOSS:.0%})"
                 return self._change(s, Action.ADD, Reason.RATE_LOST, text)
