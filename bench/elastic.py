@@ -9,7 +9,7 @@ highest rate), the time the auto pool took to reach that size, its delivered rat
 on, and the most workers it ran. Targets: auto rate >= 0.95x the best fixed, reached within
 30 s, at most the best fixed size plus one.
 
-    python3 bench/elastic.py [--rate 60] [--cost 0.05] [--fixed 1,2,3,4,5] [--seconds 45]
+    python3 bench/elastic.py [--rate 50] [--cost 0.05] [--fixed 1,2,3,4,5] [--seconds 45]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def rate_after(arrived: List[float], t0: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rate", type=float, default=60.0, help="seqs/s the trainer takes at most (default 60)")
+    p.add_argument("--rate", type=float, default=50.0, help="seqs/s the trainer takes at most (default 50)")
     p.add_argument("--cost", type=float, default=0.05, help="seconds the mapper sleeps per seq (default 0.05)")
     p.add_argument("--fixed", default="1,2,3,4,5", help="fixed pool sizes to compare with (default 1,2,3,4,5)")
     p.add_argument("--seconds", type=float, default=45.0, help="seconds each pool serves the trainer (default 45)")

@@ -1,8 +1,8 @@
 """The scheduler: events in (with the time passed in), instructions out. No sockets, no dataset,
 no clock: the server performs what it returns, and tests drive it alone.
 
-This module holds the event table, the workers (registration, liveness, departures) and the
-step after every event. The rest is by job: `requests` (refusals, the job, new runs, readers
+This module holds the event table, the workers (registration, liveness, departures, graceful
+retirement) and the step after every event. The rest is by job: `requests` (refusals, the job, new runs, readers
 coming and going), `runs` (a run's life: the reader's answers, failing, ending), `delivery`
 (release in epoch order into the lanes within credit, ends), `status` (what a run waits for,
 keepalives, the status dict), `invariants` (what `validate` checks). What a task is and in

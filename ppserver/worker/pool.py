@@ -2,7 +2,8 @@
 
 Used by `ppserver serve` for its local workers and by `ppserver worker --procs N`. Children
 get SIGTERM when their parent dies (Linux parent-death signal), so a killed server or
-worker host process never leaves orphans behind.
+worker host process never leaves orphans behind. A child the server retired (the pool
+shrank) exits with EXIT_RETIRED and is not started again; `add` starts one more.
 """
 
 from __future__ import annotations
