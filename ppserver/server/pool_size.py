@@ -180,7 +180,8 @@ class PoolSize:
         return True
 
     def _retire(self, now: float) -> bool:
-        """The newest worker the server may retire: a local one, or one of a self-sizing host."""
+        """A worker the server may retire (a local one, or one of a self-sizing host): the one that
+        holds the least (a stream partition keeps its worker to the epoch's end), the newest of those."""
         owners: Dict[bytes, Optional[Host]] = {}
         for w in self.sched.workers.values():
             if w.retiring:
@@ -193,7 +194,10 @@ class PoolSize:
                     owners[w.wid] = h
         if not owners:
             return False
-        wid = max(owners, key=lambda wid: (self.sched.workers[wid].joined, wid))
+        workers = self.sched.workers
+        wid = min(
+            owners, key=lambda wid: (len(workers[wid].tasks) + len(workers[wid].partitions), -workers[wid].joined)
+        )
         h = owners[wid]
         if h is not None:
             h.wanted = max(h.wanted - 1, 0)
