@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 GAIN = 0.07  # an added worker must raise the rate by more than this (Cachew's)
 LOSS = 0.03  # a retired worker may cost the rate at most this
@@ -116,10 +116,10 @@ class Elastic:
         self.why = "starting"
         self.since = float("-inf")  # when the pool last changed size, or the policy changed it
         self.window: Optional[_Window] = None
-        self.probe: Optional[tuple] = None  # (action, rate before) of the change under test
+        self.probe: Optional[Tuple[Action, float]] = None  # (action, rate before) of the change under test
         self.last_rate: Optional[float] = None  # the last window's rate at this size
-        self.ceiling: Optional[tuple] = None  # (size, until): stay below size until then
-        self.floor: Optional[tuple] = None  # (size, until): stay above size until then
+        self.ceiling: Optional[Tuple[int, float]] = None  # (size, until): stay below size until then
+        self.floor: Optional[Tuple[int, float]] = None  # (size, until): stay above size until then
         self.trainer_windows = 0
         self.seen_workers: Optional[int] = None
 
@@ -177,6 +177,7 @@ class Elastic:
                 text = f"retiring worker {n + 1} cost {-change:.0%} of the rate (allowed {LOSS:.0%})"
                 return self._change(s, Action.ADD, Reason.RATE_LOST, text)
         self.last_rate = rate
+        self.wanted = n  # (unless it wants more than there is room for, below)
         ceiling = self._bound(self.ceiling, s.now)
         floor = self._bound(self.floor, s.now)
         self.trainer_windows = self.trainer_windows + 1 if side == "trainer" else 0
@@ -197,11 +198,10 @@ class Elastic:
                 text = f"the trainer holds the epoch back ({rate:.1f}/s, {busy:.1f} of {n} workers busy)"
                 return self._change(s, Action.RETIRE, Reason.TRAINER_HOLDS_BACK, text)
             return self._hold(f"the trainer holds the epoch back; {busy:.1f} of {n} workers busy")
-        self.wanted = n
         return self._hold(f"held back by the {side}; {n} workers, {busy:.1f} busy, {rate:.1f}/s")
 
     @staticmethod
-    def _bound(bound: Optional[tuple], now: float) -> Optional[int]:
+    def _bound(bound: Optional[Tuple[int, float]], now: float) -> Optional[int]:
         return bound[0] if bound is not None and now < bound[1] else None
 
     def _change(self, s: PoolSample, action: Action, reason: Reason, text: str) -> Decision:
