@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ppclient.protocol import FailureKind, Heartbeat, Retire, Tasks, Unknown
 from ppserver.exits import describe_exit
@@ -55,6 +55,7 @@ class Scheduler:
         self.lost_inputs = 0  # inputs a worker could not read (made again)
         self.dropped_by_workers = 0  # messages workers dropped unread (what they carried redone)
         self.departures: Counter = Counter()
+        self.retiring: Set[bytes] = set()  # workers to tell to exit once they hold nothing
         self.handed_back = 0
         self.last_beat = float("-inf")
         self.reader_busy = ""  # what the reader is doing, as the last Tick said
@@ -135,10 +136,12 @@ class Scheduler:
             if d.reading_done():
                 run.reading_stopped = True
                 out.append(StopReading(run.run))
-        for w in self.workers.values():
-            if w.retiring and not w.told_to_retire and w.holds_nothing:
+        for wid in list(self.retiring):
+            w = self.workers[wid]
+            if w.holds_nothing:
+                self.retiring.discard(wid)
                 w.told_to_retire = True
-                out.append(ToWorker(w.wid, Retire()))
+                out.append(ToWorker(wid, Retire()))
 
     def _running(self) -> List[Run]:
         return [r for r in self.runs.values() if r.dispatch is not None]
@@ -205,6 +208,7 @@ class Scheduler:
         w = self.workers.pop(wid, None)
         if w is None:
             return
+        self.retiring.discard(wid)
         self.departures[why] += 1
         self.handed_back += len(w.tasks) + len(w.partitions)
         quiet = (Departure.DEPARTED, Departure.REREGISTERED, Departure.RETIRED)
@@ -225,6 +229,7 @@ class Scheduler:
         w = self.workers.get(e.wid)
         if w is not None and not w.retiring:
             w.retiring = True
+            self.retiring.add(w.wid)
             log.info(
                 "retiring worker %s (host %s pid %d) once its %d tasks are done",
                 w.name,
