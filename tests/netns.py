@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IP_TIMEOUT = 10.0
@@ -416,12 +416,12 @@ class Lab:
         config: str,
         *,
         port: int,
-        procs: int,
+        procs: Union[int, str],
         name: Optional[str] = None,
         env: Optional[Dict[str, str]] = None,
     ) -> Proc:
-        """`ppserver worker --procs N` in worker host `host` (1-based), connecting across its link,
-        under the host's own hostname."""
+        """`ppserver worker --procs N` (or `auto`) in worker host `host` (1-based), connecting across
+        its link, under the host's own hostname."""
         argv = [
             "unshare",
             "--uts",

@@ -734,10 +734,40 @@ def test_every_setting_has_a_doc_and_its_default_passes_its_check():
         ("stream_partitions", 2, "config key 'stream_partitions': only allowed with map_seq_stream"),
         ("batch_length", 3, "config key 'batch_length': must be a function seq -> int, got int"),
         ("dataset", [], "config key 'dataset': must be a dict with a 'class' entry"),
+        ("num_workers", "many", "config key 'num_workers': must be an int >= 1 or 'auto', got 'many'"),
+        ("num_workers", 0, "config key 'num_workers': must be an int >= 1 or 'auto', got 0"),
+        ("max_workers", -1, "config key 'max_workers': must be an int >= 0, got -1"),
+        ("elastic_window", 0, "config key 'elastic_window': must be a number > 0, got 0"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_its_key(key, value, error):
     assert str(expect_config_error(key, from_settings, settings(**{key: value}))) == error
+
+
+@pytest.mark.unit
+def test_auto_workers_keep_a_streams_partitions_a_function_of_the_config():
+    """With num_workers = 'auto' a stream's partitions are max_workers (given), never the host's."""
+    stream = {"map_seq": None, "map_seq_stream": lambda seqs, **k: seqs}
+    cfg = from_settings(settings(num_workers="auto", max_workers=6, **stream))
+    assert cfg.auto_workers and cfg.partitions == 6
+    assert from_settings(settings(num_workers="auto", stream_partitions=3, **stream)).partitions == 3
+    err = expect_config_error("stream_partitions", from_settings, settings(num_workers="auto", **stream))
+    assert "max_workers" in str(err)
+    assert from_settings(settings(num_workers="auto")).partitions == 1  # map_seq: none needed
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "command, argv, key",
+    [("serve", ["--workers", "some"], "--workers"), ("worker", ["--procs", "0"], "--procs")],
+)
+def test_bad_worker_counts_on_the_command_line_are_one_line(tmp_path, command, argv, key):
+    cfg = write_config(tmp_path, IDENTITY)
+    if command == "serve":
+        res = run_cli("serve", cfg, "--bind", "tcp://127.0.0.1:0", *argv)
+    else:
+        res = run_cli("worker", cfg, "--connect", f"tcp://127.0.0.1:{free_port()}", *argv)
+    assert res.returncode == 2 and f"'{key}'" in res.stderr.strip().splitlines()[-1], res.stderr
 
 
 @pytest.mark.unit

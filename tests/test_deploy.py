@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SYSTEMD = DEPLOY / "systemd"
 SBATCH = DEPLOY / "slurm" / "workers.sbatch"
+AUTOSCALE = DEPLOY / "slurm" / "autoscale.sh"
 K8S = DEPLOY / "k8s"
 DOCKERFILE = K8S / "Dockerfile"
 
@@ -345,6 +347,8 @@ def test_deploy_files_exist():
         SBATCH,
         K8S / "server.yaml",
         K8S / "workers.yaml",
+        K8S / "autoscale.yaml",
+        AUTOSCALE,
         DOCKERFILE,
         DEPLOY / "README.md",
     ):
@@ -355,7 +359,8 @@ def test_deploy_files_exist():
 @pytest.mark.parametrize("path", INVOCATION_SOURCES, ids=rel)
 def test_invocations_match_cli(path: Path, tmp_path: Path):
     invocations = invocations_in(path, tmp_path)
-    if path.suffix == ".md":
+    runs_nothing = path.suffix in (".yaml", ".yml") and not any(next(pod_specs(d), None) for d in yaml_docs(path))
+    if path.suffix == ".md" or runs_nothing:  # (a KEDA ScaledObject starts no container)
         if not invocations:
             pytest.skip(f"{rel(path)} shows no ppserver command line")
     else:
@@ -469,7 +474,8 @@ def test_k8s_server():
     assert option(argv, "--keys") == "/keys"
 
     ports = {p["containerPort"]: p for p in c["ports"]}
-    assert set(ports) == {5555, 5556}
+    assert set(ports) == {5555, 5556, 9100}
+    assert option(argv, "--metrics") == ":9100"
     probe = c["readinessProbe"]["tcpSocket"]["port"]
     by_name = {p.get("name"): p["containerPort"] for p in c["ports"]}
     assert by_name.get(probe, probe) == 5555, f"readiness probe port {probe}"
@@ -500,14 +506,44 @@ def test_k8s_workers():
     assert argv[2] == CONFIG
     assert option(argv, "--connect") == f"tcp://{svc_name}:5555"
     assert option(argv, "--keys") == "/keys"
-    procs = int(option(argv, "--procs"))
-    assert procs >= 1
-    assert cpu_quantity(c["resources"]["requests"]["cpu"]) == procs, "CPU request must equal --procs"
+    procs = option(argv, "--procs")
+    request = cpu_quantity(c["resources"]["requests"]["cpu"])
+    if procs == "auto":  # as many as the server wants, up to the CPU limit: the request is that
+        assert cpu_quantity(c["resources"]["limits"]["cpu"]) == request, "--procs auto: CPU limit = request"
+    else:
+        assert int(procs) >= 1
+        assert request == int(procs), "CPU request must equal --procs"
 
     m = mounts(workers)
     assert "secret" in m["/keys"]
     # Both sides must read the same config bytes: the same ConfigMap.
     assert m["/etc/ppserver"]["configMap"]["name"] == mounts(server)["/etc/ppserver"]["configMap"]["name"]
+
+
+@pytest.mark.unit
+def test_k8s_autoscale():
+    """KEDA scales the worker Deployment on the server's ppserver_workers_wanted: the metric the
+    server serves (--metrics), divided by what one pod runs (its CPU limit, with --procs auto)."""
+    objs = k8s_objects()
+    scaled = [d for (kind, _), d in objs.items() if kind == "ScaledObject"]
+    assert len(scaled) == 1
+    so = scaled[0]
+    assert so["apiVersion"].startswith("keda.sh/")
+    workers = deployment_running("worker")
+    target = so["spec"]["scaleTargetRef"]
+    assert target["name"] == workers["metadata"]["name"] and target.get("kind", "Deployment") == "Deployment"
+    assert 1 <= so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert "ppserver_workers_wanted" in trigger["metadata"]["query"]
+    c = only_container(workers)
+    assert option(container_argv(c), "--procs") == "auto"
+    assert float(trigger["metadata"]["threshold"]) == cpu_quantity(c["resources"]["limits"]["cpu"])
+    server = only_container(deployment_running("serve"))
+    port = int(option(container_argv(server), "--metrics").rpartition(":")[2])
+    assert port in {p["containerPort"] for p in server["ports"]}
+    annotations = deployment_running("serve")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
 
 
 @pytest.mark.unit
@@ -684,6 +720,70 @@ def test_sbatch_address_from_argument(tmp_path: Path):
     assert run.srun_args is not None, "srun was not called"
     argv = check_srun_args(run.srun_args, "tcp://10.0.0.7:5555", str(config))
     assert option(argv, "--keys") == str(keys)
+
+
+@pytest.mark.processes
+def test_sbatch_procs_auto(tmp_path: Path):
+    (tmp_path / "config.py").write_text("")
+    run = run_sbatch(tmp_path, PPSERVER_ADDRESS="tcp://server:5555", PPSERVER_PROCS="auto")
+    assert run.proc.returncode == 0, run.proc.stderr
+    assert run.srun_args is not None
+    assert option(from_ppserver(run.srun_args) or [], "--procs") == "auto"
+    bad = run_sbatch(tmp_path, PPSERVER_ADDRESS="tcp://server:5555", PPSERVER_PROCS="0")
+    assert bad.proc.returncode != 0 and "PPSERVER_PROCS" in bad.proc.stderr
+
+
+FAKE_STATUS = """#!/bin/sh
+# ppserver status ADDRESS --json ...: the pool the test wrote
+cat "$FAKE_POOL"
+"""
+FAKE_SBATCH = """#!/bin/sh
+echo "$PPSERVER_PROCS $*" >> "$FAKE_SBATCH_LOG"
+echo 1 >> "$FAKE_JOBS"
+"""
+FAKE_SQUEUE = """#!/bin/sh
+cat "$FAKE_JOBS" 2>/dev/null || true
+"""
+
+
+@pytest.mark.processes
+def test_slurm_autoscale_submits_worker_jobs_while_the_server_wants_more(tmp_path: Path):
+    """The script polls `ppserver status --json`; after PATIENCE polls wanting more than it has, it
+    submits a one-node workers.sbatch job with PPSERVER_PROCS=auto, at most MAX_JOBS of them."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    for name, body in (("ppserver", FAKE_STATUS), ("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    pool, log = tmp_path / "pool.json", tmp_path / "sbatch.log"
+    pool.write_text('{"pool": {"wanted": 5, "current": 4}}')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PPSERVER_", "SLURM_"))}
+    env.update(
+        PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}",
+        PPSERVER_ADDRESS="tcp://server:5555",
+        FAKE_POOL=str(pool),
+        FAKE_SBATCH_LOG=str(log),
+        FAKE_JOBS=str(tmp_path / "jobs"),
+        INTERVAL="0.1",
+        PATIENCE="2",
+        MAX_JOBS="2",
+        USER="tester",
+    )
+    proc = subprocess.Popen(["bash", str(AUTOSCALE)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+            time.sleep(0.05)
+        time.sleep(1.0)  # polls go on: no third job past MAX_JOBS
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    jobs = log.read_text().splitlines()
+    assert len(jobs) == 2, jobs
+    for job in jobs:
+        procs, *args = job.split()
+        assert procs == "auto" and "--nodes=1" in args
+        assert args[-2:] == [str(SBATCH), "tcp://server:5555"]
 
 
 @pytest.mark.processes

@@ -420,3 +420,44 @@ def test_results_reach_the_client_but_the_server_never_hears(net, tmp_path):
     assert_same_epoch(got, reference(cfg, 1))
     assert stats["duplicates"] > 0, stats  # what host A sent after its link to the server went down came twice
     assert_path("direct", host_a, host_b)
+
+
+# ---- a self-sizing worker host (`ppserver worker --procs auto`) --------------------------------
+AUTO_POOL = """
+num_workers = "auto"
+max_workers = 0
+elastic_settle = 0.5
+elastic_window = 1.5
+progress_interval = 0
+"""
+
+
+def test_a_self_sizing_host_runs_as_many_processes_as_the_trainer_needs(net, tmp_path):
+    """The server has no local workers (max_workers = 0); a host with `--procs auto` starts with
+    one process, gets a second while the workers hold the epoch back, and has one retired once
+    the trainer slows down; the epoch is the reference all along."""
+    cfg = numpy_config(tmp_path, MAPPER, n=480, extra=SETTINGS + AUTO_POOL)
+    srv = net.start_server(cfg, port=PORT, extra=["--workers", "auto"])
+    host = net.start_workers(1, cfg, port=PORT, procs="auto", env={"PP_NETNS_MAP_DELAY": "0.04"})
+    host_pids(host, 1)
+    sizes: List[int] = []
+    got: List[dict] = []
+    with srv.client(timeout=30.0) as client:
+        step_end = time.monotonic()
+        for seq in client.epoch(1):  # ~25 seqs/s per process: 40/s needs two, 8/s one
+            got.append(dict(seq))
+            rate = 40.0 if len(got) < 400 else 8.0
+            step_end = max(step_end, time.monotonic()) + 1 / rate
+            time.sleep(max(step_end - time.monotonic(), 0))
+            if len(got) % 20 == 0:
+                pool = srv.status()["pool"]
+                sizes.append(pool["current"])
+    pool = srv.status()["pool"]
+    assert_same_epoch(got, reference(cfg, 1))
+    assert pool["auto"] and [h["max_procs"] for h in pool["hosts"]] == [len(os.sched_getaffinity(0))], pool
+    assert 2 <= max(sizes) <= 3, sizes  # two needed; one more at most (more cores than here)
+    assert sizes[-1] == 1, sizes
+    totals = {(d, r): n for d, r, n in pool["changes_total"]}
+    assert totals.get(("up", "workers_hold_back"), 0) >= 1 and totals.get(("down", "trainer_holds_back"), 0) >= 1
+    log = host.log()
+    assert "the server wants 2 processes here" in log and "retired" in log, log[-2000:]

@@ -253,8 +253,12 @@ def test_metric_families_name_every_stage_host_and_counter():
         "epoch": 1,
         "eta_s": 3.0,
         "version": "v",
+        "pool": {"wanted": 3, "changes_total": [["down", "trainer_holds_back", 1], ["up", "workers_hold_back", 2]]},
     }
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families(loop.clock, st) for s in f.samples}
+    assert got[("ppserver_workers_wanted", ())] == 3
+    assert got[("ppserver_pool_changes_total", (("direction", "up"), ("reason", "workers_hold_back")))] == 2
+    assert got[("ppserver_pool_changes_total", (("direction", "down"), ("reason", "trainer_holds_back")))] == 1
     assert got[("ppserver_seqs_delivered_total", (("job", "asr"), ("rank", "0")))] == 1
     assert got[("ppserver_bytes_delivered_total", (("job", "asr"), ("rank", "0")))] == 16
     assert {labels[0][1] for name, labels in got if name == "ppserver_stage_seconds_total"} == set(STAGES)

@@ -430,6 +430,55 @@ def test_departure_is_not_blamed():
     expect(sim.join(b"w2"), (b"w2", "run_open"), (b"w2", "tasks", [0]))
 
 
+def test_a_retired_worker_gets_no_new_work_finishes_what_it_holds_and_is_told_to_exit():
+    """Retiring is graceful: no new tasks from the moment the worker is chosen, nothing handed
+    back, `retire` once it holds nothing, and its bye counts as retired."""
+    sim = Sim(buf_size=2)
+    sim.join(b"w1")
+    sim.join(b"w2")
+    sim.start(8)
+    out = sim.feed(range(4))
+    held = set(tasks(out, b"w1"))
+    assert held and set(tasks(out, b"w2"))
+    out = sim(ev.RetireWorker, b"w1")
+    assert sent(out, protocol.Retire) == []  # it still holds tasks
+    out = sim.feed(range(4, 8))
+    assert tasks(out, b"w1") == []
+    out = sim.results(b"w1", sorted(held)[:1])
+    assert sent(out, protocol.Retire) == [] and tasks(out, b"w1") == []
+    out = sim.results(b"w1", sorted(held)[1:])
+    assert [i.wid for i in sent(out, protocol.Retire)] == [b"w1"]
+    assert sent(sim(ev.Tick), protocol.Retire) == []  # told once
+    sim(ev.WorkerLeft, b"w1")
+    st = status(sim)
+    assert st["departures"] == {"retired": 1} and st["handed_back"] == 0
+    assert [w["id"] for w in st["workers"]] == ["w2"]
+
+
+def test_a_worker_retired_while_idle_is_told_at_once_and_its_exit_is_no_crash():
+    sim = Sim(buf_size=2)
+    sim.join(b"w1", local_index=0, pid=7)
+    sim.join(b"w2", local_index=1, pid=8)
+    out = sim(ev.RetireWorker, b"w2")
+    assert [i.wid for i in sent(out, protocol.Retire)] == [b"w2"]
+    sim(ev.LocalWorkerExited, 1, 8, 3)  # its exit came before its bye
+    assert status(sim)["departures"] == {"retired": 1}
+
+
+def test_a_retiring_worker_gets_no_stream_partition_and_leaves_when_its_own_are_done():
+    sim = stream_sim(buf_size=2)
+    sim.join(b"w1")
+    sim.join(b"w2")
+    out = sim.start(10)
+    assert sorted((i.wid, i.msg.partition) for i in sent(out, protocol.StreamOpen)) == [(b"w1", 0), (b"w2", 1)]
+    sim(ev.RetireWorker, b"w1")
+    sim.join(b"w3")
+    out = sim(ev.WorkerLeft, b"w2")  # partition 1 moves: not to the retiring w1
+    assert [(i.wid, i.msg.partition) for i in sent(out, protocol.StreamOpen)] == [(b"w3", 1)]
+    out = sim(ev.StreamFinished, b"w1", sim.run, 0, 1)
+    assert [i.wid for i in sent(out, protocol.Retire)] == [b"w1"]
+
+
 def test_malformed_result_is_redone_on_another_worker_then_fails_after_retries():
     sim = Sim(buf_size=1, max_seq_retries=2)
     sim.join(b"bad")

@@ -46,10 +46,10 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--workers",
-        type=int,
         default=None,
         metavar="N",
-        help="local worker processes (default: num_workers from CONFIG; 0 = remote workers only)",
+        help="local worker processes (default: num_workers from CONFIG; 0 = remote workers only; 'auto': as many as "
+        "the trainer needs, min_workers to max_workers)",
     )
     s.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys from `ppserver keygen DIR`")
     s.add_argument(
@@ -83,10 +83,10 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the server's control address")
     w.add_argument(
         "--procs",
-        type=int,
-        default=os.cpu_count() or 1,
+        default=str(os.cpu_count() or 1),
         metavar="N",
-        help="worker processes to start (default: CPU count, %(default)s)",
+        help="worker processes to start (default: CPU count, %(default)s); 'auto': as many as the server wants, up to "
+        "the CPUs this host gives it (its cpuset, at most its cgroup's CPU limit), starting with one",
     )
     w.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys (client pair and server public key)")
 

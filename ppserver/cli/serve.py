@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from ppserver.cli.output import fail_config, ready_stream, stdout_to_stderr
 from ppserver.cli.parser import config_source
@@ -17,11 +18,13 @@ from ppserver.cli.parser import config_source
 def run(args: argparse.Namespace) -> int:
     from ppclient import UsageError, endpoints, keyfiles
     from ppserver.config.settings import load
+    from ppserver.config.table import AUTO
     from ppserver.errors import ConfigError, Stopped
     from ppserver.logs import setup_logging
     from ppserver.observe.metrics import parse_address
     from ppserver.server.loop import serve, stop_on_signals
     from ppserver.server.owners import OwnerWatch
+    from ppserver.server.pool_size import local_limits
 
     ready = ready_stream()
     stdout_to_stderr()
@@ -40,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
         if args.keys:
             keyfiles.server_keys(args.keys)
         cfg = load(*config_source(args))
-        workers = cfg.num_workers if args.workers is None else args.workers
-        if workers < 0:
-            raise ConfigError("--workers", f"must be >= 0, got {workers}")
+        asked = cfg.num_workers if args.workers is None else _workers(args.workers)
         # partitions follow the config, not --workers, so outputs never depend on the worker count
         cfg.stream_partitions = cfg.partitions
+        elastic, local_max = local_limits(cfg, os.cpu_count()) if asked == AUTO else (None, 0)
+        workers = min(cfg.min_workers, local_max) if asked == AUTO else int(asked)
         cfg.num_workers = max(workers, 1)
         return serve(
             cfg,
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
             metrics=metrics,
             ready=ready,
             watch=watch,
+            elastic=elastic,
+            local_max=local_max,
         )
     except (ConfigError, UsageError) as exc:
         return fail_config("serve", exc)
@@ -68,6 +73,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if watch is not None:
             watch.close()
+
+
+def _workers(text: str) -> Union[int, str]:
+    """--workers: a count >= 0, or 'auto'."""
+    from ppserver.config.table import AUTO
+    from ppserver.errors import ConfigError
+
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit():
+        raise ConfigError("--workers", f"must be an int >= 0 or 'auto', got {text!r}")
+    return int(text)
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float, skipped: Optional[List[str]] = None) -> str:

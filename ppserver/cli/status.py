@@ -41,6 +41,7 @@ def format_status(st: Dict[str, Any]) -> str:
         f"queues      waiting {q.get('waiting_for_worker', 0)}  in flight {q.get('in_flight', 0)}  "
         f"reorder {q.get('reorder_buffer', 0)}  client credit {q.get('client_credit', 0)}",
         f"workers     {st.get('workers_alive')} alive",
+        *_pool_lines(st.get("pool")),
     ]
     if st.get("waiting_for"):
         lines.append(f"waiting for {st['waiting_for']}")
@@ -75,6 +76,24 @@ def _skipped(st: Dict[str, Any]) -> str:
     """The seqs map_seq skipped (returned None), if it skipped any."""
     run, total = st.get("seqs_skipped") or 0, st.get("seqs_skipped_total") or 0
     return f"  skipped {run} (all epochs: {total})" if total else ""
+
+
+def _pool_lines(pool: Any) -> List[str]:
+    """The pool: its size, what it wants and why, its last changes (num_workers = "auto")."""
+    if not pool:
+        return []
+    if not pool["auto"]:
+        return [f"pool        fixed: {pool['current']} workers"]
+    lines = [
+        f"pool        auto: {pool['current']} workers, wants {pool['wanted']} (min {pool['min']}, "
+        f"up to {pool['max_local']} here, room for {pool['capacity']})",
+        f"  why       {pool['why']}",
+    ]
+    for h in pool.get("hosts", []):
+        lines.append(f"  host      {h['host']}: {h['procs']} processes, wants {h['wanted']} of {h['max_procs']}")
+    for c in pool.get("changes", [])[:5]:
+        lines.append(f"  {c['ago_s']:>6.1f} s ago  {c['action']} {c['from']} -> {c['to']}: {c['text']}")
+    return lines
 
 
 def _progress_lines(st: Dict[str, Any]) -> List[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import MISSING, dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy
 
@@ -28,6 +28,7 @@ from ppserver.mappers.apply import STRING, dtype_text
 Check = Callable[[str, Any, Dict[str, Any]], Any]
 
 MAPPER_APIS = ("dict", "returnn")
+AUTO = "auto"  # num_workers: the server sizes its pool (ppserver/scheduler/elastic.py)
 MAX_SHM_MB = 4096  # a segment per worker and direction; more buys nothing and risks the host's memory
 
 
@@ -203,6 +204,31 @@ def _heartbeat_timeout(key: str, value: Any, checked: Dict[str, Any]) -> float:
     return timeout
 
 
+def _num_workers(key: str, value: Any, checked: Dict[str, Any]) -> Union[int, str]:
+    if value == AUTO:
+        return AUTO
+    try:
+        return integer(1)(key, value, checked)
+    except ConfigError:
+        raise ConfigError(key, f"must be an int >= 1 or 'auto', got {value!r}") from None
+
+
+def _max_workers(key: str, value: Any, checked: Dict[str, Any]) -> Optional[int]:
+    """Local workers only (0: none, the self-sizing hosts make the pool); min_workers counts them all."""
+    return None if value is None else integer(0)(key, value, checked)
+
+
+def _stream_partitions(key: str, value: Any, checked: Dict[str, Any]) -> Optional[int]:
+    """A stream's outputs depend on its partitions, never on the workers that run them: with
+    num_workers = 'auto' they are max_workers, which must then be given (its default is the host's)."""
+    value = stream_only(optional(integer(1)))(key, value, checked)
+    if value is None and checked["map_seq_stream"] is not None and checked["num_workers"] == AUTO:
+        if not checked["max_workers"]:
+            raise ConfigError(key, "set it (or max_workers) with num_workers = 'auto': a stream's outputs depend on it")
+        return checked["max_workers"]
+    return value
+
+
 def _batching(key: str, value: Any, checked: Dict[str, Any]) -> Batching:
     try:
         batching = Batching.from_dict(value, key)
@@ -271,10 +297,29 @@ class Config:
         64, integer(0, MAX_SHM_MB), "MiB of shared memory per worker and direction (0: none)", outputs=False
     )
     buf_size: int = setting(1, integer(1), "seqs (or batches) in flight per worker", outputs=False)
-    num_workers: int = setting(1, integer(1), "local worker processes", outputs=False)
+    num_workers: Union[int, str] = setting(
+        1,
+        _num_workers,
+        "local worker processes; 'auto': as many as the trainer needs (min_workers to max_workers)",
+        outputs=False,
+    )
+    min_workers: int = setting(1, integer(1), "with num_workers = 'auto': the fewest workers", outputs=False)
+    max_workers: Optional[int] = setting(
+        None,
+        _max_workers,
+        "with num_workers = 'auto': the most local workers (0: none)",
+        shown="the host's cores less one",
+        outputs=False,
+    )
+    elastic_settle: float = setting(
+        2.0, number(), "advanced, 'auto': seconds after a pool change before measuring", outputs=False
+    )
+    elastic_window: float = setting(
+        5.0, number(), "advanced, 'auto': seconds each measurement of the rate lasts", outputs=False
+    )
     seed: int = setting(0, integer(0), "seeds the mappers' rngs and offsets the datasets' orderings")
     stream_partitions: Optional[int] = setting(
-        None, stream_only(optional(integer(1))), "independent streams of map_seq_stream", shown="num_workers"
+        None, _stream_partitions, "independent streams of map_seq_stream", shown="num_workers (max_workers if 'auto')"
     )
     heartbeat_interval: float = setting(1.0, number(), "seconds between heartbeats", outputs=False)
     heartbeat_timeout: float = setting(
@@ -323,8 +368,14 @@ class Config:
         return self.map_seq_stream is not None
 
     @property
+    def auto_workers(self) -> bool:
+        return self.num_workers == AUTO
+
+    @property
     def partitions(self) -> int:
-        return self.stream_partitions or self.num_workers
+        if self.stream_partitions:
+            return self.stream_partitions
+        return self.num_workers if isinstance(self.num_workers, int) else self.max_workers or 1
 
     @property
     def counts_seqs(self) -> bool:

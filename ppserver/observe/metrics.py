@@ -437,6 +437,27 @@ def families(clock: StageClock, st: Dict[str, Any]) -> List[Any]:
             [((side,), 1.0 if side == st.get("held_back_by") else 0.0) for side in SIDES],
         ),
     ]
+    pool = st.get("pool")
+    if pool is not None:
+        out.append(
+            _family(
+                "gauge",
+                "ppserver_workers_wanted",
+                "workers the pool wants (num_workers auto: as the trainer needs; above the workers there are: "
+                "more hosts would help)",
+                (),
+                [((), pool["wanted"])],
+            )
+        )
+        out.append(
+            _family(
+                "counter",
+                "ppserver_pool_changes",
+                "workers the server added (up) or retired (down) to size its pool, by reason",
+                ("direction", "reason"),
+                [((d, r), n) for d, r, n in pool["changes_total"]],
+            )
+        )
     out[0].add_metric([str(st.get("version", "")), str(PROTOCOL)], 1.0)
     if st.get("epoch") is not None:
         out.append(_family("gauge", "ppserver_epoch", "epoch of the newest run", (), [((), st["epoch"])]))

@@ -5,6 +5,7 @@ event table and the workers; `requests` the job and who reads which run, `runs` 
 `delivery` the release into the lanes, `status` what it tells, `invariants` what `validate`
 checks. `jobs` holds the job's runs and their per-rank lanes; `dispatch` the one interface of
 the two mapper styles' dispatch, `seqs` (with its states in `seqstates`) and `streams`.
+`elastic` is a pure state machine of its own beside it: how many workers the pool should have.
 """
 
 from ppserver.scheduler import events

@@ -1,8 +1,8 @@
 """The scheduler: events in (with the time passed in), instructions out. No sockets, no dataset,
 no clock: the server performs what it returns, and tests drive it alone.
 
-This module holds the event table, the workers (registration, liveness, departures) and the
-step after every event. The rest is by job: `requests` (refusals, the job, new runs, readers
+This module holds the event table, the workers (registration, liveness, departures, graceful
+retirement) and the step after every event. The rest is by job: `requests` (refusals, the job, new runs, readers
 coming and going), `runs` (a run's life: the reader's answers, failing, ending), `delivery`
 (release in epoch order into the lanes within credit, ends), `status` (what a run waits for,
 keepalives, the status dict), `invariants` (what `validate` checks). What a task is and in
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ppclient.protocol import FailureKind, Heartbeat, Tasks, Unknown
+from ppclient.protocol import FailureKind, Heartbeat, Retire, Tasks, Unknown
 from ppserver.exits import describe_exit
 from ppserver.scheduler import events as ev
 from ppserver.scheduler import invariants, status
@@ -56,6 +56,7 @@ class Scheduler:
         self.lost_inputs = 0  # inputs a worker could not read (made again)
         self.dropped_by_workers = 0  # messages workers dropped unread (what they carried redone)
         self.departures: Counter = Counter()
+        self.retiring: Set[bytes] = set()  # workers to tell to exit once they hold nothing
         self.handed_back = 0
         self.last_beat = float("-inf")
         self.reader_busy = ""  # what the reader is doing, as the last Tick said
@@ -70,7 +71,8 @@ class Scheduler:
             ev.HeartbeatReceived: self._heartbeat,
             ev.InputsShared: self._inputs_shared,
             ev.RunDropped: self._run_dropped,
-            ev.WorkerLeft: lambda e, out: self._remove(e.wid, Departure.DEPARTED, out),
+            ev.WorkerLeft: self._left,
+            ev.RetireWorker: self._retire,
             ev.ResultsReceived: self._results,
             ev.WorkerMessageMalformed: self._malformed_message,
             ev.TaskFailed: self._task_failed,
@@ -122,7 +124,7 @@ class Scheduler:
 
     def _pump(self, out: List[Instruction]) -> None:
         """The step after every event: work to the workers, outputs to the lanes, reading on."""
-        capacity = sum(w.capacity for w in self.workers.values())
+        capacity = sum(w.capacity for w in self.workers.values() if not w.retiring)
         for run in self._running():
             d = run.dispatch
             assert d is not None
@@ -136,6 +138,12 @@ class Scheduler:
             if d.reading_done():
                 run.reading_stopped = True
                 out.append(StopReading(run.run))
+        for wid in list(self.retiring):
+            w = self.workers[wid]
+            if w.holds_nothing:
+                self.retiring.discard(wid)
+                w.told_to_retire = True
+                out.append(ToWorker(wid, Retire()))
 
     def _running(self) -> List[Run]:
         return [r for r in self.runs.values() if r.dispatch is not None]
@@ -202,18 +210,42 @@ class Scheduler:
         w = self.workers.pop(wid, None)
         if w is None:
             return
+        self.retiring.discard(wid)
         self.departures[why] += 1
         self.handed_back += len(w.tasks) + len(w.partitions)
-        log_at = logging.INFO if why in (Departure.DEPARTED, Departure.REREGISTERED) else logging.WARNING
+        quiet = (Departure.DEPARTED, Departure.REREGISTERED, Departure.RETIRED)
+        log_at = logging.INFO if why in quiet else logging.WARNING
         what = (w.name, w.host, w.pid, why.value, len(w.tasks), len(w.partitions))
         log.log(log_at, "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back", *what)
         for run in self._running():
             assert run.dispatch is not None
             self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, self.workers, out), out)
 
+    def _left(self, e: ev.WorkerLeft, out: List[Instruction]) -> None:
+        w = self.workers[e.wid]
+        self._remove(e.wid, Departure.RETIRED if w.retiring and w.holds_nothing else Departure.DEPARTED, out)
+
+    def _retire(self, e: ev.RetireWorker, out: List[Instruction]) -> None:
+        """The worker gets no new work from now on (free() is 0, no partition goes to it); _pump
+        tells it to exit once it holds nothing, so whatever it holds is finished, not redone."""
+        w = self.workers.get(e.wid)
+        if w is not None and not w.retiring:
+            w.retiring = True
+            self.retiring.add(w.wid)
+            log.info(
+                "retiring worker %s (host %s pid %d) once its %d tasks are done",
+                w.name,
+                w.host,
+                w.pid,
+                len(w.tasks) + len(w.partitions),
+            )
+
     def _local_exit(self, e: ev.LocalWorkerExited, out: List[Instruction]) -> None:
         for w in list(self.workers.values()):
             if w.local_index == e.local_index and w.pid == e.pid:
+                if w.told_to_retire and w.holds_nothing:
+                    self._remove(w.wid, Departure.RETIRED, out)  # its bye is still on its way
+                    continue
                 how = describe_exit(e.returncode)
                 log.warning("local worker %d (pid %d) exited with %s", e.local_index, e.pid, how)
                 self._remove(w.wid, Departure.EXITED, out)

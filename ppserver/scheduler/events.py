@@ -178,6 +178,14 @@ class LocalWorkerExited(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RetireWorker(Event):
+    """The pool is to shrink by this worker: it gets no new work, and once it holds none it is
+    told to exit (nothing it does is redone)."""
+
+    wid: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Tick(Event):
     """Time passed: heartbeats are due, silent workers expire. `reader_busy` says what the
     reader is doing when it has been at it for a while (e.g. "in get_seq for 12.0 s")."""

@@ -4,7 +4,8 @@ never does).
 
 Workers: a worker holds at most its credit (buf_size) of tasks, a suspect alone; every task and
 stream partition it holds belongs to a live run's dispatch, which says the same (each dispatch
-checks its own side: `Dispatch.validate`); it retains inputs only of runs that ended.
+checks its own side: `Dispatch.validate`); it retains inputs only of runs that ended. A
+retiring worker is told to exit once it holds nothing, at once (between events none waits).
 Runs: the live runs are the job's, preparing (no dispatch yet) or running; an ended run holds
 nothing. Lanes: a lane's index is its key; its consumer has taken no more than it was sent, and
 was sent no more than it granted, all of it released from its start on; nothing waits to be
@@ -48,7 +49,12 @@ def validate(s: Scheduler) -> None:
 
 
 def _workers(s: Scheduler) -> None:
+    for wid in s.retiring:
+        w = s.workers.get(wid)
+        assert w is not None and w.retiring and not w.told_to_retire, f"worker {wid!r} is not one to retire"
+        assert not w.holds_nothing, f"worker {w.name} holds nothing, yet was not told to retire"
     for wid, w in s.workers.items():
+        assert w.retiring == (wid in s.retiring or w.told_to_retire), f"worker {w.name}: retiring, yet not tracked"
         assert w.wid == wid, f"worker {wid!r} registered as {w.wid!r}"
         assert len(w.tasks) <= w.capacity, f"worker {w.name} holds {len(w.tasks)} tasks, above its credit {w.capacity}"
         assert not w.isolating or len(w.tasks) <= 1, f"worker {w.name} runs a suspect, yet holds {len(w.tasks)} tasks"

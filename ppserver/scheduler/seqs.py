@@ -424,11 +424,11 @@ def _pick(workers: Workers, charged: Optional[Charges], chunk: int) -> Union[Tup
     credit, `chunk` at a time; a seq that let a worker down goes to another if one can take it."""
     avoid = charged.avoid if charged is not None and len(workers) > 1 else None
     if charged is not None and charged.deaths:
-        idle = [w for w in workers.values() if not w.tasks and w.wid != avoid]
+        idle = [w for w in workers.values() if not w.tasks and not w.retiring and w.wid != avoid]
         if idle:
             idle[0].isolating = True
             return idle[0], 1
-        if avoid is not None and any(not w.tasks for w in workers.values()):
+        if avoid is not None and any(not w.tasks and not w.retiring for w in workers.values()):
             return Wait.OTHERS_FIRST
         return Wait.NO_ROOM
     free = [w for w in workers.values() if not w.isolating and w.free() > 0]

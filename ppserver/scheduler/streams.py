@@ -252,12 +252,13 @@ class StreamDispatch(Dispatch):
 
     def _assign(self, workers: Workers, out: List[Instruction], avoid: Optional[bytes] = None) -> None:
         """Partitions without an owner go to the workers running the fewest streams."""
-        if not workers:
+        serving = [w for w in workers.values() if not w.retiring]
+        if not serving:
             return
         for part in self.parts:
             if part.wid is not None or part.done:
                 continue
-            choices = [w for w in workers.values() if w.wid != avoid] or list(workers.values())
+            choices = [w for w in serving if w.wid != avoid] or serving
             w = min(choices, key=lambda w: (len(w.partitions), w.joined))
             part.open(w.wid, self.settings.buf_size)
             w.partitions.add((self.run, part.index))

@@ -16,6 +16,7 @@ class Departure(enum.Enum):
     LOST = "lost"  # no heartbeat for heartbeat_timeout
     REREGISTERED = "registered again"  # the same identity said hello again
     RECONNECTED = "reconnected"  # a new identity of the same process replaced it (connection reset)
+    RETIRED = "retired"  # the pool shrank by it: it exited holding nothing
 
     @property
     def crashed(self) -> bool:
@@ -81,13 +82,19 @@ class WorkerState:
     retained: Dict[int, List[Any]] = field(default_factory=dict)
     mapping: Optional[Tuple[int, int, Optional[str]]] = None  # (run, pos, seq_tag) its suspect batch maps now
     progress: Optional[Tuple[int, int, int]] = None  # (run, pos, seqs mapped) of the batch it maps, as last heard
+    retiring: bool = False  # the pool shrinks by it: no new work; told to exit once it holds none
+    told_to_retire: bool = False
 
     @property
     def name(self) -> str:
         return self.wid.decode("utf8", "replace")
 
     def free(self) -> int:
-        return self.capacity - len(self.tasks)
+        return 0 if self.retiring else self.capacity - len(self.tasks)
+
+    @property
+    def holds_nothing(self) -> bool:
+        return not self.tasks and not self.partitions
 
     def describe(self, now: float) -> Dict[str, Any]:
         return {
@@ -99,4 +106,5 @@ class WorkerState:
             "in_flight": len(self.tasks) + len(self.partitions),
             "partitions": sorted(p for _, p in self.partitions),
             "last_heartbeat_s": round(now - self.last_seen, 3),
+            "retiring": self.retiring,
         }

@@ -1,4 +1,5 @@
-"""Requests on the control socket: info, status, epoch and worker discovery; client credit.
+"""Requests on the control socket: info, status, epoch, worker discovery and self-sizing hosts;
+client credit.
 
 Every message is checked by the protocol module before it gets here; this module checks
 what only the server knows (the config's mode and fingerprint) and hands epoch requests to
@@ -47,6 +48,7 @@ class Control:
         length_keys: Tuple[str, ...] = (),
         outputs: Optional[Dict[str, Any]] = None,
         no_durations: Optional[str] = None,
+        hosts: Optional[Callable[[protocol.HostRequest], protocol.Message]] = None,
     ):
         self.cfg = cfg
         self.length_keys = length_keys  # keys a batching's length_key may name
@@ -57,6 +59,7 @@ class Control:
         self.status = status
         self.worker_address = worker_address
         self.observe = observe  # sees each event before the scheduler does (stage timings)
+        self.hosts = hosts  # answers self-sizing worker hosts (server/pool_size.py)
         # Run ids start at a random point, so a restarted server never reuses an id a client
         # may still hold data for.
         sched.next_run = random.getrandbits(40)
@@ -79,6 +82,8 @@ class Control:
             return reply(), []
         if isinstance(msg, protocol.EpochRequest):
             return self._epoch(now, ident, msg)
+        if isinstance(msg, protocol.HostRequest) and self.hosts is not None:
+            return self.hosts(msg), []
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []
 
     def _epoch(

@@ -53,11 +53,13 @@ from ppserver.scheduler import (
     ToWorker,
 )
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.elastic import Limits
 from ppserver.server import reader as rd
 from ppserver.server import sockets
 from ppserver.server.control import Control, check_default
 from ppserver.server.from_workers import FromWorkers
 from ppserver.server.owners import OwnerWatch
+from ppserver.server.pool_size import PoolSize
 from ppserver.transport.inputs import WorkerInputs
 from ppserver.worker import memory
 from ppserver.worker.pool import ProcessPool, worker_argv
@@ -102,6 +104,8 @@ class Server:
         keys: Optional[str] = None,
         insecure: bool = False,
         metrics: Optional[Tuple[str, int]] = None,
+        elastic: Optional[Limits] = None,
+        local_max: int = 0,
     ):
         self.cfg = cfg
         for option, endpoint in (("--bind", bind), ("--worker-bind", worker_bind)):
@@ -145,6 +149,11 @@ class Server:
             self.sched, self.reader, stream=cfg.is_stream, progress_interval=cfg.progress_interval, metrics=metrics
         )
         self.stages = self.monitor.stages  # the hooks below time each seq's stages
+        self.pool: Optional[ProcessPool] = None
+        self.sizer = PoolSize(
+            self.sched, self.stages, limits=elastic, local_max=local_max, pool=lambda: self.pool, handle=self.handle
+        )
+        self.sizing_failed_at = float("-inf")
         self.ctl = Control(
             cfg,
             self.sched,
@@ -155,10 +164,10 @@ class Server:
             length_keys=length_keys,
             outputs=self.out_templates,
             no_durations=no_durations,
+            hosts=self.sizer.host_request,
         )
         self.stopping = False
         self.started = time.monotonic()
-        self.pool: Optional[ProcessPool] = None
         self.ipc_dir: Optional[str] = None
         self.last_tick = 0.0
         self.junk = sockets.Junk(self.malformed)
@@ -393,6 +402,7 @@ class Server:
                 "malformed_messages": self.malformed.count,
                 "refused_handshakes": self.refused.count,
                 "dataset": self.reader.describe_busy(now) or "idle",
+                "pool": self.sizer.status(now),
             }
         )
         st.update(self.monitor.status(st))
@@ -408,8 +418,18 @@ class Server:
         if self.pool is not None:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))
+        self._size_pool(now)
         self.handle(ev.Tick(now, reader_busy=self.reader.describe_busy(now)))
         self.monitor.tick(now, self.status)
+
+    def _size_pool(self, now: float) -> None:
+        """A failure of the pool's sizing is logged (at most once a minute); the epochs go on."""
+        try:
+            self.sizer.tick(now)
+        except Exception:
+            if now - self.sizing_failed_at >= 60.0:
+                self.sizing_failed_at = now
+                log.exception("sizing the worker pool failed")
 
 
 def _describe(dataset: Any) -> Tuple[Dict[str, Any], Optional[int]]:
@@ -482,12 +502,23 @@ def serve(
     metrics: Optional[Tuple[str, int]] = None,
     ready: Optional[TextIO] = None,
     watch: Optional[OwnerWatch] = None,
+    elastic: Optional[Limits] = None,
+    local_max: int = 0,
 ) -> int:
     """Serve until SIGTERM or SIGINT; `ready` (default: stdout) gets the one line `ready ADDRESS`.
     `watch`: the owners of a local server (see owners.py), told once it serves; its caller started
     it, and closes it after this returns."""
     memory.keep_freed_memory()
-    server = Server(cfg, bind=bind, worker_bind=worker_bind, keys=keys, insecure=insecure, metrics=metrics)
+    server = Server(
+        cfg,
+        bind=bind,
+        worker_bind=worker_bind,
+        keys=keys,
+        insecure=insecure,
+        metrics=metrics,
+        elastic=elastic,
+        local_max=local_max,
+    )
 
     def _stop(signum: int, frame: Any) -> None:
         server.stopping = True
@@ -498,11 +529,12 @@ def serve(
         server.monitor.start()
         server.start_local_workers(workers)
         log.info(
-            "serving %s on %s (workers connect to %s); %d local workers",
+            "serving %s on %s (workers connect to %s); %d local workers%s",
             cfg.path if cfg.returnn_dataset is None else f"{cfg.returnn_dataset!r} of {cfg.path}",
             server.address,
             server.worker_address,
             workers,
+            "" if elastic is None else f" to start with (auto: {elastic.min_workers} to {local_max} here)",
         )
         print(f"ready {server.address}", file=ready or sys.stdout, flush=True)
         if watch is not None:

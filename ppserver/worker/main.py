@@ -29,7 +29,7 @@ from ppserver.worker.clock import heartbeat_stats
 from ppserver.worker.map_seq import MapSeqRunner
 from ppserver.worker.memory import keep_freed_memory
 from ppserver.worker.outputs import Means, OpenRun
-from ppserver.worker.pool import EXIT_REFUSED, set_process_title
+from ppserver.worker.pool import EXIT_REFUSED, EXIT_RETIRED, set_process_title
 from ppserver.worker.routes import Routes
 from ppserver.worker.session import POLL_MS, Refused, Session, Stopped
 from ppserver.worker.stream import StreamRunner
@@ -39,6 +39,7 @@ log = logging.getLogger("ppserver.worker")
 
 LOOK_S = 0.001  # how often a busy worker looks for messages (cancellations, more tasks)
 # messages of a run whose loss would leave work undone (a stream_close asks for none)
+RETIRE_LINGER_S = 10.0  # a retired worker waits at most this long for consumers to take its results
 CARRY_WORK = (protocol.Tasks, protocol.StreamOpen, protocol.StreamInputs, protocol.StreamEnd, protocol.StreamCredit)
 
 
@@ -68,6 +69,8 @@ class Worker:
             mapping=lambda: self.seqs.under_way,
         )
         self.runs: Dict[int, OpenRun] = {}
+        self.retired = False  # the server retired it: it exits with EXIT_RETIRED, not to be started again
+        self.retire_by = 0.0
         templates = lambda: self.session.templates
         self._mappers: Optional[Tuple[Dict[str, Any], Mappers]] = None
         self.routes = Routes(self.ctx, keys)
@@ -124,7 +127,7 @@ class Worker:
             self.routes.over_socket.count,
             self.routes.via_server.count,
         )
-        return 0
+        return EXIT_RETIRED if self.retired else 0
 
     def _drop_all(self) -> None:
         self.routes.clear()
@@ -136,6 +139,9 @@ class Worker:
         s = self.session
         look_at = 0.0
         while not s.stopping:
+            if self.retired and (self.routes.untaken() == 0 or time.monotonic() > self.retire_by):
+                self.stop()
+                return
             busy = bool(self.seqs.tasks) or self.streams.runnable() is not None
             # While tasks wait, messages are looked at every LOOK_S, not between every two seqs
             # (each look costs system calls; a closed run's tasks are dropped at the next look).
@@ -175,6 +181,12 @@ class Worker:
             self._unreadable(msg, decoded.unreadable)
         if isinstance(msg, protocol.RunOpen):
             self.runs[msg.run] = OpenRun(msg.epoch, msg.check_tags, msg.pad)
+        elif isinstance(msg, protocol.Retire):
+            # It holds no task; its last direct results may still wait in their consumers'
+            # sockets, in its shared memory: it exits once they took them (or after a while).
+            log.info("retired by the server (the pool shrinks); exiting")
+            self.retired = True
+            self.retire_by = time.monotonic() + RETIRE_LINGER_S
         elif isinstance(msg, protocol.ConsumerRoute):
             self.routes.identity = self.session.identity or b""
             self.routes.set(msg)

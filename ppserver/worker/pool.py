@@ -2,7 +2,8 @@
 
 Used by `ppserver serve` for its local workers and by `ppserver worker --procs N`. Children
 get SIGTERM when their parent dies (Linux parent-death signal), so a killed server or
-worker host process never leaves orphans behind.
+worker host process never leaves orphans behind. A child the server retired (the pool
+shrank) exits with EXIT_RETIRED and is not started again; `add` starts one more.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ppserver.exits import describe_exit
 
 log = logging.getLogger("ppserver.supervisor")
 
 EXIT_REFUSED = 2  # a child that exits with this was refused by the server: do not respawn
+EXIT_RETIRED = 3  # a child that exits with this was retired by the server (the pool shrank): do not respawn
 _PR_SET_PDEATHSIG = 1
 RESPAWN_MIN_INTERVAL = 0.5
 
@@ -53,6 +55,25 @@ class ProcessPool:
         self.started_at = [0.0] * n
         self.refused = False
         self.respawns = 0
+        self.retired: Set[int] = set()  # slots whose child the server retired: empty until add() fills one
+
+    @property
+    def size(self) -> int:
+        """The children meant to run (alive, starting or to be respawned)."""
+        return self.n - len(self.retired)
+
+    def add(self) -> int:
+        """Start one more child, in the lowest retired slot or a new one; returns its index."""
+        if self.retired:
+            i = min(self.retired)
+            self.retired.discard(i)
+        else:
+            i = self.n
+            self.n += 1
+            self.procs.append(None)
+            self.started_at.append(0.0)
+        self._spawn(i)
+        return i
 
     def start(self) -> None:
         for i in range(self.n):
@@ -78,6 +99,8 @@ class ProcessPool:
         now = time.monotonic()
         for i, p in enumerate(self.procs):
             if p is None:
+                if i in self.retired:
+                    continue
                 if self.respawn and not self.refused and now - self.started_at[i] >= RESPAWN_MIN_INTERVAL:
                     self._spawn(i)
                     self.respawns += 1
@@ -87,6 +110,10 @@ class ProcessPool:
                 continue
             exited.append((i, p.pid, rc))
             self.procs[i] = None
+            if rc == EXIT_RETIRED:
+                self.retired.add(i)
+                log.info("%s process %d (pid %d) retired", self.name, i, p.pid)
+                continue
             if rc == EXIT_REFUSED:
                 self.refused = True
                 log.error("%s process %d (pid %d) was refused by the server", self.name, i, p.pid)

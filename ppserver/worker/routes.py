@@ -181,6 +181,10 @@ class Routes:
         for consumer in list(self.holders):
             self._depart(consumer)
 
+    def untaken(self) -> int:
+        """Result blocks consumers on this host have not taken yet (see Segment.untaken)."""
+        return self.segment.untaken() if self.segment is not None else 0
+
     def stats(self) -> Dict[str, int]:
         """Counters for the worker's heartbeats (see docs/protocol.md)."""
         return {"results_over_socket": self.over_socket.count, "results_via_server": self.via_server.count}

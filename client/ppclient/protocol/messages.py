@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 from .. import wire
 from ..errors import Error
 
-PROTOCOL = 10
+PROTOCOL = 11
 
 
 KIND = "t"  # the discriminator: every header has it, naming the message class
@@ -151,6 +151,37 @@ class DiscoverRequest(Message):
     sender = (Peer.WORKER,)
     receiver = (Peer.SERVER,)
     versioned = True
+
+
+@dataclass(frozen=True)
+class HostRequest(Message):
+    """A worker host that sizes itself (`ppserver worker --procs auto`) asks how many worker
+    processes the server wants of it, about once a second: `supervisor` names the host's
+    supervisor (one per `ppserver worker`), `pids` its live worker processes, `max_procs`
+    how many it can run."""
+
+    kind = "host"
+    channel = Channel.CONTROL
+    sender = (Peer.WORKER,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+    supervisor: str = ""
+    host: str = ""
+    pids: List[int] = field(default_factory=list)
+    max_procs: int = _positive()
+
+
+@dataclass(frozen=True)
+class HostReply(Message):
+    """How many worker processes the host should run (it starts the missing ones; the server
+    retires the ones too many itself, with `retire`)."""
+
+    kind = "host_reply"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
+    versioned = True
+    procs: int = _nonneg()
 
 
 @dataclass(frozen=True)
@@ -455,6 +486,17 @@ class Bye(Message):
     channel = Channel.WORKER
     sender = (Peer.WORKER,)
     receiver = (Peer.SERVER,)
+
+
+@dataclass(frozen=True)
+class Retire(Message):
+    """The pool shrinks by this worker. The server sends it once the worker holds no task and no
+    stream partition; the worker says bye and exits (EXIT_RETIRED), and is not started again."""
+
+    kind = "retire"
+    channel = Channel.WORKER
+    sender = (Peer.SERVER,)
+    receiver = (Peer.WORKER,)
 
 
 @dataclass(frozen=True)
@@ -797,6 +839,8 @@ MESSAGES: Dict[str, Type[Message]] = {
         StatusRequest,
         EpochRequest,
         DiscoverRequest,
+        HostRequest,
+        HostReply,
         InfoReply,
         StatusReply,
         EpochAccepted,
@@ -818,6 +862,7 @@ MESSAGES: Dict[str, Type[Message]] = {
         Unknown,
         Heartbeat,
         Bye,
+        Retire,
         RunOpen,
         RunClose,
         RunDropped,

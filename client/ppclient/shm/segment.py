@@ -182,6 +182,18 @@ class Segment:
         self._reclaim()
         return n
 
+    def untaken(self) -> int:
+        """Blocks handed out that their consumers have not made arrays of yet (still on the way, or
+        unread in their sockets): a producer that exits now would take them with it."""
+        words = self._words
+        if words is None:
+            return 0
+        return sum(
+            1
+            for at, (_span, seq, _who) in zip(self._offsets, self._blocks)
+            if int(words[at // 8]) == (seq << 8) | IN_USE
+        )
+
     def used(self) -> int:
         """Bytes not reusable yet: the blocks in use, with their headers."""
         self._reclaim()
