@@ -57,6 +57,7 @@ BUF_SIZE = 4  # ppserver: batches in flight per worker
 PREFETCH = 4  # the DataLoaders' prefetch_factor: batches in flight per worker, as buf_size
 FACTORS = (0.9, 1.0, 1.1)
 SEED = 0
+NCPU = len(os.sched_getaffinity(0))
 MAP_COST = 0.010  # seconds of mapping per utterance for the "cores one server feeds" line
 PEERS = ("in-process", "DataLoader", "Lhotse", "ppserver", "pp-remote")
 
@@ -298,6 +299,18 @@ class Result:
     def rate(self) -> Optional[float]:
         return self.audio / self.seconds if self.ok else None
 
+    @property
+    def cpu_per_audio_s(self) -> Optional[float]:
+        """CPU seconds of all the peer's processes (trainer, workers, server) per audio second."""
+        return sum(self.cpu.values()) / self.audio if self.ok and self.cpu else None
+
+    @property
+    def cpu_bound(self) -> Optional[float]:
+        """The audio s/s the machine's cores allow at this CPU cost: what a quiet machine gives
+        at best (no idle time, nothing else running)."""
+        cost = self.cpu_per_audio_s
+        return NCPU / cost if cost else None
+
     def per_audio_s(self, role: str) -> Optional[float]:
         """CPU ms per audio second of one role."""
         return 1e3 * self.cpu[role] / self.audio if self.ok and role in self.cpu else None
@@ -313,6 +326,7 @@ class Result:
             "batches": self.batches,
             "warmup_seconds": self.warmup,
             "cpu_seconds": self.cpu,
+            "cpu_bound_audio_s_per_s": self.cpu_bound,
             "other_cpu_seconds": self.other,
             "error": self.error,
             "check": self.check,
@@ -736,6 +750,7 @@ def ratios(results: Dict[str, Result]) -> Dict[str, Optional[float]]:
         dl_host = (dl.cpu["trainer"] + dl.cpu["workers"]) / dl.audio
     remote_trainer = remote.cpu["trainer"] / remote.audio if remote.ok and "trainer" in remote.cpu else None
     ideal = None if r["in-process"] is None else WORKERS * r["in-process"]
+    ip = results["in-process"].cpu_bound / NCPU if results["in-process"].cpu_bound else None  # one core's
     return {
         "ideal": ideal,
         "pp_over_ideal": ratio(r["ppserver"], ideal),
@@ -747,6 +762,10 @@ def ratios(results: Dict[str, Result]) -> Dict[str, Optional[float]]:
         "dataloader_host_cpu_per_audio_s": dl_host,
         "remote_trainer_cpu_per_audio_s": remote_trainer,
         "remote_cpu_over_dataloader": ratio(remote_trainer, dl_host),
+        # the same ratios of the CPU-bound rates (cores / CPU per audio second of all processes)
+        "cpu_bound_pp_over_ideal": ratio(results["ppserver"].cpu_bound, None if ip is None else WORKERS * ip),
+        "cpu_bound_pp_over_dataloader": ratio(results["ppserver"].cpu_bound, results["DataLoader"].cpu_bound),
+        "cpu_bound_pp_over_lhotse": ratio(results["ppserver"].cpu_bound, results["Lhotse"].cpu_bound),
     }
 
 
@@ -768,6 +787,8 @@ def report(results: Dict[str, Result], header: List[str], stages: Dict[str, floa
         "trainer ms/audio s",
         "workers ms/audio s",
         "server ms/utt",
+        "all ms/audio s",
+        "CPU-bound s/s",
         "other CPU",
         "check",
     ]
@@ -784,20 +805,26 @@ def report(results: Dict[str, Result], header: List[str], stages: Dict[str, floa
                 fmt(res.per_audio_s("trainer"), ".2f"),
                 fmt(res.per_audio_s("workers"), ".1f"),
                 fmt(server_per_utt(res), ".3f"),
+                fmt(None if res.cpu_per_audio_s is None else 1e3 * res.cpu_per_audio_s, ".3f"),
+                fmt(res.cpu_bound, ".0f"),
                 fmt(None if other is None else 100 * other, ".0f", "%"),
                 res.check or (res.error or "-")[:70],
             ]
         )
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths))))
+    print("  ".join(c.ljust(w) if i in (0, 10) else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths))).rstrip())
     print("  ".join("-" * w for w in widths))
     for row in rows:
-        print("  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(c.ljust(w) if i in (0, 10) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        )
     print()
     print("audio s/s: seconds of audio (as in the manifest, before speed perturbation) per wall second over the")
     print(f"           timed epochs; x ideal: over {WORKERS} x in-process (one core, one thread, no transport)")
     print("trainer ms/audio s: CPU of the consuming process (this one) per audio second; workers: all worker")
     print("           processes together; server ms/utt: the ppserver server process per utterance")
+    print("all ms/audio s: CPU of all the peer's processes per audio second; CPU-bound s/s: the cores")
+    print(f"           ({NCPU}) over that, the most a quiet machine would give at this cost")
     print("other CPU: what the rest of the machine used meanwhile (other people's work), share of all cores")
     print()
     print("CPU ms per utterance of each step, in this process (mean over the utterances timed):")
@@ -826,8 +853,10 @@ def report(results: Dict[str, Result], header: List[str], stages: Dict[str, floa
         got = r.get(key)
         verdict = "n/a" if got is None else ("PASS" if (got >= want if how == ">=" else got <= want) else "FAIL")
         shown = "-" if got is None else (f"{100 * got:.2f} %" if key == "remote_cpu_over_dataloader" else f"{got:.2f}x")
-        print(f"  {label:<52} {shown:>9}  {verdict}")
-        verdicts.append({"target": label, "value": got, "verdict": verdict})
+        bound = r.get("cpu_bound_" + key)
+        also = "" if bound is None else f"   (CPU-bound rates: {bound:.2f}x)"
+        print(f"  {label:<52} {shown:>9}  {verdict}{also}")
+        verdicts.append({"target": label, "value": got, "verdict": verdict, "cpu_bound_value": bound})
     sys.stdout.flush()
     return {"ratios": r, "targets": verdicts}
 
