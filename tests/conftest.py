@@ -46,7 +46,7 @@ HEAVY = ("returnn", "torch", "torchdata")
 NEEDED_MODULES = {
     "returnn": ("returnn",),
     "torch": ("torch", "torchdata"),
-    "speech": ("soundfile", "soxr", "kaldi_native_fbank"),
+    "speech": ("soundfile", "soxr"),
 }
 
 

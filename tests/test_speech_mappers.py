@@ -91,6 +91,55 @@ def test_fbank_agrees_with_lhotse_kaldi_fbank_on_speech(speech):
 
 
 @pytest.mark.speech
+def test_fbank_agrees_with_kaldi_native_fbank_frame_by_frame():
+    """The numpy fbank (all frames at once, in blocks) against kaldi-native-fbank's per-frame
+    OnlineFbank: lengths around a frame, a block and the mirrored edges, snip_edges both ways,
+    other frame and mel settings."""
+    knf = pytest.importorskip("kaldi_native_fbank")
+    x = signal(3.1, 16000, seed=7)
+    for mapper in (
+        fbank(),
+        fbank(snip_edges=True),
+        fbank(num_mel_bins=40, frame_length_ms=20.0, frame_shift_ms=12.5, low_freq=60.0, high_freq=7000.0),
+        fbank(num_mel_bins=23, sample_rate=8000, high_freq=0.0),
+    ):
+        opts = knf.FbankOptions()
+        opts.frame_opts.samp_freq = float(mapper.sample_rate)
+        opts.frame_opts.frame_length_ms = mapper.frame_length_ms
+        opts.frame_opts.frame_shift_ms = mapper.frame_shift_ms
+        opts.frame_opts.dither = 0.0
+        opts.frame_opts.snip_edges = mapper.snip_edges
+        opts.mel_opts.num_bins = mapper.num_mel_bins
+        opts.mel_opts.low_freq = mapper.low_freq
+        opts.mel_opts.high_freq = mapper.high_freq
+        for n in (0, 1, 100, 119, 121, 401, 128 * 160, 128 * 160 + 80, len(x)):
+            online = knf.OnlineFbank(opts)
+            online.accept_waveform(float(mapper.sample_rate), x[:n])
+            online.input_finished()
+            want = np.array([online.get_frame(i) for i in range(online.num_frames_ready)], np.float32)
+            got = mapper.features(x[:n])
+            assert got.dtype == np.float32 and got.shape == (len(want), mapper.num_mel_bins), (n, got.shape)
+            if len(want):
+                assert np.abs(got - want).max() < 1e-3, (mapper, n, np.abs(got - want).max())
+    with pytest.raises(ValueError, match=r"^fbank: low_freq 20.0 and high_freq 9000.0 must lie within 0 to 8000.0 Hz"):
+        fbank(high_freq=9000.0).outputs({"audio": {"shape": [None], "dtype": "float32"}})
+
+
+@pytest.mark.speech
+def test_one_fbank_in_several_threads_at_once_gives_each_its_own_features():
+    """The block buffers are per thread: a mapper shared by threads mixes nothing up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mapper = fbank()
+    clips = [signal(1.0 + 0.37 * i, 16000, seed=i) for i in range(8)]
+    want = [fbank().features(x) for x in clips]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(mapper.features, clips))
+            assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.speech
 def test_fbank_dither_is_drawn_from_the_seq_rng():
     x = signal(0.5, 16000)
     plain = fbank().features(x)

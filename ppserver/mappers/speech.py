@@ -5,9 +5,9 @@ token ids, run in the workers (the server reads bytes and never decodes).
 
 Each is a small object configured once in the config: picklable, its repr shows its settings,
 and ``outputs(templates)`` says what it makes of seqs of those templates, so that a config of
-these needs no map_outputs. Randomness comes only from the seq's `rng`. soundfile, soxr and
-kaldi-native-fbank (``pip install 'ppserver[speech]'``) and sentencepiece are imported when a
-mapper first needs them, never by importing this module.
+these needs no map_outputs. Randomness comes only from the seq's `rng`. soundfile and soxr
+(``pip install 'ppserver[speech]'``) and sentencepiece are imported when a mapper first needs
+them, never by importing this module; fbank is numpy alone (ppserver.mappers.kaldi_fbank).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ppserver.mappers.apply import STRING
+from ppserver.mappers.kaldi_fbank import KaldiFbank
 
 __all__ = ["decode", "speed_perturb", "fbank", "tokenize"]
 
@@ -28,7 +29,7 @@ Seq = Dict[str, Any]
 Templates = Dict[str, Dict[str, Any]]
 
 _SPEECH_EXTRA = "pip install 'ppserver[speech]'"
-_PIP_NAMES = {"soundfile": "soundfile", "soxr": "soxr", "kaldi_native_fbank": "kaldi-native-fbank"}
+_PIP_NAMES = {"soundfile": "soundfile", "soxr": "soxr"}
 
 
 def _need(module: str, who: str) -> Any:
@@ -207,8 +208,9 @@ class speed_perturb(_Mapper):
 
 class fbank(_Mapper):
     """Kaldi-compatible log-mel filterbank features of the samples in ``seq[key]`` (float32 in
-    [-1, 1] at `sample_rate`) with kaldi-native-fbank, into ``seq[out]`` (frames, num_mel_bins)
-    float32; the samples are replaced by the features.
+    [-1, 1] at `sample_rate`), into ``seq[out]`` (frames, num_mel_bins) float32; the samples are
+    replaced by the features. Computed in numpy over all frames at once
+    (ppserver.mappers.kaldi_fbank), about 4x faster than kaldi-native-fbank's frame-by-frame API.
 
     The defaults are Lhotse's ``Fbank(FbankConfig(num_filters=80))``, with which the features agree
     to 1e-3: 25 ms frames (`frame_length_ms`) every 10 ms (`frame_shift_ms`), povey window,
@@ -219,8 +221,7 @@ class fbank(_Mapper):
 
     `dither` (default 0: none) adds Gaussian noise of that standard deviation to the samples
     before framing (Kaldi's 1.0 in int16 units is about 3e-5 here). It is drawn from the seq's
-    `rng`, never from kaldi-native-fbank's own generator, so that the features stay a pure
-    function of (config, epoch, seed).
+    `rng`, so that the features stay a pure function of (config, epoch, seed).
     """
 
     _settings = (
@@ -261,31 +262,28 @@ class fbank(_Mapper):
         self.low_freq, self.high_freq = float(low_freq), float(high_freq)
         self.snip_edges = bool(snip_edges)
         self.key, self.out = key, out
-        self._options: Any = None
+        self._computer: Optional[KaldiFbank] = None
 
     def outputs(self, inputs: Templates) -> Templates:
-        _check_installed(("kaldi_native_fbank",), "fbank")
         _input(inputs, self.key, "fbank", "float32", 1)
+        self.computer()  # bad frequencies or frame sizes are named at start
         out = {k: v for k, v in inputs.items() if k != self.key}
         out[self.out] = {"shape": [None, self.num_mel_bins], "dtype": "float32"}
         return out
 
-    def options(self) -> Any:
-        """kaldi-native-fbank's FbankOptions for these settings (made once)."""
-        if self._options is None:
-            knf = _need("kaldi_native_fbank", "fbank")
-            opts = knf.FbankOptions()
-            frame = opts.frame_opts
-            frame.samp_freq = float(self.sample_rate)
-            frame.frame_length_ms = self.frame_length_ms
-            frame.frame_shift_ms = self.frame_shift_ms
-            frame.dither = 0.0  # dither comes from the seq's rng (see __call__)
-            frame.snip_edges = self.snip_edges
-            opts.mel_opts.num_bins = self.num_mel_bins
-            opts.mel_opts.low_freq = self.low_freq
-            opts.mel_opts.high_freq = self.high_freq
-            self._options = opts
-        return self._options
+    def computer(self) -> KaldiFbank:
+        """The window, mel matrix and buffers for these settings (made once per process)."""
+        if self._computer is None:
+            self._computer = KaldiFbank(
+                self.num_mel_bins,
+                self.sample_rate,
+                self.frame_length_ms,
+                self.frame_shift_ms,
+                self.low_freq,
+                self.high_freq,
+                self.snip_edges,
+            )
+        return self._computer
 
     def __call__(self, seq: Seq, *, rng: Any, **kwargs: Any) -> Seq:
         x = np.asarray(seq[self.key], dtype=np.float32)
@@ -298,14 +296,7 @@ class fbank(_Mapper):
 
     def features(self, samples: np.ndarray) -> np.ndarray:
         """(frames, num_mel_bins) float32 log-mels of float32 samples (no dither)."""
-        knf = _need("kaldi_native_fbank", "fbank")
-        online = knf.OnlineFbank(self.options())
-        online.accept_waveform(float(self.sample_rate), samples)
-        online.input_finished()
-        n = online.num_frames_ready
-        if not n:
-            return np.zeros((0, self.num_mel_bins), dtype=np.float32)
-        return np.array([online.get_frame(i) for i in range(n)], dtype=np.float32)
+        return self.computer()(samples)
 
 
 class tokenize(_Mapper):
