@@ -568,3 +568,32 @@ def test_a_loader_reads_on_through_a_server_restart(tmp_path, name):
             resumed = cls(pptorch.ServerDataset(service.address, epoch=2), batch_size=None, num_workers=2)
             resumed.load_state_dict(state)
             assert_same_epoch(first + [as_numpy(s) for s in resumed], reference(cfg, 2))
+
+
+STUCK_MAPPER = """
+import time
+
+def map_seq(seq, *, seq_idx, **kwargs):
+    if seq_idx == 2:
+        time.sleep(30)  # loader worker 0 waits for this seq when its loader shuts down
+    return seq
+"""
+
+
+@pytest.mark.processes
+def test_a_loader_worker_terminated_while_it_waits_closes_its_client(tmp_path):
+    """A loader that shuts down joins its workers for 5 s, then terminates those still waiting for
+    the server. Their clients close first: the job is free at once for another world_size or job,
+    not held until the clients' timeout of silence (60 s here)."""
+    cfg = numpy_config(tmp_path, STUCK_MAPPER, n=8, extra="buf_size = 1\n")
+    with run_server(cfg, workers=2) as srv:
+        ds = pptorch.ServerDataset(srv.address, job="t20", world_size=1, rank=0, timeout=60)
+        it = iter(data.DataLoader(ds, batch_size=None, num_workers=2))
+        assert int(next(it)["seq_idx"]) == 0
+        wait_for(lambda: job_clients(srv) == 2, 10, "both loader workers' clients")
+        workers = list(it._workers)
+        del it  # worker 0 waits for seq 2: it is terminated
+        assert all(w.exitcode == 0 for w in workers), [w.exitcode for w in workers]
+        wait_for(lambda: job_clients(srv) == 0, 5, "the terminated worker's client to close")
+        with srv.client(job="t21", world_size=2, rank=0, timeout=10) as other:
+            assert len(other.epoch(1)) == 4  # another job, another world_size: taken at once

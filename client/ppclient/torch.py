@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from multiprocessing import util as mp_util
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
@@ -46,7 +48,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import collate
 from .batching import Batching
-from .client import Client, EpochIterator
+from .client import Client, EpochIterator, _close_open
 from .errors import Error, UsageError
 
 log = logging.getLogger("ppclient.torch")
@@ -383,6 +385,8 @@ class ServerDataset(IterableDataset):
             # discards unread, a loop left early): its client then closes as the process exits,
             # instead of holding its place in the job until its timeout of silence.
             self._closer = mp_util.Finalize(self._client, self._client.close, exitpriority=0)
+            if get_worker_info() is not None:
+                _exit_on_sigterm()
         return self._client
 
     def __iter__(self) -> _Stream:
@@ -502,6 +506,27 @@ class _Stream(Iterator[Any]):
             self.ds.close()
             raise
         return pinned(item) if self.pin else item
+
+
+def _exit_on_sigterm() -> None:
+    """In a DataLoader worker, SIGTERM closes the process's clients before it ends, so that the
+    server frees their places in the job at once. The loader terminates a worker still waiting
+    for the server when it shuts down (a loop left early, a training that exits mid-epoch), as a
+    scheduler does; killed outright, a client would hold the job (against another world_size,
+    another job) until its timeout of silence."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+        signal.SIG_DFL,
+        None,
+    ):
+        signal.signal(signal.SIGTERM, _close_and_exit)
+
+
+def _close_and_exit(signum: int, frame: Any) -> None:
+    # Python runs this between bytecodes (after a blocking zmq call returned: no socket is mid-call).
+    # Then exit 0, as PyTorch's own handler ends a worker that its loader terminates.
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
+    _close_open()  # every client of this process (a loader worker: this dataset's)
+    os._exit(0)
 
 
 def _can_pin() -> bool:

@@ -157,7 +157,11 @@ class decode(_Mapper):
                 frames = -1 if duration is None else round(duration * rate)
                 samples = f.read(frames, dtype="float32", always_2d=True)
         except (RuntimeError, sf.LibsndfileError) as exc:  # a TypeError or ValueError of soundfile passes as it is
-            raise ValueError(f"decode: seq[{self.key!r}] is not audio soundfile reads: {exc}") from None
+            # libsndfile's reason alone: soundfile's text names the in-memory file object (an address)
+            reason = getattr(exc, "error_string", None) or str(exc)
+            raise ValueError(
+                f"decode: seq[{self.key!r}] ({data.nbytes} bytes) is not audio soundfile reads: {reason}"
+            ) from None
         mono = samples[:, 0] if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float32)
         if rate != self.sample_rate and len(mono):
             mono = _need("soxr", "decode").resample(mono, rate, self.sample_rate, quality=self.quality)
