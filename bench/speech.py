@@ -100,13 +100,8 @@ seed = {seed}
 
 
 def batching() -> Dict[str, Any]:
-    """ppserver's batching for about MAX_DURATION s per batch (padded): max_duration where
-    ppclient.batching has it, else the same in 10 ms frames."""
-    from ppclient import batching as b
-
-    if "max_duration" in b.KEYS:
-        return {"max_duration": MAX_DURATION, "bucket_window": BUCKET_WINDOW}
-    return {"max_frames": round(MAX_DURATION * 100), "bucket_window": BUCKET_WINDOW}
+    """ppserver's batching: about MAX_DURATION s per batch, padded, as Lhotse counts it."""
+    return {"max_duration": MAX_DURATION, "bucket_window": BUCKET_WINDOW}
 
 
 # ---- the corpus -------------------------------------------------------------------------------
