@@ -87,6 +87,7 @@ def scheduler_settings(cfg: Config, fingerprint: Optional[str] = None) -> Settin
         direct=cfg.direct_results and not cfg.is_stream,
         fingerprint=cfg.fingerprint if fingerprint is None else fingerprint,
         instance=os.urandom(8).hex(),
+        story_length=cfg.story_length,
     )
 
 
