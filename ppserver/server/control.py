@@ -24,6 +24,8 @@ from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
 
+MAX_STORY = 2000  # moves in one story reply (each some 200 bytes of header)
+
 # a client's message that is only news for the scheduler: (now, sender, message) -> the event
 EVENTS: Dict[type, Callable[[float, bytes, Any], ev.Event]] = {
     protocol.Credit: lambda now, ident, m: ev.CreditGranted(now, ident, m.run, m.total, m.consumed),
@@ -70,7 +72,7 @@ class Control:
         now = time.monotonic()
         event = EVENTS.get(type(msg))
         if event is not None:
-            e = event(now, ident, msg)
+            e = self.sched.stimuli.name(event(now, ident, msg), msg.kind)
             self.observe(e)
             return None, self.sched.handle(e)
         reply = self.replies.get(type(msg))
@@ -78,6 +80,8 @@ class Control:
             return reply(), []
         if isinstance(msg, protocol.EpochRequest):
             return self._epoch(now, ident, msg)
+        if isinstance(msg, protocol.StoryRequest):
+            return self._story(now, msg), []
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []
 
     def _epoch(
@@ -112,8 +116,19 @@ class Control:
                 direct_key=msg.direct_key,
                 host=msg.host,
                 batching=batching,
+                stimulus=self.sched.stimuli.next(msg.kind),
             )
         )
+
+    def _story(self, now: float, msg: protocol.StoryRequest) -> protocol.Message:
+        """The last moves the scheduler kept about the keys asked for (at most MAX_STORY of them:
+        the reply must fit a header); scanning the story costs the loop a few ms at most."""
+        try:
+            entries = self.sched.story(*msg.keys)
+        except ValueError as exc:
+            return protocol.ErrorReply(error=f"story: {exc}")
+        last = entries[-min(msg.limit, MAX_STORY) :]
+        return protocol.StoryReply(entries=[e.to_dict() for e in last], total=len(entries), now=now)
 
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
         """The cut a request gets: the config's default (None asked), none ({}), or the one asked

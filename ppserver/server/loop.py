@@ -273,6 +273,9 @@ class Server:
 
     # ---- events and instructions --------------------------------------------------------------
     def handle(self, event: ev.Event) -> None:
+        """Hand `event` to the scheduler, named (a stimulus id) if it came without a name."""
+        if not event.stimulus:
+            self.sched.stimuli.name(event)
         self.stages.on_event(event)
         self.perform(self.sched.handle(event))
 
