@@ -153,7 +153,11 @@ def test_the_story_keeps_only_its_length():
     assert len(sim.s.story_log) == 7
     assert sim.s.story(f"run:{run}") == []  # its moves came first: forgotten
     assert moves(sim, 1)[-1] == ("ready", "delivered", "", "results-3")
-    assert Sim(story_length=0).s.story_log.entries.maxlen == 0
+    none = Sim(story_length=0)
+    none("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    run = none.start(6)
+    assert tasks(none("read-2", ev.InputsRead, run, [item(p) for p in range(6)]), b"w1") == [0, 1]
+    assert len(none.s.story_log) == 0 and none.s.story(0, f"run:{run}", "worker:w1") == []
 
 
 def test_story_keys_as_users_write_them():

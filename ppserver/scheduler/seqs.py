@@ -121,7 +121,7 @@ class SeqDispatch(SeqTable, Dispatch):
             if self.strict:
                 self._check_move(pos, ASKED, None)
             self.state[pos] = ASKED  # (in place: nothing goes with it)
-            self.story.seq(self.subject, self.run, pos, None, ASKED)
+            self.story.move(self.subject, pos, self.run, None, ASKED)
             self.open += 1
             out.append(pos)
         self.awaiting += len(out)
@@ -304,7 +304,7 @@ class SeqDispatch(SeqTable, Dispatch):
             if strict:
                 self._check_move(pos, new, None)
             state[pos] = new  # (in place: its worker follows here)
-            self.story.seq(self.subject, self.run, pos, old, new, w.wid)
+            self.story.move(self.subject, pos, self.run, old, new, w.wid)
             self.worker[pos] = w.wid
             w.tasks.add((self.run, pos))
             tasks += 1
@@ -344,7 +344,7 @@ class SeqDispatch(SeqTable, Dispatch):
             if self.strict:
                 self._check_move(pos, None, None)
             del state[pos], results[pos]  # (in place: a READY seq holds nothing else)
-            self.story.seq(self.subject, self.run, pos, READY, DELIVERED)
+            self.story.move(self.subject, pos, self.run, READY, DELIVERED)
             self.open -= 1
             self.next_out += 1
             return item

@@ -144,7 +144,7 @@ class SeqTable:
         queued; one done for good (READY, gone) drops its input and charges, an ORPHAN its charges."""
         if self.strict:
             self._check_move(pos, new, w)
-        self.story.seq(self.subject, self.run, pos, self.state.get(pos), new, None if w is None else w.wid)
+        self.story.move(self.subject, pos, self.run, self.state.get(pos), new, None if w is None else w.wid)
         if w is not None:
             del self.worker[pos]
             w.tasks.discard((self.run, pos))
