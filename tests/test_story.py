@@ -127,7 +127,7 @@ def test_a_worker_death_tells_the_moves_back_to_the_queue_and_the_orphans_with_i
     assert moves(sim, 3)[-1] == ("running", "queued", "w1", "tick-6")
     assert moves(sim, 1)[-1] == ("orphan", "-", "w1", "tick-6")
     (left,) = [e for e in sim.s.story("worker:w1") if e.subject == "worker" and e.from_ == "joined"]
-    assert (left.to, left.stimulus, left.note) == ("lost", "tick-6", "3 tasks handed back")
+    assert (left.to, left.stimulus, left.note) == ("lost", "tick-6", "3 tasks, 0 partitions handed back")
     assert [e.stimulus for e in sim.s.story("worker:w1")].count("tick-6") == 4  # it left; 1, 2 and 3 moved off
 
 
@@ -151,6 +151,10 @@ def test_the_story_keeps_only_its_length():
     sim("read-2", ev.InputsRead, run, [item(p) for p in range(6)])
     sim("results-3", ev.ResultsReceived, b"w1", run, [item(0, 0.0), item(1, 1.0)])
     assert len(sim.s.story_log) == 7
+    entries, total = sim.s.story_log.select([("pos", 0), ("pos", 1)], last=2)
+    kept = sim.s.story(0, 1)
+    assert total == len(kept) > 2 and entries == kept[-2:]
+    assert [(e.key, e.to) for e in entries] == [(0, "delivered"), (1, "delivered")]
     assert sim.s.story(f"run:{run}") == []  # its moves came first: forgotten
     assert moves(sim, 1)[-1] == ("ready", "delivered", "", "results-3")
     none = Sim(story_length=0)

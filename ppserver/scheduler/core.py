@@ -143,7 +143,7 @@ class Scheduler:
     def story(self, *keys: Union[int, str]) -> List[Entry]:
         """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "worker:NAME"),
         oldest first, each with its stimulus id (story.py). ValueError names a key that is none."""
-        return self.story_log.select([parse_key(k) for k in keys])
+        return self.story_log.select([parse_key(k) for k in keys])[0]
 
     def _touch(self, event: ev.WorkerEvent, out: List[Instruction]) -> bool:
         w = self.workers.get(event.wid)
@@ -242,7 +242,8 @@ class Scheduler:
         log_at = logging.INFO if why in (Departure.DEPARTED, Departure.REREGISTERED) else logging.WARNING
         what = (w.name, w.host, w.pid, why.value, len(w.tasks), len(w.partitions))
         log.log(log_at, "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back", *what)
-        self.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, f"{len(w.tasks)} tasks handed back")
+        handed = f"{len(w.tasks)} tasks, {len(w.partitions)} partitions handed back"
+        self.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
         for run in self._running():
             assert run.dispatch is not None
             self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, self.workers, out), out)

@@ -92,11 +92,12 @@ class Story:
             i, self.full = 0, True
         self.at = i
 
-    def select(self, keys: List[Key]) -> List[Entry]:
-        """The entries about any of `keys` (oldest first). A worker's story also holds the moves of
-        the seqs and partitions it mapped; a plain position matches a seq and a batch."""
+    def select(self, keys: List[Key], last: Optional[int] = None) -> Tuple[List[Entry], int]:
+        """The entries about any of `keys` (oldest first; the `last` of them if given), and how
+        many there are. A worker's story also holds the moves of the seqs and partitions it
+        mapped; a plain position matches a seq and a batch."""
         wanted = set(keys)
-        workers = {k for subject, k in keys if subject == WORKER}
+        workers = {k.encode("utf8", "surrogateescape") for subject, k in keys if subject == WORKER}
         at = self.at
         rows = zip(*(col[at:] + col[:at] if self.full else col[:at] for col in self.cols))
         picked = []
@@ -105,10 +106,11 @@ class Story:
             if (
                 (subject, key) in wanted
                 or (subject == BATCH and (POS, key) in wanted)
-                or (wid is not None and _name(wid) in workers)
+                or (wid is not None and wid in workers)
             ):
-                picked.append(_entry(raw))
-        return picked
+                picked.append(raw)
+        tail = picked if last is None else picked[len(picked) - last :] if last > 0 else []
+        return [_entry(raw) for raw in tail], len(picked)
 
     def __len__(self) -> int:
         return self.length if self.full else self.at

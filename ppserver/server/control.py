@@ -23,6 +23,7 @@ from ppserver.config.table import STREAM_DURATIONS
 from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.story import parse_key
 
 MAX_STORY = 2000  # moves in one story reply (each some 200 bytes of header)
 
@@ -122,13 +123,13 @@ class Control:
 
     def _story(self, now: float, msg: protocol.StoryRequest) -> protocol.Message:
         """The last moves the scheduler kept about the keys asked for (at most MAX_STORY of them:
-        the reply must fit a header); scanning the story costs the loop a few ms at most."""
+        the reply must fit a header). Scanning a full story takes the loop some tens of ms."""
         try:
-            entries = self.sched.story(*msg.keys)
+            keys = [parse_key(k) for k in msg.keys]
         except ValueError as exc:
             return protocol.ErrorReply(error=f"story: {exc}")
-        last = entries[-min(msg.limit, MAX_STORY) :]
-        return protocol.StoryReply(entries=[e.to_dict() for e in last], total=len(entries), now=now)
+        entries, total = self.sched.story_log.select(keys, last=min(msg.limit, MAX_STORY))
+        return protocol.StoryReply(entries=[e.to_dict() for e in entries], total=total, now=now)
 
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
         """The cut a request gets: the config's default (None asked), none ({}), or the one asked
