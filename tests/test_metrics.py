@@ -212,6 +212,38 @@ def test_status_shows_rate_eta_and_the_side_that_holds_the_epoch_back(tmp_path, 
     assert ("the reader holds the epoch back" in res.stdout) == (side == "dataset"), res.stdout
 
 
+def test_status_story_prints_a_seqs_moves_mid_epoch(tmp_path):
+    cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0), n=40)
+    with run_server(cfg, workers=1) as srv, srv.client() as c:
+        it = c.epoch(1)
+        taken = [next(it) for _ in range(5)]
+        res = run_cli("status", "--story", "3", srv.address, timeout=30)
+        js = run_cli("status", "--story", "3", "--story", "worker:nobody", "--json", srv.address, timeout=30)
+        bad = run_cli("status", "--story", "seq:3", srv.address, timeout=30)
+        rest = collect(it)
+    assert len(taken) + len(rest) == 40
+    assert res.returncode == 0, res.stderr
+    header, *rows = res.stdout.splitlines()
+    assert header.split() == ["ago", "s", "what", "run", "from", "to", "worker", "stimulus", "note"]
+    assert [row.split()[5] for row in rows] == ["asked", "queued", "running", "ready", "delivered"], res.stdout
+    assert js.returncode == 0, js.stderr
+    story = json.loads(js.stdout)
+    moves = [(e["subject"], e["key"], e["from"], e["to"]) for e in story["entries"]]
+    assert moves == [
+        ("pos", 3, "-", "asked"),
+        ("pos", 3, "asked", "queued"),
+        ("pos", 3, "queued", "running"),
+        ("pos", 3, "running", "ready"),
+        ("pos", 3, "ready", "delivered"),
+    ]
+    asked, queued, running, ready, delivered = story["entries"]
+    assert queued["stimulus"].startswith("inputs-read-")  # the reader's hand-over
+    assert ready["stimulus"].split("-")[0] in ("results", "completed") and ready["worker"] == running["worker"] != ""
+    assert len({asked["run"], ready["run"], delivered["run"]}) == 1 and story["total"] == 5
+    assert all(e["time"] <= story["now"] for e in story["entries"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'seq:3' is not POS" in bad.stderr, bad.stderr
+
+
 def test_progress_line_in_the_server_log(tmp_path):
     cfg = numpy_config(tmp_path, SLOW_MAPPER.format(delay=0.02), n=100, extra="progress_interval = 0.5\n")
     slog = str(tmp_path / "server.log")

@@ -33,6 +33,8 @@ def sample(cls):
             values[f.name] = ["a", "b"]
         elif "List[int]" in hint:
             values[f.name] = [3, 1]
+        elif "List[Dict" in hint:
+            values[f.name] = [{"to": "ready", "run": 3, "time": 1.5, "worker": None}]
         elif "Dict" in hint:
             values[f.name] = {"data": {"shape": [None, 8], "dtype": "float32"}}
         elif "bool" in hint:

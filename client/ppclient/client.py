@@ -200,6 +200,20 @@ class Client:
         reply = self._requests.ask(protocol.StatusRequest(), protocol.StatusReply)
         return reply.status
 
+    def story(self, *keys: str, limit: int = 1000) -> Dict[str, Any]:
+        """What the server's scheduler did with `keys` (positions, "batch:K", "partition:P",
+        "run:R", "worker:NAME"): {"entries": the last `limit` moves, oldest first, each with the
+        stimulus id of the event that caused it; "total": how many matched; "now": the server's
+        clock}. What `ppserver status --story` prints."""
+        request = protocol.StoryRequest(keys=list(keys), limit=limit)
+        try:
+            reply = self._requests.ask(request, protocol.StoryReply)
+        except Error as exc:
+            if "unknown message kind" in str(exc):
+                raise Error(f"the server at {self.address} keeps no story (it is older than this client)") from None
+            raise
+        return {"entries": reply.entries, "total": reply.total, "now": reply.now}
+
     def epoch(
         self,
         epoch: Optional[int] = None,

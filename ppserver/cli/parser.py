@@ -97,6 +97,13 @@ def parser() -> argparse.ArgumentParser:
     )
     st.add_argument("address", metavar="ADDRESS", help="the server's control address, e.g. tcp://127.0.0.1:5555")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.add_argument(
+        "--story",
+        action="append",
+        metavar="KEY",
+        help="instead, the moves the scheduler kept about KEY, each with the event that caused it: "
+        "POS (a seq or batch position), batch:K, partition:P, run:R or worker:NAME (repeatable)",
+    )
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default %(default)s)")
     st.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys")
 

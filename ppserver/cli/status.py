@@ -1,4 +1,5 @@
-"""`ppserver status`: a running server's state, as text or JSON."""
+"""`ppserver status`: a running server's state, or (`--story`) the moves its scheduler kept about
+some seqs, batches, partitions, runs or workers, as text or JSON."""
 
 from __future__ import annotations
 
@@ -13,9 +14,18 @@ from ppserver.cli.output import EXIT_CONFIG
 def run(args: argparse.Namespace) -> int:
     from ppclient import Client, Error, UsageError
 
+    if args.story:
+        from ppserver.scheduler.story import parse_key
+
+        try:
+            for key in args.story:
+                parse_key(key)
+        except ValueError as exc:
+            print(f"ppserver status: error: --story: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
     try:
         with Client(args.address, timeout=args.timeout, keys=args.keys) as c:
-            st = c.status()
+            st = c.story(*args.story) if args.story else c.status()
     except UsageError as exc:
         print(f"ppserver status: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -25,8 +35,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
     else:
-        print(format_status(st))
+        print(format_story(st) if args.story else format_status(st))
     return 0
+
+
+def format_story(story: Dict[str, Any]) -> str:
+    """The moves as a table, oldest first; `ago` counts back from the server's clock."""
+    entries = story["entries"]
+    if not entries:
+        return "no moves kept about these keys"
+    rows = [("ago s", "what", "run", "from", "to", "worker", "stimulus", "note")]
+    for e in entries:
+        what = f"{e['subject']} {e['key']}"
+        run = "" if e["run"] is None else str(e["run"])
+        rows.append(
+            (f"{story['now'] - e['time']:.3f}", what, run, e["from"], e["to"], e["worker"], e["stimulus"], e["note"])
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    if story["total"] > len(entries):
+        lines.append(f"(the last {len(entries)} of {story['total']} moves)")
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_status(st: Dict[str, Any]) -> str:

@@ -346,6 +346,9 @@ class Config:
     progress_interval: float = setting(
         30.0, number(zero=True), "seconds between progress lines (0: none)", outputs=False
     )
+    story_length: int = setting(
+        100_000, integer(0), "moves the scheduler keeps for `ppserver status --story` (0: none)", outputs=False
+    )
     batching: Optional[Batching] = setting(None, optional(_batching), "how epochs are cut into batches by default")
     batch_length: Optional[Callable] = setting(
         None, optional(_batch_length), "batch_length(seq) -> int: a read seq's length", shown="its length_key's"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ppclient.protocol import FailureKind, Heartbeat, Retire, Tasks, Unknown
 from ppserver.exits import describe_exit
@@ -28,6 +28,7 @@ from ppserver.scheduler.requests import MAX_READERS, Requests
 from ppserver.scheduler.runs import Lifecycle, run_open
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.skips import Skips
+from ppserver.scheduler.story import WORKER, Entry, Story, parse_key
 from ppserver.scheduler.workers import Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
@@ -61,6 +62,9 @@ class Scheduler:
         self.last_beat = float("-inf")
         self.reader_busy = ""  # what the reader is doing, as the last Tick said
         self.now = 0.0  # the time of the event being handled
+        self.stimuli = ev.Stimuli()  # names events that come without a stimulus id (tests)
+        self.story_log = Story(settings.story_length)  # the moves, with their stimuli (story.py)
+        self.internal_errors = 0  # handlers that raised (see handle)
         self.requests = Requests(self)
         self.lifecycle = Lifecycle(self)
         self.delivery = Delivery(self)
@@ -105,13 +109,45 @@ class Scheduler:
 
     # ---- the one entry point -----------------------------------------------------------------
     def handle(self, event: ev.Event) -> List[Instruction]:
+        """The instructions `event` causes, each carrying its stimulus id. A handler that raises
+        halfway is an internal error (`_contain`): what it built is kept and its run fails, so
+        no client waits for what will not come (with `strict`, tests, it raises)."""
         out: List[Instruction] = []
-        self.now = event.now
-        if isinstance(event, ev.WorkerEvent) and not self._touch(event, out):
-            return out
-        self._handlers[type(event)](event, out)
-        self._pump(out)
+        self.now = self.story_log.now = event.now
+        stimulus = self.story_log.stimulus = event.stimulus or self.stimuli.next(ev.kind_of(type(event)))
+        try:
+            if not isinstance(event, ev.WorkerEvent) or self._touch(event, out):
+                self._handlers[type(event)](event, out)
+                self._pump(out)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._contain(event, exc, out)
+        for instr in out:
+            object.__setattr__(instr, "stimulus", stimulus)
         return out
+
+    def _contain(self, event: ev.Event, exc: Exception, out: List[Instruction]) -> None:
+        """A handler raised: the instructions it built stay (the state moved with them), and the
+        event's run, or every live run if it names none, fails as a server failure through the
+        normal path; the log names the stimulus and what was built."""
+        stimulus = self.story_log.stimulus
+        self.internal_errors += 1
+        built = ", ".join(type(i).__name__ for i in out) or "nothing"
+        log.exception("internal error handling %s (%s); built before it: %s", stimulus, type(event).__name__, built)
+        run_id = getattr(event, "run", None)
+        targets = [run_id] if run_id in self.runs else list(self.runs)
+        failure = Failure(FailureKind.SERVER, f"internal server error handling {stimulus}: {type(exc).__name__}: {exc}")
+        for run in targets:
+            try:
+                self.lifecycle.fail_id(run, failure, out)
+            except Exception:
+                log.exception("failing run %d after an internal error failed too", run)
+
+    def story(self, *keys: Union[int, str]) -> List[Entry]:
+        """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "worker:NAME"),
+        oldest first, each with its stimulus id (story.py). ValueError names a key that is none."""
+        return self.story_log.select([parse_key(k) for k in keys])[0]
 
     def _touch(self, event: ev.WorkerEvent, out: List[Instruction]) -> bool:
         w = self.workers.get(event.wid)
@@ -197,6 +233,7 @@ class Scheduler:
             last_seen=e.now,
         )
         self.workers[e.wid] = w
+        self.story_log.move(WORKER, w.name, None, None, "joined", w.wid, f"host {w.host} pid {w.pid}")
         log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(self.workers))
         if self.job is not None:
             for client in self.job.clients.values():
@@ -217,6 +254,8 @@ class Scheduler:
         log_at = logging.INFO if why in quiet else logging.WARNING
         what = (w.name, w.host, w.pid, why.value, len(w.tasks), len(w.partitions))
         log.log(log_at, "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back", *what)
+        handed = f"{len(w.tasks)} tasks, {len(w.partitions)} partitions handed back"
+        self.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
         for run in self._running():
             assert run.dispatch is not None
             self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, self.workers, out), out)

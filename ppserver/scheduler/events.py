@@ -1,4 +1,7 @@
-"""What happens to the scheduler: each event carries the time it happened (`now`, monotonic s).
+"""What happens to the scheduler: each event carries the time it happened (`now`, monotonic s)
+and its stimulus id (`stimulus`: its kind and a number, "results-1234"), which the instructions
+it causes and the moves it makes (story.py) carry too. The server names each event it builds
+(`Stimuli`); one built without a name gets one from the scheduler.
 
 Events are frozen slotted dataclasses: nothing changes one after it is made. (Frozen costs
 about 1 us per event, little beside the message each one comes from.)
@@ -9,8 +12,9 @@ into these; nothing else reaches the scheduler.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from ppclient.batching import Batching
 from ppclient.protocol import BadItem, Batch, Item
@@ -21,6 +25,34 @@ from ppserver.scheduler.workers import InputPath
 @dataclass(frozen=True, slots=True)
 class Event:
     now: float
+    stimulus: str = field(default="", kw_only=True)
+
+
+class Stimuli:
+    """Names events: their kind (a protocol message's, or the event's) and a running number."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def next(self, kind: str) -> str:
+        self.count += 1
+        return f"{kind}-{self.count}"
+
+    def name(self, event: Event, kind: str = "") -> Event:
+        """`event`, named as it is made (frozen: nothing changes it after it is handed over)."""
+        object.__setattr__(event, "stimulus", self.next(kind or kind_of(type(event))))
+        return event
+
+
+_KINDS: Dict[type, str] = {}
+
+
+def kind_of(cls: type) -> str:
+    """An event class's kind in stimulus ids: "InputsRead" -> "inputs-read"."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = re.sub(r"(?<!^)(?=[A-Z])", "-", cls.__name__).lower()
+    return kind
 
 
 # ---- workers ----------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""What the scheduler asks the server to do. The server performs them in order, nothing else."""
+"""What the scheduler asks the server to do. The server performs them in order, nothing else.
+
+Each carries the stimulus id of the event that caused it (set by `Scheduler.handle`; not
+compared, so an instruction equals the same one of another event)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from ppclient.protocol import Item, Message
 
 @dataclass(frozen=True)
 class Instruction:
-    pass
+    stimulus: str = field(default="", kw_only=True, compare=False)
 
 
 @dataclass(frozen=True)

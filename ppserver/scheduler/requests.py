@@ -20,6 +20,7 @@ from ppserver.scheduler import events as ev
 from ppserver.scheduler.delivery import to_lane
 from ppserver.scheduler.instructions import Instruction, Prepare, Reply, ToWorker
 from ppserver.scheduler.jobs import Client, Job, Lane, Run
+from ppserver.scheduler.story import RUN
 
 if TYPE_CHECKING:
     from ppserver.scheduler.core import Scheduler
@@ -122,6 +123,7 @@ class Requests:
         job.runs[run.run] = run
         self.s.runs[run.run] = run
         self.s.last_run = run
+        self.s.story_log.move(RUN, run.run, run.run, None, run.state, note=f"epoch {run.epoch}")
         self._attach(run, e, out)
         batching = None if self.s.settings.stream else job.batching
         out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, batching, job.contiguous))

@@ -22,6 +22,7 @@ from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker
 from ppserver.scheduler.jobs import Run, RunState
 from ppserver.scheduler.seqs import SeqDispatch
 from ppserver.scheduler.settings import Failure
+from ppserver.scheduler.story import RUN
 from ppserver.scheduler.streams import StreamDispatch
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Lifecycle:
         run.num_seqs = e.num_seqs
         run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.num_seqs
         run.started = e.now
-        run.to(RunState.RUNNING)
+        self.move(run, RunState.RUNNING)
         dispatch = run.dispatch = self._dispatch(run, e.num_seqs)
         if s.stream and run.job.batching is not None:
             run.cutting = StreamCut(Cutter(run.job.batching), run.job.batching.length_key)
@@ -74,7 +75,7 @@ class Lifecycle:
     def _dispatch(self, run: Run, num_seqs: Optional[int]) -> Dispatch:
         s = self.s.settings
         if s.stream:
-            return StreamDispatch(run.run, run.epoch, num_seqs, s)
+            return StreamDispatch(run.run, run.epoch, num_seqs, s, story=self.s.story_log)
         return SeqDispatch(
             run.run,
             num_seqs,
@@ -87,6 +88,7 @@ class Lifecycle:
             width=run.width,
             strict=self.s.strict,
             batched=run.job.batching is not None,
+            story=self.s.story_log,
         )
 
     @staticmethod
@@ -180,7 +182,7 @@ class Lifecycle:
             )
         if run.skipped:
             log.info("epoch %d (run %d): map_seq skipped %d seqs", run.epoch, run.run, run.skipped)
-        run.to(state)
+        self.move(run, state, run.error or "")
         run.ended = self.s.now
         self.s.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
@@ -198,6 +200,11 @@ class Lifecycle:
             for w in self.s.workers.values():
                 out.append(ToWorker(w.wid, RunClose(run=run.run)))
             run.dispatch.close(self.s.workers)
+
+    def move(self, run: Run, state: RunState, note: str = "") -> None:
+        """Move the run to `state`, told to the story."""
+        self.s.story_log.move(RUN, run.run, run.run, run.state, state, note=note)
+        run.to(state)
 
     def forget_unheard(self, now: float) -> None:
         """Ended lanes whose client never connected are forgotten after a while."""

@@ -51,6 +51,7 @@ from ppserver.scheduler.seqstates import (
     SeqTable,
 )
 from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.story import BATCH, DELIVERED, POS, Story
 from ppserver.scheduler.workers import WorkerState
 
 BATCH_READ_SLACK = 4  # batches read beyond the workers' credit
@@ -72,8 +73,12 @@ class SeqDispatch(SeqTable, Dispatch):
         width: int = 1,
         strict: bool = False,
         batched: bool = False,
+        story: Optional[Story] = None,
     ):
         super().__init__(run, width, strict, first, end)
+        if story is not None:
+            self.story = story
+        self.subject = BATCH if batched else POS
         self.num_seqs = num_seqs
         self.settings = settings
         # read ahead of the workers' credit: a few seqs, or (each holding many) a few batches
@@ -121,6 +126,7 @@ class SeqDispatch(SeqTable, Dispatch):
             if self.strict:
                 self._check_move(pos, ASKED, None)
             self.state[pos] = ASKED  # (in place: nothing goes with it)
+            self.story.move(self.subject, pos, self.run, None, ASKED)
             self.open += 1
             out.append(pos)
         self.awaiting += len(out)
@@ -319,6 +325,7 @@ class SeqDispatch(SeqTable, Dispatch):
             if strict:
                 self._check_move(pos, new, None)
             state[pos] = new  # (in place: its worker follows here)
+            self.story.move(self.subject, pos, self.run, old, new, w.wid)
             self.worker[pos] = w.wid
             w.tasks.add((self.run, pos))
             tasks += 1
@@ -358,6 +365,7 @@ class SeqDispatch(SeqTable, Dispatch):
             if self.strict:
                 self._check_move(pos, None, None)
             del state[pos], results[pos]  # (in place: a READY seq holds nothing else)
+            self.story.move(self.subject, pos, self.run, READY, DELIVERED)
             self.open -= 1
             self.next_out += 1
             return item

@@ -13,6 +13,9 @@ sits in dicts keyed by position, and SeqTable._to keeps them in step with it:
 
 A released direct result's input stays in `KeptInputs` (not a state: a redo starts from it)
 until its consumer has taken the seq.
+
+Every move is told to the run's story (story.py) with the worker it leaves or goes to; a seq
+released in epoch order is told as "delivered".
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Deque, Dict, FrozenSet, List, Literal, Optional, Set, Union
 
 from ppclient.protocol import Batch, Item
+from ppserver.scheduler.story import POS, Story
 from ppserver.scheduler.workers import WorkerState
 
 Input = Union[Item, Batch]
@@ -131,6 +135,8 @@ class SeqTable:
         self.todo: List[int] = []  # heap of QUEUED and REDO positions (and stale entries): lowest first
         self.open = 0  # positions asked for and neither released nor dropped (states in OPEN)
         self.kept = KeptInputs(width)
+        self.story = Story(0)  # where the moves are told (the scheduler's, once the dispatch has it)
+        self.subject = POS  # what a position is in the story (BATCH in a run that batches)
 
     def _to(self, pos: int, new: Optional[Seq], w: Optional[WorkerState] = None) -> None:
         """Move the seq at `pos` to `new` (None: the run holds nothing of it any more), off its
@@ -138,6 +144,7 @@ class SeqTable:
         queued; one done for good (READY, gone) drops its input and charges, an ORPHAN its charges."""
         if self.strict:
             self._check_move(pos, new, w)
+        self.story.move(self.subject, pos, self.run, self.state.get(pos), new, None if w is None else w.wid)
         if w is not None:
             del self.worker[pos]
             w.tasks.discard((self.run, pos))

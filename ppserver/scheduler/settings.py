@@ -32,6 +32,7 @@ class Settings:
     max_dispatch_batch: int = 16  # tasks per message
     dispatch_bytes: int = 512 * 1024  # input bytes per message (large seqs gain nothing from batching)
     max_delivery_batch: int = 64  # seqs per message to a client
+    story_length: int = 100_000  # moves kept for Scheduler.story (story.py)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,10 @@ from ppclient.protocol import (
 from ppserver.scheduler.dispatch import Dispatch, Room, Workers
 from ppserver.scheduler.instructions import Instruction, Replay, ToWorker
 from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.story import PARTITION, Story
 from ppserver.scheduler.workers import WorkerState
+
+UNOWNED, OWNED, DONE = "unowned", "owned", "done"  # a partition's states, as its story tells them
 
 
 @dataclass
@@ -155,8 +158,13 @@ class Partition:
 
 
 class StreamDispatch(Dispatch):
-    def __init__(self, run: int, epoch: int, num_seqs: Optional[int], settings: Settings):
+    """A partition's moves (unowned -> owned -> done, owned -> unowned) are told to `story`."""
+
+    def __init__(
+        self, run: int, epoch: int, num_seqs: Optional[int], settings: Settings, story: Optional[Story] = None
+    ):
         self.run = run
+        self.story = Story(0) if story is None else story
         self.epoch = epoch
         self.num_seqs = num_seqs  # inputs
         self.settings = settings
@@ -247,6 +255,7 @@ class StreamDispatch(Dispatch):
                 tag = short_tag(part.last_tag) or f"partition {part.index}"
                 cost = what.replace("{n}", str(n))
                 return Failure(kind, f"stream partition {part.index} (last input {tag!r}) {cost}", seq_tag=tag)
+        self.story.move(PARTITION, part.index, self.run, OWNED, UNOWNED, part.wid)
         part.disown()
         return None
 
@@ -261,6 +270,7 @@ class StreamDispatch(Dispatch):
             choices = [w for w in serving if w.wid != avoid] or serving
             w = min(choices, key=lambda w: (len(w.partitions), w.joined))
             part.open(w.wid, self.settings.buf_size)
+            self.story.move(PARTITION, part.index, self.run, UNOWNED, OWNED, w.wid, f"start {part.incarnation}")
             w.partitions.add((self.run, part.index))
             out.append(
                 ToWorker(
@@ -367,6 +377,7 @@ class StreamDispatch(Dispatch):
     def stream_finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
         part = self.owned(w, partition, incarnation)
         if part is not None:
+            self.story.move(PARTITION, partition, self.run, OWNED, DONE, w.wid)
             part.finish()
             w.partitions.discard((self.run, partition))
 

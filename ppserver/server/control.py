@@ -25,6 +25,9 @@ from ppserver.config.table import STREAM_DURATIONS
 from ppserver.errors import ConfigError
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.story import parse_key
+
+MAX_STORY = 2000  # moves in one story reply (each some 200 bytes of header)
 
 # a client's message that is only news for the scheduler: (now, sender, message) -> the event
 EVENTS: Dict[type, Callable[[float, bytes, Any], ev.Event]] = {
@@ -74,7 +77,7 @@ class Control:
         now = time.monotonic()
         event = EVENTS.get(type(msg))
         if event is not None:
-            e = event(now, ident, msg)
+            e = self.sched.stimuli.name(event(now, ident, msg), msg.kind)
             self.observe(e)
             return None, self.sched.handle(e)
         reply = self.replies.get(type(msg))
@@ -84,6 +87,8 @@ class Control:
             return self._epoch(now, ident, msg)
         if isinstance(msg, protocol.HostRequest) and self.hosts is not None:
             return self.hosts(msg), []
+        if isinstance(msg, protocol.StoryRequest):
+            return self._story(now, msg), []
         return protocol.ErrorReply(error=f"{msg.kind!r} is not a request"), []
 
     def _epoch(
@@ -124,8 +129,19 @@ class Control:
                 host=msg.host,
                 batching=batching,
                 sharding=msg.sharding,
+                stimulus=self.sched.stimuli.next(msg.kind),
             )
         )
+
+    def _story(self, now: float, msg: protocol.StoryRequest) -> protocol.Message:
+        """The last moves the scheduler kept about the keys asked for (at most MAX_STORY of them:
+        the reply must fit a header). Scanning a full story takes the loop some tens of ms."""
+        try:
+            keys = [parse_key(k) for k in msg.keys]
+        except ValueError as exc:
+            return protocol.ErrorReply(error=f"story: {exc}")
+        entries, total = self.sched.story_log.select(keys, last=min(msg.limit, MAX_STORY))
+        return protocol.StoryReply(entries=[e.to_dict() for e in entries], total=total, now=now)
 
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
         """The cut a request gets: the config's default (None asked), none ({}), or the one asked

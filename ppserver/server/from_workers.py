@@ -97,7 +97,7 @@ class FromWorkers:
             if isinstance(msg, protocol.Heartbeat):
                 wid = ident[: -len(protocol.HEARTBEAT_SUFFIX)]
                 self.heartbeat(wid, msg.stats)
-                self.handle(ev.HeartbeatReceived(now, wid, _mapping(msg)))
+                self.handle(ev.HeartbeatReceived(now, wid, _mapping(msg), stimulus=self.sched.stimuli.next(msg.kind)))
             return
         try:
             decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))
@@ -116,7 +116,7 @@ class FromWorkers:
         build = self.events.get(type(decoded.msg), EVENTS[protocol.Heartbeat])
         event = build(now, ident, decoded.msg, decoded)
         if event is not None:
-            self.handle(event)
+            self.handle(self.sched.stimuli.name(event, decoded.msg.kind))
 
     def _undecodable(self, now: float, wid: bytes, exc: protocol.ProtocolError) -> None:
         self.malformed.hit(f"from worker {wid.decode(errors='replace')[:64]}: {exc}")

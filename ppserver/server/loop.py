@@ -91,6 +91,7 @@ def scheduler_settings(cfg: Config, fingerprint: Optional[str] = None) -> Settin
         direct=cfg.direct_results and not cfg.is_stream,
         fingerprint=cfg.fingerprint if fingerprint is None else fingerprint,
         instance=os.urandom(8).hex(),
+        story_length=cfg.story_length,
     )
 
 
@@ -283,6 +284,9 @@ class Server:
 
     # ---- events and instructions --------------------------------------------------------------
     def handle(self, event: ev.Event) -> None:
+        """Hand `event` to the scheduler, named (a stimulus id) if it came without a name."""
+        if not event.stimulus:
+            self.sched.stimuli.name(event)
         self.stages.on_event(event)
         self.perform(self.sched.handle(event))
 

@@ -94,6 +94,22 @@ class StatusRequest(Message):
 
 
 @dataclass(frozen=True)
+class StoryRequest(Message):
+    """The moves the server's scheduler kept about `keys` (positions, "batch:K", "partition:P",
+    "run:R", "worker:NAME"), the last `limit` of them (`ppserver status --story`). A kind of its
+    own, so older peers of this protocol are unaffected; an older server answers that it does not
+    know it (ErrorReply)."""
+
+    kind = "story"
+    channel = Channel.CONTROL
+    sender = (Peer.CLIENT,)
+    receiver = (Peer.SERVER,)
+    versioned = True
+    keys: List[str] = field(default_factory=list)
+    limit: int = _positive(1000)
+
+
+@dataclass(frozen=True)
 class EpochRequest(Message):
     """Start rank `rank`'s shard of an epoch of job `job` for the data socket `consumer`.
 
@@ -213,6 +229,22 @@ class StatusReply(Message):
     receiver = (Peer.CLIENT,)
     versioned = True
     status: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoryReply(Message):
+    """`entries`: the moves, oldest first, each {subject, key, run, from, to, worker, stimulus,
+    time, note}; `total`: how many matched (more than sent when over the limit); `now`: the
+    server's clock, which `time` counts on."""
+
+    kind = "story_reply"
+    channel = Channel.CONTROL
+    sender = (Peer.SERVER,)
+    receiver = (Peer.CLIENT,)
+    versioned = True
+    entries: List[Dict[str, Any]] = field(default_factory=list)
+    total: int = _nonneg()
+    now: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -837,12 +869,14 @@ MESSAGES: Dict[str, Type[Message]] = {
     for cls in (
         InfoRequest,
         StatusRequest,
+        StoryRequest,
         EpochRequest,
         DiscoverRequest,
         HostRequest,
         HostReply,
         InfoReply,
         StatusReply,
+        StoryReply,
         EpochAccepted,
         DiscoverReply,
         ErrorReply,
