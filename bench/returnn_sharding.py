@@ -120,7 +120,7 @@ def offline(lens: np.ndarray, args: argparse.Namespace, epoch: int) -> Dict[str,
         ]
         res[name] = padding([b for batches in per_rank for b in batches])
     from ppclient.batching import Batching
-    from ppserver.datasets.cut import cut_epoch
+    from ppserver.scheduler.cut import cut_epoch
 
     cut = cut_epoch([int(lens[i]) for i in order], Batching(max_seqs=args.max_seqs, max_frames=args.batch_frames))
     res["server-cut"] = padding([[int(lens[order[p]]) for p in b] for b in cut])

@@ -346,7 +346,7 @@ class Setup:
         from ppclient.batching import Batching
         from ppserver.config.settings import load_config
         from ppserver.datasets.nemo import AudioManifest
-        from ppserver.mappers.outputs import output_templates
+        from ppserver.config.mappers import output_templates
 
         self.corpus, self.config = corpus, config
         self.cfg = load_config(config)
@@ -358,7 +358,7 @@ class Setup:
 
     def cut(self, epoch: int) -> List[List[int]]:
         """ppserver's batches of an epoch: epoch positions."""
-        from ppserver.datasets.cut import cut_epoch
+        from ppserver.scheduler.cut import cut_epoch
 
         if epoch not in self._cuts:
             self.ds.init_seq_order(epoch)
