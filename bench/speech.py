@@ -344,9 +344,9 @@ class Setup:
 
     def __init__(self, corpus: Corpus, config: str):
         from ppclient.batching import Batching
+        from ppserver.config.mappers import output_templates
         from ppserver.config.settings import load_config
         from ppserver.datasets.nemo import AudioManifest
-        from ppserver.config.mappers import output_templates
 
         self.corpus, self.config = corpus, config
         self.cfg = load_config(config)
@@ -362,7 +362,8 @@ class Setup:
 
         if epoch not in self._cuts:
             self.ds.init_seq_order(epoch)
-            self._cuts[epoch] = cut_epoch([int(n) for n in self.ds.epoch_lengths("audio")], self._batching)
+            lengths = [int(n) for n in self.ds.epoch_lengths("audio")]
+            self._cuts[epoch] = cut_epoch(lengths, self._batching, self.ds.epoch_durations())
         return self._cuts[epoch]
 
     def tags(self, epoch: int) -> List[Tuple[str, ...]]:
