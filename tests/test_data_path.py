@@ -92,9 +92,10 @@ def test_shared_memory_arrays_are_writable_views_that_stay_valid(tmp_path):
 @contextmanager
 def client_holding(address: str, n: int, epoch: int, window: int = 32, warm: int = 0) -> Iterator[subprocess.Popen]:
     """A client in another process holding the first n seqs of `epoch`; killed with -9 at the end.
-    `proc.shared` tells how many of them are in shared memory. `warm`: first read another epoch
-    until seqs came in the segments of that many workers (each has welcomed the client: what they
-    send from then on comes through shared memory while it has room), dropping them."""
+    `proc.shared` tells how many of them are in shared memory. `warm`: first read other epochs
+    whole until seqs came in the segments of that many workers (each has welcomed the client: what
+    they send from then on comes through shared memory while it has room), dropping them; whole, so
+    that no seq of a warm-up epoch is left in flight holding a block when the held epoch starts."""
     code = textwrap.dedent(
         f"""
         import mmap, sys, time
@@ -109,13 +110,13 @@ def client_holding(address: str, n: int, epoch: int, window: int = 32, warm: int
             return segment(a) is not None
         c = Client({address!r}, timeout=30, window={window})
         seen, deadline = set(), time.monotonic() + 30
+        rounds = 0
         while len(seen) < {warm} and time.monotonic() < deadline:
-            for s in c.epoch({epoch} + 1000):
+            rounds += 1
+            for s in c.epoch({epoch} + 1000 * rounds):
                 if shared(s["data"]):
                     seen.add(id(segment(s["data"])))
                 del s
-                if len(seen) >= {warm}:
-                    break
         held = [s for _, s in zip(range({n}), c.epoch({epoch}))]
         print("holding", len(held), sum(shared(s["data"]) for s in held), flush=True)
         sys.stdin.readline()
