@@ -70,7 +70,8 @@ def run_training(folder: Path, script: str, epochs: int) -> List[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"]
     res = run_group(argv, timeout=240, text=True, cwd=str(folder), env=dict(os.environ, TMPDIR=str(folder)))
     assert res.returncode == 0, res.stderr[-4000:]
-    return sorted(line for line in res.stdout.splitlines() if line.startswith("rank "))
+    # (the ranks print to one pipe: a line of one may land inside the other's, so match, not split)
+    return sorted(re.findall(r"rank \d+ epoch \d+: \d+ steps", res.stdout))
 
 
 def test_the_recipe_of_docs_speech_md_trains_on_two_ranks_and_resumes(short_tmp, monkeypatch):
