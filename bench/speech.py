@@ -99,6 +99,23 @@ seed = {seed}
 """
 
 
+def tuned_loader(dataset: Any, sampler: Any) -> Any:
+    """A DataLoader as a careful user tunes it (the DataLoader and Lhotse peers alike): WORKERS
+    persistent workers of one thread each, PREFETCH batches ahead, the sampler's batches as they are."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(
+        dataset,
+        sampler=sampler,
+        batch_size=None,
+        num_workers=WORKERS,
+        persistent_workers=True,
+        prefetch_factor=PREFETCH,
+        pin_memory=False,
+        worker_init_fn=one_thread,
+    )
+
+
 def batching() -> Dict[str, Any]:
     """ppserver's batching: about MAX_DURATION s per batch, padded, as Lhotse counts it."""
     return {"max_duration": MAX_DURATION, "bucket_window": BUCKET_WINDOW}
@@ -425,21 +442,11 @@ class TunedLoader:
         self.loader: Any = None
 
     def start(self) -> None:
-        from torch.utils.data import DataLoader
 
         s = self.setup
         self.sampler = EpochBatches(s.cut)
         self.ds = MappedBatches(s.corpus.manifest, s.cfg.map_seq, SEED, s.templates)
-        self.loader = DataLoader(
-            self.ds,
-            sampler=self.sampler,
-            batch_size=None,
-            num_workers=WORKERS,
-            persistent_workers=True,
-            prefetch_factor=PREFETCH,
-            pin_memory=False,
-            worker_init_fn=one_thread,
-        )
+        self.loader = tuned_loader(self.ds, self.sampler)
 
     def epoch(self, epoch: int) -> Epoch:
         self.sampler.epoch = epoch
@@ -480,7 +487,6 @@ class LhotseLoader(TunedLoader):
             PerturbSpeed,
             SpecAugment,
         )
-        from torch.utils.data import DataLoader
 
         cuts = CutSet.from_file(self.setup.corpus.cuts)
         self.ds = K2SpeechRecognitionDataset(
@@ -500,16 +506,7 @@ class LhotseLoader(TunedLoader):
             ],
         )
         self.sampler = DynamicBucketingSampler(cuts, max_duration=MAX_DURATION, shuffle=True, seed=SEED)
-        self.loader = DataLoader(
-            self.ds,
-            sampler=self.sampler,
-            batch_size=None,
-            num_workers=WORKERS,
-            persistent_workers=True,
-            prefetch_factor=PREFETCH,
-            pin_memory=False,
-            worker_init_fn=one_thread,
-        )
+        self.loader = tuned_loader(self.ds, self.sampler)
         self.dur = {f"utt{i:05d}": d for i, d in enumerate(self.setup.corpus.durations)}
 
     def epoch(self, epoch: int) -> Epoch:
