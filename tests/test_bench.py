@@ -66,3 +66,17 @@ def test_every_name_a_benchmark_imports_exists(path):
             except ImportError:
                 missing.append(f"{module}.{name}")
     assert not missing, f"{os.path.basename(path)} imports what is not there: {missing}"
+
+
+def test_the_scheduler_bench_plays_every_case_to_a_whole_epoch():
+    """bench/scheduler.py checks that each simulated epoch delivered every seq and ended with the
+    right count; a scheduler change that breaks its simulation shows here, not on the day it is run."""
+    spec = importlib.util.spec_from_file_location("bench_scheduler", os.path.join(REPO, "bench", "scheduler.py"))
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for case in bench.CASES:
+        cluster = bench.Cluster(case, seqs=300, workers=3, partitions=2)
+        for _ in range(2):  # the second epoch runs on the first one's workers
+            _, events = cluster.run_epoch()
+            assert cluster.delivered == 300 and events > 300 // 16, (case, events)
