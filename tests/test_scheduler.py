@@ -638,9 +638,13 @@ def test_keepalives_say_what_the_run_waits_for():
     sim(ev.CreditGranted, CONSUMER, run, 32)
     out = sim(ev.Tick, reader_busy="in init_seq_order(epoch=1) for 4.0 s")
     alive = client_msgs(out, protocol.Keepalive)[0].msg
-    assert "init_seq_order" in alive.waiting_for and alive.workers == 0
-    sim(ev.RunStarted, run, 1, 3)
+    assert alive.waiting_for == "the dataset to set up the epoch (in init_seq_order(epoch=1) for 4.0 s)"
+    assert alive.workers == 0
     sim.now = 1.0
+    alive = client_msgs(sim(ev.Tick), protocol.Keepalive)[0].msg  # the reader's call is over (or short)
+    assert alive.waiting_for == "the dataset to set up the epoch"
+    sim(ev.RunStarted, run, 1, 3)
+    sim.now = 2.0
     assert "none is connected" in client_msgs(sim(ev.Tick), protocol.Keepalive)[0].msg.waiting_for
 
 

@@ -60,7 +60,7 @@ class Scheduler:
         self.retiring: Set[bytes] = set()  # workers to tell to exit once they hold nothing
         self.handed_back = 0
         self.last_beat = float("-inf")
-        self.reader_busy = ""  # what the reader is doing, as the last Tick said
+        self.reader_busy: Optional[str] = None  # what the reader is doing, as the last Tick said (None: idle)
         self.now = 0.0  # the time of the event being handled
         self.stimuli = ev.Stimuli()  # names events that come without a stimulus id (tests)
         self.story_log = Story(settings.story_length)  # the moves, with their stimuli (story.py)

@@ -17,7 +17,7 @@ def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bo
     """What the run (or a rank of it) waits for, in words (keepalives and status), and whether
     that is other readers whose clients live (their batch sizes, or room for their seqs)."""
     if run.dispatch is None:
-        busy = f" ({s.reader_busy})" if s.reader_busy else ""
+        busy = f" ({s.reader_busy})" if s.reader_busy is not None else ""
         return f"the dataset to set up the epoch{busy}", False
     job = run.job
     if not s.workers:
@@ -33,7 +33,7 @@ def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bo
     q = run.dispatch.queues()
     if q["in_flight"]:
         return f"the workers ({q['in_flight']} in flight)", False
-    if s.reader_busy:
+    if s.reader_busy is not None:
         return f"the dataset ({s.reader_busy})", False
     return "the dataset", False
 
