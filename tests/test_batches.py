@@ -237,6 +237,13 @@ def batch_input(pos: int, seqs: List[int]) -> Batch:
     return Batch(pos, items)
 
 
+@pytest.mark.unit
+def test_a_batch_counts_its_seqs_array_bytes_when_made():
+    """The byte cap on a worker's tasks reads it (scheduler/seqs.py); there is no batch not counted."""
+    assert batch_input(0, [1, 2, 3]).nbytes == 3 * 2 * 4  # three seqs of two float32
+    assert Batch(1, []).nbytes == 0
+
+
 def padded(pos: int, n: int) -> protocol.Item:
     seqs = [{"data": np.full((2,), pos, "f4"), "seq_tag": f"b{pos}.{k}", "seq_idx": k} for k in range(n)]
     batch = collate.pad(seqs)

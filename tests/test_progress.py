@@ -3,7 +3,8 @@ the time passed in, as the server's loop feeds them; no processes, no sockets.""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import dataclasses
+from typing import Any, List, Optional
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from ppclient import protocol
 from ppserver.errors import ConfigError
 from ppserver.observe.metrics import families, parse_address
 from ppserver.observe.progress import (
+    Progress,
+    RunProgress,
     Sample,
     Window,
     advice,
@@ -23,8 +26,10 @@ from ppserver.observe.progress import (
     status_fields,
 )
 from ppserver.observe.stages import STAGES, StageClock
-from ppserver.scheduler import Scheduler, Settings, ToClient, ToWorker
+from ppserver.observe.status import PoolStatus, ServerStatus
+from ppserver.scheduler import Departure, RunState, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.status import RankStatus, RunStatus, SchedulerStatus
 from ppserver.server.reader import DATASET_CALLS
 from ppserver.worker.clock import MapperClock, heartbeat_stats
 
@@ -175,27 +180,33 @@ def test_a_stall_or_no_saturated_side_falls_back_to_the_schedulers_word():
     assert side_of("the dataset to set up the epoch") == "dataset" and side_of("") is None
 
 
-def ranks(*rows: Dict[str, Any]) -> Dict[str, Any]:
-    return {"ranks": [{"run": 7, "done": False, **r} for r in rows], "run": 7, "waiting_for": "the workers"}
+def rank(position: int, shard_size: Optional[int], done: bool = False) -> RankStatus:
+    return RankStatus(0, 0, 3, 7, False, position, shard_size, 0.0, done, 1.0, 0)
+
+
+def sched_status(*ranks: RankStatus, waiting_for: Optional[str] = "the workers", idle: bool = False) -> SchedulerStatus:
+    """A scheduler's status whose newest run is 7 (none if `idle`), with `ranks`."""
+    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, waiting_for, {})
+    return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, None, ranks, None if idle else newest)
 
 
 def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
     w = window(*(sample(t, 10 * t) for t in range(5)))
-    st = ranks({"position": 30, "shard_size": 100}, {"position": 10, "shard_size": 100, "done": False})
-    (run,) = run_progress(st, w, {7: 3})
-    assert run == {"epoch": 3, "run": 7, "seqs_done": 40, "seqs_total": 200, "seqs_per_sec": 10.0, "eta_s": 16.0}
+    st = sched_status(rank(30, 100), rank(10, 100))
+    (run,) = run_progress(st.ranks, w, {7: 3})
+    assert run == RunProgress(epoch=3, run=7, seqs_done=40, seqs_total=200, seqs_per_sec=10.0, eta_s=16.0)
     assert progress_line(run, "workers") == (
         "epoch 3 (run 7): 40/200 seqs, 10.0 seqs/s, ETA 16 s, held back by the workers"
     )
-    unknown = run_progress(ranks({"position": 30, "shard_size": None}), w, {7: 3})[0]
-    assert unknown["seqs_total"] is None and unknown["eta_s"] is None
+    unknown = run_progress([rank(30, None)], w, {7: 3})[0]
+    assert unknown.seqs_total is None and unknown.eta_s is None
     assert "30/? seqs" in progress_line(unknown, None) and "ETA ?" in progress_line(unknown, None)
-    done = run_progress(ranks({"position": 100, "shard_size": 100, "done": True}), Window(), {7: 3})[0]
-    assert done["eta_s"] == 0.0 and done["seqs_per_sec"] is None
+    done = run_progress([rank(100, 100, done=True)], Window(), {7: 3})[0]
+    assert done.eta_s == 0.0 and done.seqs_per_sec is None
     fields = status_fields(st, w, {7: 3})
-    assert fields["eta_s"] == 16.0 and fields["rate_seqs_per_sec"] == 10.0 and fields["held_back_by"] == "workers"
-    assert fields["rate_window_s"] == 4.0 and len(fields["progress"]) == 1
-    assert status_fields({"ranks": [], "run": None, "waiting_for": None}, Window(), {})["held_back_by"] is None
+    assert fields.eta_s == 16.0 and fields.rate_seqs_per_sec == 10.0 and fields.held_back_by == "workers"
+    assert fields.rate_window_s == 4.0 and fields.progress == (run,)
+    assert status_fields(sched_status(idle=True), Window(), {}).held_back_by is None
 
 
 def test_advice_only_for_a_reader_that_holds_the_epoch_back():
@@ -203,9 +214,9 @@ def test_advice_only_for_a_reader_that_holds_the_epoch_back():
     assert text is not None and text.startswith("the reader holds the epoch back") and "3.2 ms per seq" in text
     assert "map_seq" in text and "\n" not in text
     assert advice("dataset", {}) is not None and advice("workers", {"read": 3.0}) is None and advice(None, {}) is None
-    st = {"ranks": [], "run": 7, "waiting_for": "the dataset (in get_seq(5) for 1.0 s)"}
+    st = sched_status(waiting_for="the dataset (in get_seq(5) for 1.0 s)")
     w = window(*(sample(t, 10 * t, read=0.9 * t) for t in range(10)))
-    assert status_fields(st, w, {7: 1})["advice"] == advice("dataset", w.stage_ms())
+    assert status_fields(st, w, {7: 1}).advice == advice("dataset", w.stage_ms())
 
 
 @pytest.mark.parametrize("seconds, text", [(None, "?"), (4.4, "4 s"), (125, "2 min 05 s"), (7260, "2 h 01 min")])
@@ -238,23 +249,19 @@ def test_metric_families_name_every_stage_host_and_counter():
     run = started(loop, 1, credit=5)
     loop(ev.InputsRead(1.0, run, [item(0)]))
     loop(ev.ResultsReceived(2.0, b"w1", run, [item(0)]))
-    st = {
-        "workers": [{"host": "hostA"}, {"host": "hostA"}],
-        "handed_back": 3,
-        "departures": {"lost": 1},
-        "malformed_results": 2,
-        "malformed_messages": 4,
-        "refused_handshakes": 5,
-        "local_worker_respawns": 6,
-        "seqs_skipped_total": 7,
-        "queues": {"in_flight": 1},
-        "rate_seqs_per_sec": 1.5,
-        "held_back_by": "trainer",
-        "epoch": 1,
-        "eta_s": 3.0,
-        "version": "v",
-        "pool": {"wanted": 3, "changes_total": [["down", "trainer_holds_back", 1], ["up", "workers_hold_back", 2]]},
-    }
+    sched = loop.sched.status(2.0)  # one worker on hostA
+    sched = dataclasses.replace(
+        sched,
+        workers=sched.workers * 2,
+        handed_back=3,
+        departures={Departure.LOST: 1},
+        malformed_results=2,
+        seqs_skipped_total=7,
+    )
+    changes = (("down", "trainer_holds_back", 1), ("up", "workers_hold_back", 2))
+    pool = PoolStatus(True, 2, 3, 1, 4, 4, "the trainer", (), changes, ())
+    progress = Progress(1.5, 2.0, 3.0, "trainer", None, {}, ())
+    st = ServerStatus(sched, "tcp://a", "tcp://b", "v", 1.0, 1, 6, 4, 5, "idle", pool, progress)
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families(loop.clock, st) for s in f.samples}
     assert got[("ppserver_workers_wanted", ())] == 3
     assert got[("ppserver_pool_changes_total", (("direction", "up"), ("reason", "workers_hold_back")))] == 2
@@ -272,3 +279,76 @@ def test_metric_families_name_every_stage_host_and_counter():
     assert got[("ppserver_held_back", (("side", "trainer"),))] == 1
     assert got[("ppserver_held_back", (("side", "dataset"),))] == 0
     assert got[("ppserver_eta_seconds", ())] == 3.0
+    assert got[("ppserver_epoch", ())] == 1 and got[("ppserver_malformed_results_total", ())] == 2
+    assert got[("ppserver_local_worker_respawns_total", ())] == 6
+    queues = {labels: v for (name, labels), v in got.items() if name == "ppserver_queue_seqs"}
+    assert queues == {(("queue", "client_credit"),): 0}  # the run is done: no queues, no live lane
+
+
+WIRE_KEYS = (
+    "workers_alive workers seqs_delivered_total seqs_skipped_total malformed_results lost_direct_results "
+    "lost_inputs dropped_by_workers departures handed_back job ranks epoch run state num_seqs seqs_delivered "
+    "seqs_skipped seqs_per_sec mb_delivered error waiting_for queues address worker_address version uptime_s "
+    "local_workers local_worker_respawns malformed_messages refused_handshakes dataset pool rate_seqs_per_sec "
+    "rate_window_s eta_s held_back_by advice stage_ms progress"
+).split()
+
+
+def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
+    """ServerStatus.to_wire is the one place the typed status becomes the `status_reply` dict."""
+    loop = Loop()
+    pool = PoolStatus(False, 1, 1, None, None, 0, "a fixed pool", (), (("up", "workers_hold_back", 1),), ())
+    idle = ServerStatus(
+        loop.sched.status(0.0),
+        "a",
+        "b",
+        "v",
+        0.0,
+        0,
+        0,
+        0,
+        0,
+        "idle",
+        pool,
+        Progress(0.0, 0.0, None, None, None, {}, ()),
+    ).to_wire()
+    assert sorted(idle) == sorted(WIRE_KEYS)
+    assert (idle["state"], idle["epoch"], idle["num_seqs"], idle["queues"], idle["job"]) == (
+        "idle",
+        None,
+        None,
+        {},
+        None,
+    )
+    assert idle["pool"]["changes_total"] == [["up", "workers_hold_back", 1]]
+    run = started(loop, 2, credit=1)
+    loop(ev.InputsRead(1.0, run, [item(0), item(1)]))
+    loop(ev.ResultsReceived(2.0, b"w1", run, [item(0)]))
+    sched = loop.sched.status(3.0)
+    w = window(*(sample(t, 10 * t) for t in range(3)))
+    wire = ServerStatus(
+        sched, "a", "b", "v", 3.0, 1, 0, 0, 0, "idle", pool, status_fields(sched, w, {run: 1})
+    ).to_wire()
+    assert list(wire) == WIRE_KEYS  # the order the server has always sent
+    assert (wire["state"], wire["run"], wire["num_seqs"], wire["seqs_delivered"]) == ("running", run, 2, 1)
+    assert wire["workers_alive"] == 1 and wire["workers"][0]["id"] == "w1" and wire["workers"][0]["partitions"] == []
+    assert wire["job"]["name"] == "asr" and wire["job"]["runs"] == [run] and wire["job"]["batching"] is None
+    assert wire["ranks"] == [
+        {
+            "rank": 0,
+            "subshard": 0,
+            "epoch": 1,
+            "run": run,
+            "solo": False,
+            "position": 1,
+            "shard_size": 2,
+            "seqs_per_sec": wire["ranks"][0]["seqs_per_sec"],
+            "done": False,
+            "last_heard_s": 3.0,
+            "credit": 0,
+        }
+    ]
+    assert wire["waiting_for"] == "the trainer (no credit)" and wire["queues"]["in_flight"] == 1
+    assert wire["progress"] == [
+        {"epoch": 1, "run": run, "seqs_done": 1, "seqs_total": 2, "seqs_per_sec": None, "eta_s": None}
+    ]

@@ -28,6 +28,7 @@ from ppserver.scheduler import (
     Read,
     Replay,
     Reply,
+    RunState,
     Scheduler,
     Settings,
     StopReading,
@@ -35,6 +36,7 @@ from ppserver.scheduler import (
     ToWorker,
 )
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.status import RunStatus, SchedulerStatus
 
 pytestmark = pytest.mark.unit
 
@@ -109,13 +111,20 @@ def reads(out: Sequence[Instruction]) -> List[int]:
     return [p for i in out if isinstance(i, Read) for p in i.positions]
 
 
-def status(sim: Sim) -> Dict[str, Any]:
+def status(sim: Sim) -> SchedulerStatus:
     return sim.s.status(sim.now)
+
+
+def newest(sim: Sim) -> RunStatus:
+    """The status of the newest run (there must be one)."""
+    run = status(sim).newest
+    assert run is not None
+    return run
 
 
 def in_flight(sim: Sim) -> Dict[str, int]:
     """The workers, by name, and the tasks (and stream partitions) each holds, as status says."""
-    return {w["id"]: w["in_flight"] for w in status(sim)["workers"]}
+    return {w.id: w.in_flight for w in status(sim).workers}
 
 
 class Sim:
@@ -202,7 +211,7 @@ def test_heartbeats_and_expiry():
     sim.now = 3.5
     sim(ev.Tick)
     assert set(in_flight(sim)) == {"w1"}  # w2 silent for 3.5 s > 3 s
-    assert status(sim)["departures"] == {Departure.LOST.value: 1}
+    assert status(sim).departures == {Departure.LOST: 1}
 
 
 def test_a_worker_mapping_a_batch_shows_progress_in_the_keepalives_and_a_stuck_one_none():
@@ -240,7 +249,7 @@ def test_local_worker_exit_is_matched_by_index_and_pid():
     assert set(in_flight(sim)) == {"a", "b", "remote"}
     sim(ev.LocalWorkerExited, 0, 11, -9)
     assert set(in_flight(sim)) == {"b", "remote"}
-    assert status(sim)["departures"] == {Departure.EXITED.value: 1}
+    assert status(sim).departures == {Departure.EXITED: 1}
 
 
 def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
@@ -252,9 +261,9 @@ def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
     out = sim.join(b"new", pid=7, replaces=b"old")
     expect(out, (b"new", "run_open"), (b"new", "tasks", [0]), (b"new", "tasks", [1]))
     assert in_flight(sim) == {"new": 2}
-    assert status(sim)["departures"] == {Departure.RECONNECTED.value: 1}
+    assert status(sim).departures == {Departure.RECONNECTED: 1}
     assert sorted(tasks(out, b"new")) == [0, 1]  # both at once: not suspects (a reset is not a crash)
-    assert status(sim)["queues"]["suspects"] == 0
+    assert newest(sim).queues["suspects"] == 0
 
 
 # ---- map_seq: credits, order, late results ------------------------------------------------------------
@@ -287,7 +296,7 @@ def test_results_leave_in_order_whatever_order_they_arrive_in():
     expect(out, (CONSUMER, "seqs", list(range(8))), (CONSUMER, "end"), (b"w1", "run_close"), (b"w2", "run_close"))
     assert out[1].msg == protocol.End(run=1, count=8) and out[2].msg == protocol.RunClose(run=1)
     assert StopReading(1) in sim.out
-    assert status(sim)["state"] == "done"
+    assert newest(sim).state is RunState.DONE
 
 
 def direct_sim(num_seqs: int) -> Sim:
@@ -338,7 +347,7 @@ def test_a_direct_result_lost_after_the_end_is_made_again_and_relayed():
     beat = sim(ev.Tick)
     assert client_msgs(beat, protocol.Keepalive)  # the client still hears the run live
     out = sim(ev.CreditGranted, CONSUMER, run, 100, 4)  # all taken: the run ends
-    assert sent(out, protocol.RunClose, b"w1") and status(sim)["state"] == "done"
+    assert sent(out, protocol.RunClose, b"w1") and newest(sim).state is RunState.DONE
 
 
 def test_workers_hear_whether_a_direct_consumer_closed_or_went_silent():
@@ -373,7 +382,7 @@ def test_late_and_duplicate_results_are_dropped():
     expect(out, (b"fast", "tasks", [1]), (CONSUMER, "seqs", [0]))
     out = sim.results(b"fast", [0, 1])  # a late duplicate of 0 with the result of 1
     expect(out, (CONSUMER, "seqs", [1]), (CONSUMER, "end"), (b"fast", "run_close"))
-    assert delivered(sim.out) == [0, 1] and status(sim)["seqs_delivered"] == 2
+    assert delivered(sim.out) == [0, 1] and newest(sim).seqs_delivered == 2
 
 
 def test_a_mapper_failure_fails_the_run_only_from_the_task_owner():
@@ -399,7 +408,7 @@ def test_crash_makes_seqs_suspect_and_suspects_run_alone():
     sim.feed(range(8))
     lost = tasks(sim.out, b"w1")
     out = sim(ev.LocalWorkerExited, 0, 1, -9)
-    assert status(sim)["queues"]["suspects"] == len(lost) == 4
+    assert newest(sim).queues["suspects"] == len(lost) == 4
     assert out == []  # w2 is busy: suspects wait for an idle worker
     out = sim.results(b"w2", tasks(sim.out, b"w2"))
     expect(out, (b"w2", "tasks", lost[:1]))  # one suspect, alone; nothing delivered (0 is a suspect)
@@ -426,7 +435,7 @@ def test_departure_is_not_blamed():
     sim.start(2)
     sim.feed(range(2))
     sim(ev.WorkerLeft, b"w1")
-    assert status(sim)["state"] == "running" and status(sim)["queues"]["suspects"] == 0
+    assert newest(sim).state is RunState.RUNNING and newest(sim).queues["suspects"] == 0
     expect(sim.join(b"w2"), (b"w2", "run_open"), (b"w2", "tasks", [0]))
 
 
@@ -451,8 +460,8 @@ def test_a_retired_worker_gets_no_new_work_finishes_what_it_holds_and_is_told_to
     assert sent(sim(ev.Tick), protocol.Retire) == []  # told once
     sim(ev.WorkerLeft, b"w1")
     st = status(sim)
-    assert st["departures"] == {"retired": 1} and st["handed_back"] == 0
-    assert [w["id"] for w in st["workers"]] == ["w2"]
+    assert st.departures == {Departure.RETIRED: 1} and st.handed_back == 0
+    assert [w.id for w in st.workers] == ["w2"]
 
 
 def test_a_worker_retired_while_idle_is_told_at_once_and_its_exit_is_no_crash():
@@ -462,7 +471,7 @@ def test_a_worker_retired_while_idle_is_told_at_once_and_its_exit_is_no_crash():
     out = sim(ev.RetireWorker, b"w2")
     assert [i.wid for i in sent(out, protocol.Retire)] == [b"w2"]
     sim(ev.LocalWorkerExited, 1, 8, 3)  # its exit came before its bye
-    assert status(sim)["departures"] == {"retired": 1}
+    assert status(sim).departures == {Departure.RETIRED: 1}
 
 
 def test_a_retiring_worker_gets_no_stream_partition_and_leaves_when_its_own_are_done():
@@ -490,7 +499,7 @@ def test_malformed_result_is_redone_on_another_worker_then_fails_after_retries()
     out = sim.results(b"bad", [], bad=[BadItem(0, "meta is not a map")])
     assert out == []  # "good" is busy; 0 waits for it rather than going back to "bad"
     expect(sim.results(b"good", [1]), (b"good", "tasks", [0]))  # 1 waits for 0 before it is delivered
-    assert status(sim)["malformed_results"] == 1
+    assert status(sim).malformed_results == 1
     out = sim.results(b"good", [], bad=[BadItem(0, "bytes do not fit")])
     expect(out, (CONSUMER, "run_failed"), (b"bad", "run_close"), (b"good", "run_close"))
     assert out[0].msg.message.startswith("seq 's0': 2 malformed results")
@@ -504,7 +513,7 @@ def test_undecodable_message_charges_every_seq_its_worker_holds():
     sim.join(b"good")
     assert sorted(tasks(sim.out, b"bad")) == [0, 1] and sorted(tasks(sim.out, b"good")) == [2, 3]
     out = sim(ev.WorkerMessageMalformed, b"bad", "header of 2000122 bytes exceeds 1048576")
-    assert out == [] and status(sim)["malformed_results"] == 1  # "good" is busy: 0 and 1 wait for it
+    assert out == [] and status(sim).malformed_results == 1  # "good" is busy: 0 and 1 wait for it
     assert in_flight(sim)["bad"] == 0
     expect(sim.results(b"good", [2, 3]), (b"good", "tasks", [0]), (b"good", "tasks", [1]))
     assert sim.results(b"bad", [0]) == []  # a late result of a seq handed over: dropped
@@ -512,7 +521,7 @@ def test_undecodable_message_charges_every_seq_its_worker_holds():
     expect(out, (CONSUMER, "seqs", [0, 1, 2, 3]), (CONSUMER, "end"), (b"bad", "run_close"), (b"good", "run_close"))
     assert out[1].msg.count == 4
     assert sim(ev.WorkerMessageMalformed, b"good", "junk") == []  # it held nothing
-    assert status(sim)["malformed_results"] == 1
+    assert status(sim).malformed_results == 1
 
 
 def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
@@ -537,7 +546,7 @@ def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_nami
     assert sorted(tasks(sim.out, b"a")) == [0, 1] and sorted(tasks(sim.out, b"b")) == [2, 3]
     why = "header of 2000076 bytes exceeds 1048576"
     out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
-    assert tasks(out) == [] and status(sim)["dropped_by_workers"] == 1  # "b" is busy: 1 waits for it, not "a"
+    assert tasks(out) == [] and status(sim).dropped_by_workers == 1  # "b" is busy: 1 waits for it, not "a"
     out = sim.results(b"b", [2, 3])
     assert tasks(out, b"b") == [1]
     out = sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [1], why)
@@ -560,7 +569,7 @@ def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without
     for what in ("route", "consumer_gone", "run_close"):  # they carried no work: nothing to redo
         assert sim(ev.MessageDropped, b"a", what, None, None, [], "junk") == []
     assert sim(ev.MessageDropped, b"a", "tasks", sim.run + 7, None, [0], "junk") == []  # not a live run
-    assert sim.out == before and status(sim)["dropped_by_workers"] == 4
+    assert sim.out == before and status(sim).dropped_by_workers == 4
     sim(ev.MessageDropped, b"a", "", None, None, [], "undecodable header")  # which? everything of "a"
     assert in_flight(sim)["a"] == 0
     out = sim.results(b"b", [2, 3])
@@ -638,9 +647,13 @@ def test_keepalives_say_what_the_run_waits_for():
     sim(ev.CreditGranted, CONSUMER, run, 32)
     out = sim(ev.Tick, reader_busy="in init_seq_order(epoch=1) for 4.0 s")
     alive = client_msgs(out, protocol.Keepalive)[0].msg
-    assert "init_seq_order" in alive.waiting_for and alive.workers == 0
-    sim(ev.RunStarted, run, 1, 3)
+    assert alive.waiting_for == "the dataset to set up the epoch (in init_seq_order(epoch=1) for 4.0 s)"
+    assert alive.workers == 0
     sim.now = 1.0
+    alive = client_msgs(sim(ev.Tick), protocol.Keepalive)[0].msg  # the reader's call is over (or short)
+    assert alive.waiting_for == "the dataset to set up the epoch"
+    sim(ev.RunStarted, run, 1, 3)
+    sim.now = 2.0
     assert "none is connected" in client_msgs(sim(ev.Tick), protocol.Keepalive)[0].msg.waiting_for
 
 
@@ -746,7 +759,7 @@ def test_another_job_is_refused_while_a_client_of_this_one_lives():
     sim.now = 100.0  # r1 went silent long ago (its timeout is 30 s)
     sim(ev.Tick)
     run, out = sim.request(1, consumer=b"other", job="eval", world_size=1)
-    assert run is not None and status(sim)["job"]["name"] == "eval"
+    assert run is not None and status(sim).job.name == "eval"
 
 
 def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running_epoch_goes_on():
@@ -756,7 +769,7 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
         run, out = sim.request(1, consumer=b"big", job="big", world_size=world, subshards=parts)
         assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="job"))]
         assert f"above the {MAX_READERS}" in refusal(out) and f"{world * parts} " in refusal(out) + " "
-        assert status(sim)["job"] is None  # nothing was made for it
+        assert status(sim).job is None  # nothing was made for it
     sim.start(8)
     sim.feed(range(4))
     assert delivered(sim.results(b"w1", [0, 1])) == [0, 1]
@@ -764,8 +777,8 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
     run, out = sim.request(1, consumer=b"big", world_size=MAX_READERS * 2)
     assert run is None and len(out) == 1 and f"world_size {MAX_READERS * 2} is above the" in refusal(out)
     assert delivered(sim.results(b"w1", [2, 3])) == [2, 3]
-    job = status(sim)["job"]
-    assert job["world_size"] == 1 and job["clients"] == 1 and status(sim)["ranks"][0]["rank"] == 0
+    job = status(sim).job
+    assert job is not None and job.world_size == 1 and job.clients == 1 and status(sim).ranks[0].rank == 0
 
 
 def test_a_job_of_max_readers_has_state_only_for_the_readers_that_came():
@@ -804,7 +817,7 @@ def test_a_job_of_max_readers_has_state_only_for_the_readers_that_came():
         sim(ev.ConsumerClosed, consumer)
     assert sim.s.lanes(run) == {0: "gone", 1: "gone", MAX_READERS - 1: "gone"}
     out = sim.start(4, consumer=b"small", job="small")
-    assert client_msgs(out, protocol.Superseded) == [] and status(sim)["job"]["name"] == "small"
+    assert client_msgs(out, protocol.Superseded) == [] and status(sim).job.name == "small"
     finish(sim, sim.run)
     assert delivered(sim.out, b"small") == [0, 1, 2, 3]
 
@@ -842,10 +855,10 @@ def test_keepalives_keep_a_busy_client_alive():
         sim.now = float(t)
         sim(ev.ConsumerAlive, b"r0")
         sim(ev.Tick)
-    assert status(sim)["job"]["clients"] == 1
+    assert status(sim).job.clients == 1
     sim.now = 12.5
     out = sim(ev.Tick)
-    assert status(sim)["job"]["clients"] == 0 and StopReading(1) in out and status(sim)["state"] == "superseded"
+    assert status(sim).job.clients == 0 and StopReading(1) in out and newest(sim).state is RunState.SUPERSEDED
 
 
 def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
@@ -1023,7 +1036,7 @@ def test_stream_undecodable_message_restarts_the_workers_partitions_elsewhere():
         protocol.StreamClose(run=1, partition=1),
     }
     assert sorted(i.msg.partition for i in sent(out, protocol.StreamOpen, b"good")) == [0, 1]
-    assert status(sim)["malformed_results"] == 1
+    assert status(sim).malformed_results == 1
 
 
 # ---- the property: exactly once, in order ------------------------------------------------------------
@@ -1533,7 +1546,7 @@ def test_an_epoch_whose_count_is_learnt_by_reading(world, drop_last):
         assert delivered(sim.out, b"r%d" % rank) == list(range(rank, end, world))
     ends = {i.consumer: i.msg.count for i in client_msgs(sim.out, protocol.End)}
     assert ends == {b"r%d" % r: len(range(r, end, world)) for r in range(world)}
-    assert status(sim)["state"] == "done"
+    assert newest(sim).state is RunState.DONE
 
 
 def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
@@ -1544,11 +1557,11 @@ def test_inputs_a_worker_could_not_read_are_taken_back_and_redone():
     assert tasks(sim.out, b"w1") == [0, 1]
     out = sim(ev.InputsLost, b"w1", sim.run, [0, 1], "gone")
     expect(out, (b"w1", "tasks", [0]), (b"w1", "tasks", [1]))  # its slots are free again, the seqs still wanted
-    assert status(sim)["lost_inputs"] == 2
+    assert status(sim).lost_inputs == 2
     assert sim(ev.InputsLost, b"w1", sim.run, [3], "late") == []  # not a task it holds: nothing
     out = sim.results(b"w1", [0, 1])
     expect(out, (b"w1", "tasks", [2]), (b"w1", "tasks", [3]), (CONSUMER, "seqs", [0, 1]))
-    assert status(sim)["lost_inputs"] == 2
+    assert status(sim).lost_inputs == 2
 
 
 def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_are_ignored():
@@ -1574,7 +1587,7 @@ def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_a
     # the run ends (superseded) with tasks in flight: their inputs stay with their workers
     left = {(w, p) for w, ps in held.items() for p in ps if p in rank1[1:]}
     out = sim(ev.ConsumerClosed, b"r0")
-    assert StopReading(sim.run) in out and status(sim)["state"] == "superseded"
+    assert StopReading(sim.run) in out and newest(sim).state is RunState.SUPERSEDED
     assert sim.s.held_inputs(sim.run) == sorted(p for _, p in left)
     for w in (b"w1", b"w2"):
         sim(ev.RunDropped, w, sim.run)

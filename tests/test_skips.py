@@ -168,8 +168,8 @@ def test_a_skipped_seq_takes_its_turn_as_a_marker_for_its_rank_and_is_counted():
     ends = {c.consumer: c.msg.count for c in to_clients(out, protocol.End)}
     assert ends == {b"r0": 3, b"r1": 3}  # positions: every rank ends after as many
     st = sim.s.status(sim.now)
-    assert st["seqs_skipped"] == 3 and st["seqs_skipped_total"] == 3
-    assert st["seqs_delivered_total"] == 3  # markers hold no seq
+    assert st.newest is not None and st.newest.seqs_skipped == 3 and st.seqs_skipped_total == 3
+    assert st.seqs_delivered_total == 3  # markers hold no seq
     assert sim.s.runs == {}  # done
 
 
@@ -181,8 +181,9 @@ def test_a_result_sent_directly_says_what_it_skipped_and_a_late_copy_counts_noth
     sim(ev.InputsRead, run, batches)
     sim(ev.CompletedReceived, b"w", run, [0, 1], [64, 0], [1, 2], [["s1"], ["s2", "s3"]])
     sim(ev.CompletedReceived, b"w", run, [1], [0], [2], [["s2", "s3"]])  # a duplicate: not counted again
-    assert sim.s.status(sim.now)["seqs_skipped"] == 3
-    assert sim.s.status(sim.now)["seqs_delivered_total"] == 1  # batch 0 holds one seq, batch 1 none
+    st = sim.s.status(sim.now)
+    assert st.newest is not None and st.newest.seqs_skipped == 3
+    assert st.seqs_delivered_total == 1  # batch 0 holds one seq, batch 1 none
 
 
 @pytest.mark.unit

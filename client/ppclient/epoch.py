@@ -395,7 +395,7 @@ class Reorder:
     def __init__(self, first: int, lanes: int, direct: bool):
         self.first, self.lanes, self.direct = first, lanes, direct
         self.buffer: Dict[int, Union[Item, Batch]] = {}
-        self.partial: Dict[int, Batch] = {}  # seqs of batches the server cut but did not pad, not all here yet
+        self.partial: Dict[int, List[Item]] = {}  # seqs of batches the server cut but did not pad, not all here yet
         self.arrived = first  # without direct results: the position the next message must have
         self.duplicates = 0  # seqs that came twice (a worker died after sending one) and were dropped
 
@@ -437,10 +437,10 @@ class Reorder:
             if item.batch is None:
                 out.append(item)
                 continue
-            batch = self.partial.setdefault(item.batch, Batch(item.batch, []))
-            batch.items.append(item)
-            if len(batch.items) >= (item.size or 1):
-                out.append(self.partial.pop(item.batch))
+            seqs = self.partial.setdefault(item.batch, [])
+            seqs.append(item)
+            if len(seqs) >= (item.size or 1):
+                out.append(Batch(item.batch, self.partial.pop(item.batch)))
         return out
 
 

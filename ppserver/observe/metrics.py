@@ -31,6 +31,7 @@ from ppclient.throttle import Throttled
 from ppserver.errors import ConfigError
 from ppserver.observe.progress import SIDES
 from ppserver.observe.stages import MAX_SERIES, StageClock
+from ppserver.observe.status import ServerStatus
 
 log = logging.getLogger("ppserver.metrics")
 
@@ -311,14 +312,15 @@ def _family(kind: str, name: str, doc: str, labels: Sequence[str], rows: Iterabl
     return fam
 
 
-def families(clock: StageClock, st: Dict[str, Any]) -> List[Any]:
-    """Every metric, from the stage clock and a status dict (Server.status)."""
+def families(clock: StageClock, st: ServerStatus) -> List[Any]:
+    """Every metric, from the stage clock and the server's status (Server.status)."""
+    sched, newest = st.scheduler, st.scheduler.newest
     seconds, seqs = clock.totals()
     reader = clock.reader
     hosts = sorted(clock.hosts.items())
     workers: Dict[str, int] = {}
-    for w in st.get("workers", []):
-        host = w["host"] if w["host"] in workers or len(workers) < MAX_SERIES else "other"
+    for w in sched.workers:
+        host = w.host if w.host in workers or len(workers) < MAX_SERIES else "other"
         workers[host] = workers.get(host, 0) + 1
     delivered = sorted(clock.delivered.items())
 
@@ -401,68 +403,61 @@ def families(clock: StageClock, st: Dict[str, Any]) -> List[Any]:
         total(
             "ppserver_reassigned",
             "seqs and stream partitions taken from departed workers and redone",
-            st["handed_back"],
+            sched.handed_back,
         ),
         _family(
             "counter",
             "ppserver_worker_departures",
             "workers forgotten, by reason",
             ("reason",),
-            [((reason,), n) for reason, n in sorted(st["departures"].items())],
+            sorted(((d.value,), n) for d, n in sched.departures.items()),
         ),
-        total("ppserver_seqs_skipped", "seqs map_seq skipped (returned None)", st["seqs_skipped_total"]),
-        total("ppserver_malformed_results", "malformed results dropped (their seqs redone)", st["malformed_results"]),
-        total("ppserver_malformed_messages", "malformed messages dropped", st["malformed_messages"]),
-        total("ppserver_refused_handshakes", "connections refused for wrong or missing keys", st["refused_handshakes"]),
-        total("ppserver_local_worker_respawns", "local worker processes started again", st["local_worker_respawns"]),
+        total("ppserver_seqs_skipped", "seqs map_seq skipped (returned None)", sched.seqs_skipped_total),
+        total("ppserver_malformed_results", "malformed results dropped (their seqs redone)", sched.malformed_results),
+        total("ppserver_malformed_messages", "malformed messages dropped", st.malformed_messages),
+        total("ppserver_refused_handshakes", "connections refused for wrong or missing keys", st.refused_handshakes),
+        total("ppserver_local_worker_respawns", "local worker processes started again", st.local_worker_respawns),
         _family(
             "gauge",
             "ppserver_queue_seqs",
             "seqs in each queue of the newest run",
             ("queue",),
-            [((q,), n) for q, n in sorted((st.get("queues") or {}).items())],
+            [((q,), n) for q, n in sorted(newest.queues.items() if newest is not None else ())],
         ),
         _family(
             "gauge",
             "ppserver_rate_seqs_per_second",
             "seqs delivered per second, rolling",
             (),
-            [((), st["rate_seqs_per_sec"])],
+            [((), st.progress.rate_seqs_per_sec)],
         ),
         _family(
             "gauge",
             "ppserver_held_back",
             "1 for the side holding the live run back",
             ("side",),
-            [((side,), 1.0 if side == st.get("held_back_by") else 0.0) for side in SIDES],
+            [((side,), 1.0 if side == st.progress.held_back_by else 0.0) for side in SIDES],
+        ),
+        _family(
+            "gauge",
+            "ppserver_workers_wanted",
+            "workers the pool wants (num_workers auto: as the trainer needs; above the workers there are: "
+            "more hosts would help)",
+            (),
+            [((), st.pool.wanted)],
+        ),
+        _family(
+            "counter",
+            "ppserver_pool_changes",
+            "workers the server added (up) or retired (down) to size its pool, by reason",
+            ("direction", "reason"),
+            [((d, r), n) for d, r, n in st.pool.changes_total],
         ),
     ]
-    pool = st.get("pool")
-    if pool is not None:
-        out.append(
-            _family(
-                "gauge",
-                "ppserver_workers_wanted",
-                "workers the pool wants (num_workers auto: as the trainer needs; above the workers there are: "
-                "more hosts would help)",
-                (),
-                [((), pool["wanted"])],
-            )
-        )
-        out.append(
-            _family(
-                "counter",
-                "ppserver_pool_changes",
-                "workers the server added (up) or retired (down) to size its pool, by reason",
-                ("direction", "reason"),
-                [((d, r), n) for d, r, n in pool["changes_total"]],
-            )
-        )
-    out[0].add_metric([str(st.get("version", "")), str(PROTOCOL)], 1.0)
-    if st.get("epoch") is not None:
-        out.append(_family("gauge", "ppserver_epoch", "epoch of the newest run", (), [((), st["epoch"])]))
-    if st.get("eta_s") is not None:
-        out.append(
-            _family("gauge", "ppserver_eta_seconds", "time left in the newest run's epoch", (), [((), st["eta_s"])])
-        )
+    out[0].add_metric([st.version, str(PROTOCOL)], 1.0)
+    if newest is not None:
+        out.append(_family("gauge", "ppserver_epoch", "epoch of the newest run", (), [((), newest.epoch)]))
+    eta = st.progress.eta_s
+    if eta is not None:
+        out.append(_family("gauge", "ppserver_eta_seconds", "time left in the newest run's epoch", (), [((), eta)]))
     return out

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ppserver.observe.progress import Sample, Window, progress_line, status_fields
+from ppserver.observe.progress import Progress, Sample, Window, progress_line, status_fields
 from ppserver.observe.stages import StageClock
+from ppserver.observe.status import ServerStatus
 from ppserver.scheduler import RunState, Scheduler
+from ppserver.scheduler.status import SchedulerStatus
 
 log = logging.getLogger("ppserver.progress")
 
@@ -51,7 +53,7 @@ class Monitor:
     def _running(self) -> Dict[int, int]:
         return {r.run: r.epoch for r in self.sched.runs.values() if r.state is RunState.RUNNING}
 
-    def tick(self, now: float, status: Callable[[], Dict[str, Any]]) -> None:
+    def tick(self, now: float, status: Callable[[], ServerStatus]) -> None:
         """Called by the loop's housekeeping; samples about once a second, logs every interval.
         A failure here is logged (at most once a minute) and never touches the epochs."""
         try:
@@ -61,7 +63,7 @@ class Monitor:
                 self.failed_at = now
                 log.exception("progress and metrics failed")
 
-    def _tick(self, now: float, status: Callable[[], Dict[str, Any]]) -> None:
+    def _tick(self, now: float, status: Callable[[], ServerStatus]) -> None:
         if self.window.due(now):
             stages = self.stages
             stages.prune(self.sched.runs)
@@ -78,11 +80,10 @@ class Monitor:
                 self.logged_at = now
                 self._log(status())
 
-    def _log(self, st: Dict[str, Any]) -> None:
-        held = st.get("held_back_by")
-        for run in st.get("progress", []):
-            log.info("%s", progress_line(run, held))
+    def _log(self, st: ServerStatus) -> None:
+        for run in st.progress.progress:
+            log.info("%s", progress_line(run, st.progress.held_back_by))
 
-    def status(self, st: Dict[str, Any]) -> Dict[str, Any]:
+    def status(self, st: SchedulerStatus) -> Progress:
         """The fields `ppserver status` adds to the scheduler's (see progress.status_fields)."""
         return status_fields(st, self.window, self._running())

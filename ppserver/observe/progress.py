@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional
+from typing import Deque, Dict, Optional, Sequence, Tuple
+
+from ppserver.scheduler.status import RankStatus, SchedulerStatus
 
 SAMPLE_S = 1.0
 WINDOW_S = 20.0
@@ -132,49 +134,75 @@ def held_back_by(window: Window, waiting_for: Optional[str], run: Optional[int] 
     return side_of(waiting_for)
 
 
-def run_progress(st: Dict[str, Any], window: Window, running: Dict[int, int]) -> List[Dict[str, Any]]:
+@dataclass(frozen=True)
+class RunProgress:
+    """A running run: seqs delivered and due, rolling rate and ETA (None: not known)."""
+
+    epoch: int
+    run: int
+    seqs_done: int
+    seqs_total: Optional[int]
+    seqs_per_sec: Optional[float]
+    eta_s: Optional[float]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the server adds to the scheduler's status: rate, ETA, holdup, stage times."""
+
+    rate_seqs_per_sec: float
+    rate_window_s: float
+    eta_s: Optional[float]  # of the newest run
+    held_back_by: Optional[str]  # one of SIDES, None when no run is live
+    advice: Optional[str]
+    stage_ms: Dict[str, Optional[float]]
+    progress: Tuple[RunProgress, ...]  # the running runs
+
+
+def run_progress(ranks: Sequence[RankStatus], window: Window, running: Dict[int, int]) -> Tuple[RunProgress, ...]:
     """Per running run (run id -> epoch): seqs delivered and due (over its connected ranks, from
     the status's `ranks`), rolling rate and ETA (None when the count or the rate is not known)."""
     out = []
     for run, epoch in sorted(running.items()):
-        ranks = [r for r in st.get("ranks", []) if r["run"] == run]
-        done = sum(r["position"] for r in ranks)
-        sizes = [r["shard_size"] for r in ranks]
-        total = sum(sizes) if ranks and None not in sizes else None
+        mine = [r for r in ranks if r.run == run]
+        done = sum(r.position for r in mine)
+        sizes = [r.shard_size for r in mine]
+        total = sum(s for s in sizes if s is not None) if mine and None not in sizes else None
         rate = window.run_rate(run)
         eta: Optional[float] = None
         if total is not None:
-            left = sum(max(r["shard_size"] - r["position"], 0) for r in ranks if not r["done"])
+            left = sum(max((r.shard_size or 0) - r.position, 0) for r in mine if not r.done)
             eta = 0.0 if left == 0 else left / rate if rate else None
         out.append(
-            {
-                "epoch": epoch,
-                "run": run,
-                "seqs_done": done,
-                "seqs_total": total,
-                "seqs_per_sec": None if rate is None else round(rate, 2),
-                "eta_s": None if eta is None else round(eta, 1),
-            }
+            RunProgress(
+                epoch=epoch,
+                run=run,
+                seqs_done=done,
+                seqs_total=total,
+                seqs_per_sec=None if rate is None else round(rate, 2),
+                eta_s=None if eta is None else round(eta, 1),
+            )
         )
-    return out
+    return tuple(out)
 
 
-def status_fields(st: Dict[str, Any], window: Window, running: Dict[int, int]) -> Dict[str, Any]:
+def status_fields(st: SchedulerStatus, window: Window, running: Dict[int, int]) -> Progress:
     """What `ppserver status` adds to the scheduler's status: rate, ETA, holdup, stage times."""
-    runs = run_progress(st, window, running)
-    last = next((r for r in runs if r["run"] == st.get("run")), None)
+    runs = run_progress(st.ranks, window, running)
+    newest = st.newest.run if st.newest is not None else None
+    last = next((r for r in runs if r.run == newest), None)
     rate = window.rate()
-    held = held_back_by(window, st.get("waiting_for"), st.get("run"))
+    held = held_back_by(window, st.newest.waiting_for if st.newest is not None else None, newest)
     stages = window.stage_ms()
-    return {
-        "rate_seqs_per_sec": round(rate, 2) if rate is not None else 0.0,
-        "rate_window_s": round(window.span(), 1),
-        "eta_s": last["eta_s"] if last is not None else None,
-        "held_back_by": held,
-        "advice": advice(held, stages),
-        "stage_ms": stages,
-        "progress": runs,
-    }
+    return Progress(
+        rate_seqs_per_sec=round(rate, 2) if rate is not None else 0.0,
+        rate_window_s=round(window.span(), 1),
+        eta_s=last.eta_s if last is not None else None,
+        held_back_by=held,
+        advice=advice(held, stages),
+        stage_ms=stages,
+        progress=runs,
+    )
 
 
 def advice(held_back: Optional[str], stage_ms: Dict[str, Optional[float]]) -> Optional[str]:
@@ -202,12 +230,12 @@ def format_eta(seconds: Optional[float]) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def progress_line(run: Dict[str, Any], held_back: Optional[str]) -> str:
+def progress_line(run: RunProgress, held_back: Optional[str]) -> str:
     """One running epoch in one line (the server logs it every progress_interval)."""
-    total = "?" if run["seqs_total"] is None else run["seqs_total"]
-    rate = "?" if run["seqs_per_sec"] is None else f"{run['seqs_per_sec']:.1f}"
+    total = "?" if run.seqs_total is None else run.seqs_total
+    rate = "?" if run.seqs_per_sec is None else f"{run.seqs_per_sec:.1f}"
     held = f", held back by the {held_back}" if held_back else ""
     return (
-        f"epoch {run['epoch']} (run {run['run']}): {run['seqs_done']}/{total} seqs, {rate} seqs/s, "
-        f"ETA {format_eta(run['eta_s'])}{held}"
+        f"epoch {run.epoch} (run {run.run}): {run.seqs_done}/{total} seqs, {rate} seqs/s, "
+        f"ETA {format_eta(run.eta_s)}{held}"
     )

@@ -5,7 +5,7 @@ This module holds the event table, the workers (registration, liveness, departur
 retirement) and the step after every event. The rest is by job: `requests` (refusals, the job, new runs, readers
 coming and going), `runs` (a run's life: the reader's answers, failing, ending), `delivery`
 (release in epoch order into the lanes within credit, ends), `status` (what a run waits for,
-keepalives, the status dict), `invariants` (what `validate` checks). What a task is and in
+keepalives, the typed status), `invariants` (what `validate` checks). What a task is and in
 what order outputs come is the business of the run's dispatch (`dispatch.Dispatch`):
 `SeqDispatch` for map_seq, `StreamDispatch` for map_seq_stream.
 """
@@ -28,6 +28,7 @@ from ppserver.scheduler.requests import MAX_READERS, Requests
 from ppserver.scheduler.runs import Lifecycle, run_open
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.skips import Skips
+from ppserver.scheduler.status import SchedulerStatus
 from ppserver.scheduler.story import WORKER, Entry, Story, parse_key
 from ppserver.scheduler.workers import Departure, WorkerState
 
@@ -60,7 +61,7 @@ class Scheduler:
         self.retiring: Set[bytes] = set()  # workers to tell to exit once they hold nothing
         self.handed_back = 0
         self.last_beat = float("-inf")
-        self.reader_busy = ""  # what the reader is doing, as the last Tick said
+        self.reader_busy: Optional[str] = None  # what the reader is doing, as the last Tick said (None: idle)
         self.now = 0.0  # the time of the event being handled
         self.stimuli = ev.Stimuli()  # names events that come without a stimulus id (tests)
         self.story_log = Story(settings.story_length)  # the moves, with their stimuli (story.py)
@@ -190,7 +191,7 @@ class Scheduler:
         return run.dispatch if run is not None else None
 
     # ---- what it tells ------------------------------------------------------------------------
-    def status(self, now: float) -> Dict[str, Any]:
+    def status(self, now: float) -> SchedulerStatus:
         return status.status(self, now)
 
     def validate(self) -> None:

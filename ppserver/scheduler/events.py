@@ -220,9 +220,10 @@ class RetireWorker(Event):
 @dataclass(frozen=True, slots=True)
 class Tick(Event):
     """Time passed: heartbeats are due, silent workers expire. `reader_busy` says what the
-    reader is doing when it has been at it for a while (e.g. "in get_seq for 12.0 s")."""
+    reader is doing when it has been at it for a while (e.g. "in get_seq for 12.0 s"; None: it
+    is not, or not for long)."""
 
-    reader_busy: str = ""
+    reader_busy: Optional[str] = None
 
 
 # ---- runs and the reader ------------------------------------------------------------------

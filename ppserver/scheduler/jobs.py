@@ -317,16 +317,5 @@ class Job:
         (else None: one lane's chunk is the epoch, in its order)."""
         return self.lanes if self.sharding == CONTIGUOUS and self.lanes > 1 else None
 
-    def describe(self) -> Dict[str, Any]:
-        return {
-            "name": self.name,
-            "world_size": self.world,
-            "drop_last": self.drop_last,
-            "subshards": self.subshards,
-            "batching": None if self.batching is None else self.batching.to_dict(),
-            "sharding": self.sharding,
-            "clients": len(self.clients),
-        }
-
     def lanes_of(self, consumer: bytes) -> List[Tuple[Run, Lane]]:
         return [(run, lane) for run in self.runs.values() for lane in run.lanes.values() if lane.consumer == consumer]

@@ -1,23 +1,109 @@
 """What the scheduler tells about itself: what a run waits for (in words), the keepalives that
-say so to its clients, and the status dict (`ppserver status`)."""
+say so to its clients, and its status (`ppserver status`), a typed value: the server adds its
+own part and turns the whole into the `status_reply` dict in one place (observe/status.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from ppclient.batching import Batching
 from ppclient.protocol import Keepalive
 from ppserver.scheduler.instructions import Instruction, ToClient
-from ppserver.scheduler.jobs import Lane, Run
+from ppserver.scheduler.jobs import Lane, Run, RunState
+from ppserver.scheduler.workers import Departure, WorkerState
 
 if TYPE_CHECKING:
     from ppserver.scheduler.core import Scheduler
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A connected worker."""
+
+    id: str
+    host: str
+    pid: int
+    local: bool  # a process of the server's own pool
+    seqs_done: int
+    in_flight: int  # tasks and stream partitions it holds
+    partitions: Tuple[int, ...]  # the stream partitions it holds
+    last_heartbeat_s: float
+    retiring: bool
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """The job the server serves."""
+
+    name: str
+    world_size: int
+    drop_last: bool
+    subshards: int
+    batching: Optional[Batching]
+    sharding: str
+    clients: int  # live clients
+    runs: Tuple[int, ...]  # its live runs
+    epochs: Tuple[int, ...]  # their epochs
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """A reader of the job with a live client, in one run."""
+
+    rank: int
+    subshard: int
+    epoch: int
+    run: int
+    solo: bool  # a rank's resume behind the job's main run
+    position: int  # the next position of its shard it gets
+    shard_size: Optional[int]  # None: not known yet
+    seqs_per_sec: float
+    done: bool
+    last_heard_s: Optional[float]  # None: its client is gone
+    credit: int
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """The newest run, live or not."""
+
+    epoch: int
+    run: int
+    state: RunState
+    num_seqs: Optional[int]  # outputs of the epoch, once known
+    seqs_delivered: int
+    seqs_skipped: int
+    seqs_per_sec: float
+    mb_delivered: float
+    error: Optional[str]
+    waiting_for: Optional[str]  # what it waits for (holdup), while live
+    queues: Dict[str, int]  # what waits where (its dispatch's, while live), and the lanes' credit
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """What the scheduler tells about itself at one time."""
+
+    workers: Tuple[WorkerStatus, ...]
+    seqs_delivered_total: int
+    seqs_skipped_total: int
+    malformed_results: int
+    lost_direct_results: int
+    lost_inputs: int
+    dropped_by_workers: int
+    departures: Dict[Departure, int]
+    handed_back: int
+    job: Optional[JobStatus]
+    ranks: Tuple[RankStatus, ...]
+    newest: Optional[RunStatus]  # None: no run yet (idle)
 
 
 def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
     """What the run (or a rank of it) waits for, in words (keepalives and status), and whether
     that is other readers whose clients live (their batch sizes, or room for their seqs)."""
     if run.dispatch is None:
-        busy = f" ({s.reader_busy})" if s.reader_busy else ""
+        busy = f" ({s.reader_busy})" if s.reader_busy is not None else ""
         return f"the dataset to set up the epoch{busy}", False
     job = run.job
     if not s.workers:
@@ -33,7 +119,7 @@ def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bo
     q = run.dispatch.queues()
     if q["in_flight"]:
         return f"the workers ({q['in_flight']} in flight)", False
-    if s.reader_busy:
+    if s.reader_busy is not None:
         return f"the dataset ({s.reader_busy})", False
     return "the dataset", False
 
@@ -55,86 +141,94 @@ def keepalives(s: Scheduler, out: List[Instruction]) -> None:
                 out.append(ToClient(lane.consumer, msg))
 
 
-def status(s: Scheduler, now: float) -> Dict[str, Any]:
-    st: Dict[str, Any] = {
-        "workers_alive": len(s.workers),
-        "workers": [w.describe(now) for w in s.workers.values()],
-        "seqs_delivered_total": s.total_delivered,
-        "seqs_skipped_total": s.skips.total,
-        "malformed_results": s.malformed_results,
-        "lost_direct_results": s.lost_direct,
-        "lost_inputs": s.lost_inputs,
-        "dropped_by_workers": s.dropped_by_workers,
-        "departures": {d.value: n for d, n in s.departures.items()},
-        "handed_back": s.handed_back,
-        "job": None,
-        "ranks": [],
-    }
+def status(s: Scheduler, now: float) -> SchedulerStatus:
     job = s.job
+    ranks: List[RankStatus] = []
     if job is not None:
-        st["job"] = {**job.describe(), "runs": sorted(job.runs), "epochs": sorted({r.epoch for r in job.runs.values()})}
         for run in sorted(job.runs.values(), key=lambda r: r.run):
             for _, lane in sorted(run.lanes.items()):
                 if lane.consumer is not None and not lane.gone:
-                    st["ranks"].append(_rank(s, run, lane, now))
-    last = s.last_run
-    if last is None:
-        st.update(
-            {
-                "epoch": None,
-                "run": None,
-                "state": "idle",
-                "seqs_delivered": 0,
-                "seqs_skipped": 0,
-                "num_seqs": None,
-                "seqs_per_sec": 0.0,
-                "mb_delivered": 0.0,
-                "error": None,
-                "waiting_for": None,
-                "queues": {},
-            }
-        )
-        return st
+                    ranks.append(_rank(run, lane, now))
+    return SchedulerStatus(
+        workers=tuple(_worker(w, now) for w in s.workers.values()),
+        seqs_delivered_total=s.total_delivered,
+        seqs_skipped_total=s.skips.total,
+        malformed_results=s.malformed_results,
+        lost_direct_results=s.lost_direct,
+        lost_inputs=s.lost_inputs,
+        dropped_by_workers=s.dropped_by_workers,
+        departures=dict(s.departures),
+        handed_back=s.handed_back,
+        job=None
+        if job is None
+        else JobStatus(
+            name=job.name,
+            world_size=job.world,
+            drop_last=job.drop_last,
+            subshards=job.subshards,
+            batching=job.batching,
+            sharding=job.sharding,
+            clients=len(job.clients),
+            runs=tuple(sorted(job.runs)),
+            epochs=tuple(sorted({r.epoch for r in job.runs.values()})),
+        ),
+        ranks=tuple(ranks),
+        newest=None if s.last_run is None else _newest(s, s.last_run, now),
+    )
+
+
+def _worker(w: WorkerState, now: float) -> WorkerStatus:
+    return WorkerStatus(
+        id=w.name,
+        host=w.host,
+        pid=w.pid,
+        local=w.local_index is not None,
+        seqs_done=w.done,
+        in_flight=len(w.tasks) + len(w.partitions),
+        partitions=tuple(sorted(p for _, p in w.partitions)),
+        last_heartbeat_s=round(now - w.last_seen, 3),
+        retiring=w.retiring,
+    )
+
+
+def _newest(s: Scheduler, last: Run, now: float) -> RunStatus:
     began = last.started if last.started is not None else last.requested
     end = now if last.ended is None else last.ended
     delivered = sum(lane.delivered for lane in last.lanes.values())
-    st.update(
-        {
-            "epoch": last.epoch,
-            "run": last.run,
-            "state": last.state.value,
-            "num_seqs": last.total,
-            "seqs_delivered": delivered,
-            "seqs_skipped": last.skipped,
-            "seqs_per_sec": round(delivered / max(end - began, 1e-9), 2),
-            "mb_delivered": round(sum(lane.delivered_bytes for lane in last.lanes.values()) / 1e6, 3),
-            "error": last.error,
-            "waiting_for": holdup(s, last)[0] if last.live else None,
-            "queues": {
-                **(last.dispatch.queues() if last.dispatch is not None and last.live else {}),
-                "client_credit": sum(max(lane.credit, 0) for lane in last.lanes.values() if lane.live),
-            },
-        }
+    return RunStatus(
+        epoch=last.epoch,
+        run=last.run,
+        state=last.state,
+        num_seqs=last.total,
+        seqs_delivered=delivered,
+        seqs_skipped=last.skipped,
+        seqs_per_sec=round(delivered / max(end - began, 1e-9), 2),
+        mb_delivered=round(sum(lane.delivered_bytes for lane in last.lanes.values()) / 1e6, 3),
+        error=last.error,
+        waiting_for=holdup(s, last)[0] if last.live else None,
+        queues={
+            **(last.dispatch.queues() if last.dispatch is not None and last.live else {}),
+            "client_credit": sum(max(lane.credit, 0) for lane in last.lanes.values() if lane.live),
+        },
     )
-    return st
 
 
-def _rank(s: Scheduler, run: Run, lane: Lane, now: float) -> Dict[str, Any]:
+def _rank(run: Run, lane: Lane, now: float) -> RankStatus:
     """A reader of the job, for status."""
     job = run.job
     took = max(now - lane.attached_at, 1e-9)
     client = job.clients.get(lane.consumer) if lane.consumer is not None else None
     rank, subshard = job.reader_of(lane.index)
-    return {
-        "rank": rank,
-        "subshard": subshard,
-        "epoch": run.epoch,
-        "run": run.run,
-        "solo": run.solo is not None,
-        "position": lane.start + lane.delivered,
-        "shard_size": run.shard_size(lane.index),
-        "seqs_per_sec": round(lane.delivered / took, 2),
-        "done": lane.done,
-        "last_heard_s": round(now - client.alive_at, 1) if client is not None else None,
-        "credit": max(lane.credit, 0),
-    }
+    return RankStatus(
+        rank=rank,
+        subshard=subshard,
+        epoch=run.epoch,
+        run=run.run,
+        solo=run.solo is not None,
+        position=lane.start + lane.delivered,
+        shard_size=run.shard_size(lane.index),
+        seqs_per_sec=round(lane.delivered / took, 2),
+        done=lane.done,
+        last_heard_s=round(now - client.alive_at, 1) if client is not None else None,
+        credit=max(lane.credit, 0),
+    )

@@ -95,16 +95,3 @@ class WorkerState:
     @property
     def holds_nothing(self) -> bool:
         return not self.tasks and not self.partitions
-
-    def describe(self, now: float) -> Dict[str, Any]:
-        return {
-            "id": self.name,
-            "host": self.host,
-            "pid": self.pid,
-            "local": self.local_index is not None,
-            "seqs_done": self.done,
-            "in_flight": len(self.tasks) + len(self.partitions),
-            "partitions": sorted(p for _, p in self.partitions),
-            "last_heartbeat_s": round(now - self.last_seen, 3),
-            "retiring": self.retiring,
-        }

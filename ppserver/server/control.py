@@ -23,6 +23,7 @@ from ppserver.config.fingerprint import SERVED_COVERS
 from ppserver.config.settings import Config
 from ppserver.config.table import STREAM_DURATIONS
 from ppserver.errors import ConfigError
+from ppserver.observe.status import ServerStatus
 from ppserver.scheduler import Instruction, Scheduler
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.story import parse_key
@@ -45,7 +46,7 @@ class Control:
         sched: Scheduler,
         *,
         info: Dict[str, Any],
-        status: Callable[[], Dict[str, Any]],
+        status: Callable[[], ServerStatus],
         worker_address: Callable[[], str],
         observe: Callable[[ev.Event], None] = lambda event: None,
         length_keys: Tuple[str, ...] = (),
@@ -68,7 +69,7 @@ class Control:
         sched.next_run = random.getrandbits(40)
         self.replies: Dict[type, Callable[[], protocol.Message]] = {
             protocol.InfoRequest: lambda: protocol.InfoReply(**self.info),
-            protocol.StatusRequest: lambda: protocol.StatusReply(status=self.status()),
+            protocol.StatusRequest: lambda: protocol.StatusReply(status=self.status().to_wire()),
             protocol.DiscoverRequest: lambda: protocol.DiscoverReply(worker_endpoint=self.worker_address()),
         }
 

@@ -40,6 +40,7 @@ from ppserver.config.settings import Config
 from ppserver.datasets import make_dataset
 from ppserver.errors import ConfigError, Stopped, one_line
 from ppserver.observe.monitor import Monitor
+from ppserver.observe.status import ServerStatus
 from ppserver.scheduler import (
     Instruction,
     Prepare,
@@ -392,25 +393,24 @@ class Server:
         random_access = getattr(self.dataset, "random_access", True)
         return [STRIDED, CONTIGUOUS] if random_access and not self.cfg.is_stream else [STRIDED]
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> ServerStatus:
         now = time.monotonic()
         st = self.sched.status(now)
-        st.update(
-            {
-                "address": self.address,
-                "worker_address": self.worker_address,
-                "version": ppclient.__version__,
-                "uptime_s": round(now - self.started, 1),
-                "local_workers": self.pool.alive() if self.pool else 0,
-                "local_worker_respawns": self.pool.respawns if self.pool else 0,
-                "malformed_messages": self.malformed.count,
-                "refused_handshakes": self.refused.count,
-                "dataset": self.reader.describe_busy(now) or "idle",
-                "pool": self.sizer.status(now),
-            }
+        busy = self.reader.describe_busy(now)
+        return ServerStatus(
+            scheduler=st,
+            address=self.address,
+            worker_address=self.worker_address,
+            version=ppclient.__version__,
+            uptime_s=round(now - self.started, 1),
+            local_workers=self.pool.alive() if self.pool else 0,
+            local_worker_respawns=self.pool.respawns if self.pool else 0,
+            malformed_messages=self.malformed.count,
+            refused_handshakes=self.refused.count,
+            dataset=busy if busy is not None else "idle",
+            pool=self.sizer.status(now),
+            progress=self.monitor.status(st),
         )
-        st.update(self.monitor.status(st))
-        return st
 
     # ---- periodic -----------------------------------------------------------------------------
     def _housekeeping(self) -> None:

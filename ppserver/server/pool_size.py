@@ -24,6 +24,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from ppclient import protocol
 from ppserver.observe.progress import side_of
 from ppserver.observe.stages import StageClock
+from ppserver.observe.status import PoolChange, PoolHost, PoolStatus
 from ppserver.scheduler import Scheduler, WorkerState
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.elastic import Action, Decision, Elastic, Limits, PoolSample
@@ -208,33 +209,26 @@ class PoolSize:
     def wanted(self) -> int:
         return self.policy.wanted if self.policy is not None else self.serving()
 
-    def status(self, now: float) -> Dict[str, Any]:
+    def status(self, now: float) -> PoolStatus:
         lim = self.limits
-        return {
-            "auto": lim is not None,
-            "current": self.serving(),
-            "wanted": self.wanted(),
-            "min": lim.min_workers if lim is not None else None,
-            "max_local": self.local_max if lim is not None else None,
-            "capacity": self.capacity(),
-            "why": self.policy.why if self.policy is not None else "a fixed pool",
-            "changes": [
-                {
-                    "ago_s": round(now - c.at, 1),
-                    "action": c.action,
-                    "reason": c.reason,
-                    "text": c.text,
-                    "from": c.before,
-                    "to": c.after,
-                }
+        return PoolStatus(
+            auto=lim is not None,
+            current=self.serving(),
+            wanted=self.wanted(),
+            min=lim.min_workers if lim is not None else None,
+            max_local=self.local_max if lim is not None else None,
+            capacity=self.capacity(),
+            why=self.policy.why if self.policy is not None else "a fixed pool",
+            changes=tuple(
+                PoolChange(round(now - c.at, 1), c.action, c.reason, c.text, c.before, c.after)
                 for c in reversed(self.changes)
-            ],
-            "changes_total": [[d, r, n] for (d, r), n in sorted(self.counts.items())],
-            "hosts": [
-                {"host": h.host, "procs": len(h.pids), "wanted": h.wanted, "max_procs": h.max_procs}
+            ),
+            changes_total=tuple((d, r, n) for (d, r), n in sorted(self.counts.items())),
+            hosts=tuple(
+                PoolHost(h.host, len(h.pids), h.wanted, h.max_procs)
                 for h in sorted(self.hosts.values(), key=lambda h: h.host)
-            ],
-        }
+            ),
+        )
 
 
 def local_limits(cfg: Any, cores: Optional[int]) -> Tuple[Limits, int]:

@@ -131,10 +131,11 @@ class Reader(threading.Thread):
         """Reading inputs the loop may not have been woken for: it should look in every few ms."""
         return self.outbox.unannounced > 0 or any(self.runs.values())
 
-    def describe_busy(self, now: float) -> str:
+    def describe_busy(self, now: float) -> Optional[str]:
+        """The dataset call under way in words, once it has taken BUSY_REPORT_S (None before)."""
         busy = self.busy
         if busy is None or now - busy[2] < BUSY_REPORT_S:
-            return ""
+            return None
         what, arg, since = busy
         return f"in {what}({arg}) for {now - since:.1f} s"
 

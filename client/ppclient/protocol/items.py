@@ -112,11 +112,10 @@ class Batch:
 
     pos: int
     items: List[Item]
-    nbytes: int = -1  # of its arrays (counted when made)
+    nbytes: int = field(init=False)  # of its arrays, counted when made (its items are all there by then)
 
     def __post_init__(self) -> None:
-        if self.nbytes < 0:
-            self.nbytes = sum(item.nbytes for item in self.items)
+        self.nbytes = sum(item.nbytes for item in self.items)
 
     @property
     def seq_tag(self) -> Optional[str]:
