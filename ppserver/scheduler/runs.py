@@ -161,7 +161,7 @@ class Lifecycle:
     def check_finished(self, run: Run, out: List[Instruction]) -> None:
         """A run ends when every lane has settled: ended (its direct seqs all taken) or left."""
         if run.live and not run.expecting() and all(lane.settled for lane in run.lanes.values()):
-            done = any(lane.done for lane in run.lanes.values())
+            done = any(lane.ended for lane in run.lanes.values())
             self.close(run, RunState.DONE if done else RunState.SUPERSEDED, out)
 
     def close(self, run: Run, state: RunState, out: List[Instruction]) -> None:
