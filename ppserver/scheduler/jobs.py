@@ -45,7 +45,14 @@ if TYPE_CHECKING:
 
 
 class RunState(enum.Enum):
-    """A run's life (docs/protocol.md, run states): live while preparing or running."""
+    """A run's life (docs/protocol.md, run states); runs.py makes the moves:
+
+        preparing ─started─► running ─every lane settled, one having ended─► done
+        preparing ─the request refused, a dataset or server failure─► failed
+        running ─a mapper, dataset or server failure─► failed
+        preparing, running ─newer runs took its lanes over, or its readers all left─► superseded
+
+    Live while preparing or running; an ended run is never live again."""
 
     PREPARING = "preparing"  # the reader checks the request and sets the epoch up
     RUNNING = "running"

@@ -1,11 +1,8 @@
 """A run's life: the reader's answers while it prepares, its dispatch while it runs, and how it
-ends (docs/protocol.md, run states).
-
-preparing ─started─► running ─every lane settled─► done; either one ─► failed (a mapper,
-dataset, request or server failure) or superseded (a newer run took its lanes over, or its
-readers all left). An ended run is forgotten at once: its workers drop it (`run_close`), the
-reader stops reading it, and only a client that has not connected yet still hears its last
-words (`unheard`, briefly).
+ends. Its states and their moves are `jobs.RunState`'s, beside the Run that holds one
+(docs/protocol.md, run states); this module makes the moves, each told to the story. An ended
+run is forgotten at once: its workers drop it (`run_close`), the reader stops reading it, and
+only a client that has not connected yet still hears its last words (`unheard`, briefly).
 """
 
 from __future__ import annotations
