@@ -16,7 +16,7 @@ from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.delivery import StreamCut, flush, to_lane
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker
-from ppserver.scheduler.jobs import Run, RunState
+from ppserver.scheduler.jobs import GONE, Run, RunState
 from ppserver.scheduler.seqs import SeqDispatch
 from ppserver.scheduler.settings import Failure
 from ppserver.scheduler.story import RUN
@@ -96,7 +96,7 @@ class Lifecycle:
 
         def route(pos: int) -> Optional[bytes]:
             lane = lanes.get(pos % width)
-            if lane is None or not lane.direct or lane.gone:
+            if lane is None or not lane.direct or lane.state is GONE:
                 return None
             return lane.consumer
 
