@@ -74,7 +74,7 @@ def test_a_move_off_the_table_raises_and_leaves_the_lane_as_it_was(state: LaneSt
 
 
 @pytest.mark.parametrize("state", list(LaneState))
-def test_every_state_may_be_attached_and_every_live_one_may_leave(state: LaneState):
+def test_every_state_may_be_attached_and_every_one_but_gone_may_leave(state: LaneState):
     consumer = None if state is AWAITED else b"c0"
     lane = Lane(index=0, state=state, consumer=consumer)
     lane.attach(b"c9", 0, now=0.0, lanes=1)
