@@ -3,8 +3,9 @@
 `events` lists what can happen, `instructions` what the server is asked to do. `core` holds the
 event table and the workers; `requests` the job and who reads which run, `runs` a run's life,
 `delivery` the release into the lanes, `status` what it tells, `invariants` what `validate`
-checks. `jobs` holds the job's runs and their per-rank lanes; `dispatch` the one interface of
-the two mapper styles' dispatch, `seqs` (with its states in `seqstates`) and `streams`.
+checks. `jobs` holds the job's runs and their per-rank lanes, with the states of both;
+`dispatch` the one interface of the two mapper styles' dispatch, `seqs` (with its states in
+`seqstates`) and `streams`.
 `elastic` is a pure state machine of its own beside it: how many workers the pool should have.
 """
 
@@ -12,7 +13,7 @@ from ppserver.scheduler import events
 from ppserver.scheduler.core import MAX_READERS, Scheduler
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
-from ppserver.scheduler.jobs import Job, Lane, Run, RunState
+from ppserver.scheduler.jobs import Job, Lane, LaneState, Run, RunState
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.workers import Departure, InputPath, InputWay, WorkerState
 
@@ -31,6 +32,7 @@ __all__ = [
     "ToWorker",
     "Job",
     "Lane",
+    "LaneState",
     "Run",
     "RunState",
     "Failure",

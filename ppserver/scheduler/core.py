@@ -200,13 +200,13 @@ class Scheduler:
         invariants.validate(self)
 
     def lanes(self, run_id: int) -> Dict[int, str]:
-        """The lanes of a live run that have state of their own, and what each is: "reading",
-        "done", "gone" or "awaited" (no reader yet). A lane gets state when its reader comes or
-        leaves (jobs.py), so a job's world_size costs nothing by itself."""
+        """The lanes of a live run that have state of their own, and the word of each one's state
+        (jobs.LaneState): "reading", "done", "gone" or "awaited" (no reader yet). A lane gets state
+        when its reader comes or leaves (jobs.py), so a job's world_size costs nothing by itself."""
         run = self.runs.get(run_id)
         if run is None:
             return {}
-        return {index: _lane_word(lane) for index, lane in sorted(run.lanes.items())}
+        return {index: lane.state.value for index, lane in sorted(run.lanes.items())}
 
     def held_inputs(self, run_id: int) -> List[int]:
         """The positions of a run whose inputs the server holds: to map, in flight (also for a seq
@@ -436,11 +436,3 @@ class Scheduler:
         d = self.dispatch_of(e.run)
         if d is not None and d.stream_failed(self.workers[e.wid], e.partition, e.incarnation):
             self.lifecycle.fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
-
-
-def _lane_word(lane: Lane) -> str:
-    if lane.gone:
-        return "gone"
-    if lane.done:
-        return "done"
-    return "reading" if lane.consumer is not None else "awaited"

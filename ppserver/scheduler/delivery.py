@@ -28,7 +28,7 @@ from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.dispatch import Room
 from ppserver.scheduler.instructions import Instruction, ToClient
-from ppserver.scheduler.jobs import Lane, Run
+from ppserver.scheduler.jobs import GONE, READING, Lane, Run
 from ppserver.scheduler.settings import Failure
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class Delivery:
                     return True
                 run.held_by = pos % width
                 return False
-            if lane.gone or pos // width < lane.start:
+            if lane.state is GONE or pos // width < lane.start:
                 return True
             run.held_by = lane.index  # (until it has room: then the release goes on past it)
             if lane.consumer is None:
@@ -167,11 +167,11 @@ class Delivery:
     def _finish_lanes(self, run: Run, out: List[Instruction]) -> None:
         job = run.job
         for lane in run.lanes.values():
-            if lane.done or lane.gone or lane.consumer is None:
+            if lane.state is not READING:
                 continue
             size = run.shard_size(lane.index)
             if size is not None and not lane.ready and max(lane.released, lane.start) >= size:
-                lane.done = True
+                lane.end()
                 job.finish(run.epoch, lane.index)
                 to_lane(lane, End(run=run.run, count=lane.delivered), out)
                 unit = job.units
@@ -207,7 +207,7 @@ class Delivery:
             lane.consumed = min(e.consumed, lane.delivered)
             if run.dispatch is not None:
                 run.dispatch.forget(lane.index, lane.start + lane.consumed)
-            if lane.done:
+            if lane.ended:
                 self.s.lifecycle.check_finished(run, out)
         if not lane.connected:
             lane.connected = True
@@ -269,7 +269,7 @@ def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:
     index = item.pos // width
     if index >= lane.released:
         lane.released = index + 1
-    if lane.gone or index < lane.start or (end is not None and item.pos >= end):
+    if lane.state is GONE or index < lane.start or (end is not None and item.pos >= end):
         return  # no one wants it
     lane.ready.append(item)
 

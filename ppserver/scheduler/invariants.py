@@ -7,9 +7,11 @@ stream partition it holds belongs to a live run's dispatch, which says the same 
 checks its own side: `Dispatch.validate`); it retains inputs only of runs that ended. A
 retiring worker is told to exit once it holds nothing, at once (between events none waits).
 Runs: the live runs are the job's, preparing (no dispatch yet) or running; an ended run holds
-nothing. Lanes: a lane's index is its key; its consumer has taken no more than it was sent, and
-was sent no more than it granted, all of it released from its start on; nothing waits to be
-sent between events; messages are held only for a client that has not connected.
+nothing. Lanes: a lane's index is its key; its fields agree with its state (a client while
+reading or done, End sent exactly when done, unless it left since); its consumer has taken no
+more than it was sent, and was sent no more than it granted, all of it released from its start
+on; nothing waits to be sent between events; messages are held only for a client that has not
+connected.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ppserver.scheduler.delivery import MAX_GRANT_AHEAD
-from ppserver.scheduler.jobs import Lane, Run, RunState
+from ppserver.scheduler.jobs import DONE, GONE, READING, Lane, Run, RunState
 
 if TYPE_CHECKING:
     from ppserver.scheduler.core import Scheduler
@@ -88,8 +90,14 @@ def _lane(s: Scheduler, run: Run, lane: Lane) -> None:
     assert lane.start + lane.delivered <= max(lane.start, lane.released), (
         f"{where}: {lane.delivered} sent from index {lane.start}, yet only {lane.released} released"
     )
-    assert not lane.done or lane.consumer is not None, f"{where}: ended without a client"
+    state = lane.state
+    assert state is GONE or (lane.consumer is not None) == (state is READING or state is DONE), (
+        f"{where}: {state.value}, with client {lane.consumer!r}"
+    )
+    sent = "was" if lane.ended else "not"
+    assert state is GONE or lane.ended == (state is DONE), f"{where}: {state.value}, yet End {sent} sent"
+    assert not lane.connected or lane.consumer is not None, f"{where}: connected without a client"
     assert not lane.held or not lane.connected, f"{where}: messages held for a client that connected"
     job = run.job
-    if lane.consumer is not None and not lane.gone:
+    if state is READING or state is DONE:
         assert lane.consumer in job.clients, f"{where}: its client {lane.consumer!r} is gone, yet the lane is not"

@@ -45,7 +45,14 @@ if TYPE_CHECKING:
 
 
 class RunState(enum.Enum):
-    """A run's life (docs/protocol.md, run states): live while preparing or running."""
+    """A run's life (docs/protocol.md, run states); runs.py makes the moves:
+
+        preparing ─started─► running ─every lane settled, one having ended─► done
+        preparing ─the request refused, a dataset or server failure─► failed
+        running ─a mapper, dataset or server failure─► failed
+        preparing, running ─newer runs took its lanes over, or its readers all left─► superseded
+
+    Live while preparing or running; an ended run is never live again."""
 
     PREPARING = "preparing"  # the reader checks the request and sets the epoch up
     RUNNING = "running"
@@ -67,18 +74,48 @@ RUN_MOVES: Dict[RunState, Tuple[RunState, ...]] = {
 _LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow on the hot path)
 
 
+class LaneState(enum.Enum):
+    """A lane's life in a run (its value is the word `Scheduler.lanes` gives); the Lane's
+    methods make the moves:
+
+        awaited ─attach─► reading ─end─► done
+        reading, done ─attach (a client takes the lane over)─► reading
+        awaited, reading, done ─leave─► gone
+        gone ─attach─► reading   (only a solo run's own lane, made up gone until its reader takes it)
+
+    A lane without state of its own is awaited (gone, in a solo run) from the run's `base` on."""
+
+    AWAITED = "awaited"  # its reader has not come: its seqs wait for it (and so does the epoch)
+    READING = "reading"  # a client reads it
+    DONE = "done"  # End was sent: its whole shard went out
+    GONE = "gone"  # its reader left this run (another epoch, a resume elsewhere, dead): its seqs are dropped
+
+
+AWAITED, READING, DONE, GONE = LaneState  # (the enum's own lookup is slow on the hot path)
+
+# The moves a lane's state may make.
+LANE_MOVES: Dict[LaneState, Tuple[LaneState, ...]] = {
+    AWAITED: (READING, GONE),
+    READING: (READING, DONE, GONE),
+    DONE: (READING, GONE),
+    GONE: (READING,),
+}
+
+
 @dataclass
 class Lane:
     """The lane at `index` of a run (a reader's, ppclient/shards.py): positions index,
     index + lanes, ... from index `start` of the lane on. Its consumer has taken (`consumed`) no
     more than it was sent (`delivered`), which is no more than it granted nor than was released
-    from `start` on; between events nothing waits in `ready`."""
+    from `start` on; between events nothing waits in `ready`. `state` moves only through
+    attach, end and leave (LANE_MOVES); `consumer` is set while it is reading or done (and kept
+    once it left, so its client's late words still find it)."""
 
     index: int
     start: int = 0  # index in the lane of the first seq delivered (the ones before are dropped)
-    consumer: Optional[bytes] = None  # the client's data socket; None: the rank has not come (or left)
-    gone: bool = False  # the rank left this run (another epoch, a resume elsewhere, dead): drop its seqs
-    done: bool = False  # End was sent
+    state: LaneState = AWAITED
+    consumer: Optional[bytes] = None  # the client's data socket; None: the rank has not come
+    ended: bool = False  # End was sent to its consumer (kept if it leaves after: the run counts as done)
     connected: bool = False  # a credit arrived, so the data socket reaches us
     held: List[ToClient] = field(default_factory=list)  # waiting for the data socket
     granted: int = 0  # cumulative, from the current consumer
@@ -95,25 +132,52 @@ class Lane:
         return self.granted - self.delivered
 
     @property
+    def gone(self) -> bool:
+        """Its reader left this run: its seqs are dropped."""
+        return self.state is GONE
+
+    @property
+    def done(self) -> bool:
+        """End was sent, and it has not left since."""
+        return self.state is DONE
+
+    @property
     def live(self) -> bool:
-        return self.consumer is not None and not self.gone and not self.done
+        return self.state is READING
 
     @property
     def settled(self) -> bool:
         """Nothing is left to do for it: it left, or it ended and (direct results) its consumer
         said it took every seq, so none can still turn out lost."""
-        return self.gone or (self.done and (not self.direct or self.consumed >= self.delivered))
+        state = self.state
+        return state is GONE or (state is DONE and (not self.direct or self.consumed >= self.delivered))
+
+    def _to(self, state: LaneState) -> None:
+        """Move the lane to `state` (only along LANE_MOVES)."""
+        if state not in LANE_MOVES[self.state]:
+            raise AssertionError(f"lane {self.index}: {self.state.value} -> {state.value} is not a move of a lane")
+        self.state = state
 
     def attach(self, consumer: bytes, start: int, now: float, lanes: int) -> None:
         """A (new) client takes the lane over from index `start` (>= released): what was released
         for it and not yet delivered is kept, the rest before `start` is dropped."""
+        self._to(READING)
         self.consumer = consumer
         self.start = start
         self.attached_at = now
-        self.gone = self.done = self.connected = False
+        self.ended = self.connected = False
         self.held = []
         self.granted = self.delivered = self.delivered_bytes = self.consumed = 0
         self.ready = deque(item for item in self.ready if item.pos // lanes >= start)
+
+    def end(self) -> None:
+        """Its whole shard went out: End is sent to its consumer."""
+        self._to(DONE)
+        self.ended = True
+
+    def leave(self) -> None:
+        """Its reader left this run: what is released for it from now on is dropped."""
+        self._to(GONE)
 
 
 @dataclass
@@ -170,7 +234,9 @@ class Run:
     def view(self, index: int) -> Lane:
         """The lane's state; for a lane without state of its own, made up and not kept."""
         lane = self.lanes.get(index)
-        return lane if lane is not None else Lane(index=index, start=self.base, gone=self.absent_gone)
+        if lane is None:
+            lane = Lane(index=index, start=self.base, state=GONE if self.absent_gone else AWAITED)
+        return lane
 
     def lane(self, index: int) -> Lane:
         """The lane's state, kept from now on (its reader comes, or it leaves the run)."""
@@ -188,7 +254,7 @@ class Run:
         lane = self.lanes.get(pos % self.job.lanes)
         if lane is None:
             return not self.absent_gone and pos // self.job.lanes >= self.base
-        return not lane.gone and pos // self.job.lanes >= lane.start
+        return lane.state is not GONE and pos // self.job.lanes >= lane.start
 
     def expecting(self, besides: Optional[int] = None) -> bool:
         """Whether a lane without state of its own (other than `besides`) is still expected: its
@@ -205,7 +271,9 @@ class Run:
         width = self.width
         row, col = divmod(pos, width)
         found = [
-            max(row + (index < col), lane.start) * width + index for index, lane in self.lanes.items() if not lane.gone
+            max(row + (index < col), lane.start) * width + index
+            for index, lane in self.lanes.items()
+            if lane.state is not GONE
         ]
         if self.expecting():  # the first lane without state of its own at or after pos, from row `base` on
             at = max(row, self.base)
@@ -222,7 +290,7 @@ class Run:
         found: List[int] = []
         for index in indices:
             lane = self.lanes.get(index)
-            if lane is None or (lane.consumer is None and not lane.gone):
+            if lane is None or lane.state is AWAITED:
                 found.append(index)
                 if len(found) == limit:
                     break
@@ -282,7 +350,7 @@ class Job:
         lanes = set(self.finished.get(epoch, ()))
         for run in self.runs.values():
             if run.epoch >= epoch:
-                lanes.update(i for i, lane in run.lanes.items() if not lane.gone and lane.consumer is not None)
+                lanes.update(i for i, lane in run.lanes.items() if lane.state is READING or lane.state is DONE)
         return lanes
 
     @property

@@ -19,7 +19,7 @@ from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorR
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.delivery import to_lane
 from ppserver.scheduler.instructions import Instruction, Prepare, Reply, ToWorker
-from ppserver.scheduler.jobs import Client, Job, Lane, Run
+from ppserver.scheduler.jobs import Client, Job, Lane, LaneState, Run
 from ppserver.scheduler.story import RUN
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class Requests:
         # state of its own only when its reader comes, or here if it is not expected.
         if solo is None:
             for index in job.unexpected(e.epoch) - {e.lane}:
-                run.lanes[index] = Lane(index=index, start=e.start, gone=True)
+                run.lanes[index] = Lane(index=index, start=e.start, state=LaneState.GONE)
         job.runs[run.run] = run
         self.s.runs[run.run] = run
         self.s.last_run = run
@@ -158,7 +158,7 @@ class Requests:
             lane = other.lane(index)
             if lane.consumer is not None and not lane.done:
                 to_lane(lane, Superseded(run=other.run, epoch=run.epoch), out)
-            lane.gone = True
+            lane.leave()
             self.s.lifecycle.check_finished(other, out)
 
     # ---- clients -------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class Requests:
                 continue
             who = job.who(lane.index)
             log.warning("%s of job %r (epoch %d, run %d) gone: client %s", who, job.name, run.epoch, run.run, why)
-            lane.gone = True
+            lane.leave()
             self.s.lifecycle.check_finished(run, out)
 
 

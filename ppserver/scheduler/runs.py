@@ -1,11 +1,8 @@
 """A run's life: the reader's answers while it prepares, its dispatch while it runs, and how it
-ends (docs/protocol.md, run states).
-
-preparing ─started─► running ─every lane settled─► done; either one ─► failed (a mapper,
-dataset, request or server failure) or superseded (a newer run took its lanes over, or its
-readers all left). An ended run is forgotten at once: its workers drop it (`run_close`), the
-reader stops reading it, and only a client that has not connected yet still hears its last
-words (`unheard`, briefly).
+ends. Its states and their moves are `jobs.RunState`'s, beside the Run that holds one
+(docs/protocol.md, run states); this module makes the moves, each told to the story. An ended
+run is forgotten at once: its workers drop it (`run_close`), the reader stops reading it, and
+only a client that has not connected yet still hears its last words (`unheard`, briefly).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.delivery import StreamCut, flush, to_lane
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker
-from ppserver.scheduler.jobs import Run, RunState
+from ppserver.scheduler.jobs import GONE, Run, RunState
 from ppserver.scheduler.seqs import SeqDispatch
 from ppserver.scheduler.settings import Failure
 from ppserver.scheduler.story import RUN
@@ -99,7 +96,7 @@ class Lifecycle:
 
         def route(pos: int) -> Optional[bytes]:
             lane = lanes.get(pos % width)
-            if lane is None or not lane.direct or lane.gone:
+            if lane is None or not lane.direct or lane.state is GONE:
                 return None
             return lane.consumer
 
@@ -161,7 +158,7 @@ class Lifecycle:
     def check_finished(self, run: Run, out: List[Instruction]) -> None:
         """A run ends when every lane has settled: ended (its direct seqs all taken) or left."""
         if run.live and not run.expecting() and all(lane.settled for lane in run.lanes.values()):
-            done = any(lane.done for lane in run.lanes.values())
+            done = any(lane.ended for lane in run.lanes.values())
             self.close(run, RunState.DONE if done else RunState.SUPERSEDED, out)
 
     def close(self, run: Run, state: RunState, out: List[Instruction]) -> None:
