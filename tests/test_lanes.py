@@ -13,6 +13,7 @@ from ppclient import protocol
 from ppclient.protocol import Item
 from ppserver.scheduler import Instruction, Lane, LaneState, Reply, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.jobs import RunState
 
 pytestmark = pytest.mark.unit
 
@@ -148,7 +149,9 @@ def test_lanes_report_reading_done_and_gone_and_a_run_one_of_whose_ranks_ended_b
     assert sim.s.lanes(1) == {0: "gone", 1: "reading"}  # rank 0 ended, then left
     sim("closed-r1", ev.ConsumerClosed, b"r1")  # before its shard was out
     assert ends(sim.out) == [b"r0"] and ToWorker(b"w1", protocol.RunClose(run=1)) in sim.out
-    assert sim.s.lanes(1) == {} and sim.s.status(sim.now)["state"] == "done"  # one ended: done, not superseded
+    assert (
+        sim.s.lanes(1) == {} and sim.s.status(sim.now).newest.state is RunState.DONE
+    )  # one ended: done, not superseded
 
 
 def test_a_run_whose_ranks_all_left_before_any_ended_is_superseded():
@@ -157,7 +160,7 @@ def test_a_run_whose_ranks_all_left_before_any_ended_is_superseded():
     sim("closed-r0", ev.ConsumerClosed, b"r0")
     assert sim.s.lanes(1) == {0: "gone", 1: "reading"}
     sim("closed-r1", ev.ConsumerClosed, b"r1")
-    assert ends(sim.out) == [] and sim.s.status(sim.now)["state"] == "superseded"
+    assert ends(sim.out) == [] and sim.s.status(sim.now).newest.state is RunState.SUPERSEDED
     assert ToWorker(b"w1", protocol.RunClose(run=1)) in sim.out
 
 
@@ -187,7 +190,7 @@ def test_a_new_run_of_an_epoch_a_rank_finished_has_that_lane_gone_from_the_start
     sim = two_ranks(2, credit1=0)
     sim.work(1, [0, 1])
     sim("closed-r1", ev.ConsumerClosed, b"r1")
-    assert sim.s.runs == {} and sim.s.status(sim.now)["state"] == "done"  # rank 0 ended, rank 1 left
+    assert sim.s.runs == {} and sim.s.status(sim.now).newest.state is RunState.DONE  # rank 0 ended, rank 1 left
     run = sim.request(b"r1b", 1)  # rank 1 comes back for epoch 1: a new run, which rank 0 will not read
     assert run != 1 and sim.s.lanes(run) == {0: "gone", 1: "reading"}
 
