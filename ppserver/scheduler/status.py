@@ -3,17 +3,15 @@ say so to its clients, and the status dict (`ppserver status`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ppclient.protocol import Keepalive
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import Lane, Run
-
-if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
+from ppserver.scheduler.state import SchedulerState
 
 
-def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
+def holdup(s: SchedulerState, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
     """What the run (or a rank of it) waits for, in words (keepalives and status), and whether
     that is other readers whose clients live (their batch sizes, or room for their seqs)."""
     if run.dispatch is None:
@@ -38,7 +36,7 @@ def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bo
     return "the dataset", False
 
 
-def keepalives(s: Scheduler, out: List[Instruction]) -> None:
+def keepalives(s: SchedulerState, out: List[Instruction]) -> None:
     """A keepalive to the client of every lane that is not settled, saying what it waits for."""
     for run in s.runs.values():
         for lane in run.lanes.values():
@@ -55,12 +53,12 @@ def keepalives(s: Scheduler, out: List[Instruction]) -> None:
                 out.append(ToClient(lane.consumer, msg))
 
 
-def status(s: Scheduler, now: float) -> Dict[str, Any]:
+def status(s: SchedulerState, now: float) -> Dict[str, Any]:
     st: Dict[str, Any] = {
         "workers_alive": len(s.workers),
         "workers": [w.describe(now) for w in s.workers.values()],
         "seqs_delivered_total": s.total_delivered,
-        "seqs_skipped_total": s.skips.total,
+        "seqs_skipped_total": s.skipped_total,
         "malformed_results": s.malformed_results,
         "lost_direct_results": s.lost_direct,
         "lost_inputs": s.lost_inputs,
@@ -119,7 +117,7 @@ def status(s: Scheduler, now: float) -> Dict[str, Any]:
     return st
 
 
-def _rank(s: Scheduler, run: Run, lane: Lane, now: float) -> Dict[str, Any]:
+def _rank(s: SchedulerState, run: Run, lane: Lane, now: float) -> Dict[str, Any]:
     """A reader of the job, for status."""
     job = run.job
     took = max(now - lane.attached_at, 1e-9)
