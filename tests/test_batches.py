@@ -402,7 +402,7 @@ def test_a_stream_batch_whose_outputs_cannot_be_padded_fails_the_run_for_every_r
     msg = failed[0].msg
     assert msg.failure == protocol.FailureKind.MAPPER.value and msg.seq_tag == "o3"
     assert "batch 1: batch: 'data' of seq 'o3' has shape (2, 4), seq 'o2', the batch's first, has (2, 3)" in msg.message
-    assert run not in sim.s.runs
+    assert run not in sim.s.state.runs
 
 
 # ---- real services ---------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def test_a_run_of_the_next_epoch_awaits_a_rank_still_reading_the_last_one():
     assert sim.s.lanes(1) == {0: "done", 1: "reading"}
     run2 = sim.request(b"r0", 0, epoch=2)
     assert sim.s.lanes(run2) == {0: "reading"}  # rank 1 has no state of its own there: awaited
-    assert sim.s.runs[run2].view(1).state is AWAITED and sim.s.runs[run2].awaited(8) == [1]
+    assert sim.s.state.runs[run2].view(1).state is AWAITED and sim.s.state.runs[run2].awaited(8) == [1]
     sim("checked-2", ev.RunChecked, run2)
     assert sim.s.lanes(1) == {0: "gone", 1: "reading"}  # rank 0 left epoch 1, which it had finished
 
@@ -190,14 +190,14 @@ def test_a_new_run_of_an_epoch_a_rank_finished_has_that_lane_gone_from_the_start
     sim = two_ranks(2, credit1=0)
     sim.work(1, [0, 1])
     sim("closed-r1", ev.ConsumerClosed, b"r1")
-    assert sim.s.runs == {} and sim.s.status(sim.now).newest.state is RunState.DONE  # rank 0 ended, rank 1 left
+    assert sim.s.state.runs == {} and sim.s.status(sim.now).newest.state is RunState.DONE  # rank 0 ended, rank 1 left
     run = sim.request(b"r1b", 1)  # rank 1 comes back for epoch 1: a new run, which rank 0 will not read
     assert run != 1 and sim.s.lanes(run) == {0: "gone", 1: "reading"}
 
 
 def test_validate_names_a_lane_whose_fields_disagree_with_its_state():
     sim = two_ranks(4, credit1=1)
-    lane = sim.s.runs[1].lanes[1]
+    lane = sim.s.state.runs[1].lanes[1]
     lane.consumer = None
     with pytest.raises(AssertionError, match="run 1, lane 1: reading, with client None"):
         sim.s.validate()

@@ -179,3 +179,31 @@ def test_the_scan_sees_imports_inside_functions_relative_ones_and_submodules():
         "scheduler",
         "server",
     ]
+
+
+# The scheduler's parts: each works on the state (scheduler/state.py) and the parts handed to it.
+SCHEDULER_PARTS = ("requests", "runs", "delivery", "skips", "status", "invariants", "state")
+CORE = "ppserver.scheduler.core"
+
+
+def reaches_core(source: str, module: str, package: bool, known: Set[str]) -> List[str]:
+    """The imports in `source` that reach the Scheduler: core, or the package (its __init__ imports core)."""
+    return sorted({name for _, name in imports(source, module, package, known) if name in (CORE, "ppserver.scheduler")})
+
+
+def test_no_part_of_the_scheduler_reaches_back_into_it():
+    """Only the package imports core: no module of the scheduler does (a part that needs the
+    Scheduler, even for a type, holds the whole instead of the state and the parts it calls)."""
+    found = modules()
+    known = set(found)
+    inside = [m for m in found if m.startswith("ppserver.scheduler.") and m != CORE]
+    assert {f"ppserver.scheduler.{part}" for part in SCHEDULER_PARTS} <= set(inside)
+    reaching = {}
+    for module in inside:
+        path, package = found[module]
+        reaching[module] = reaches_core(path.read_text(), module, package, known)
+    assert {m: names for m, names in reaching.items() if names} == {}
+    # the scan sees a type-only import of core, and the package's names
+    source = "if TYPE_CHECKING:\n    from ppserver.scheduler.core import Scheduler\n"
+    source += "from ppserver.scheduler import Run\n"
+    assert reaches_core(source, "ppserver.scheduler.runs", False, known) == ["ppserver.scheduler", CORE]

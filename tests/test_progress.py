@@ -59,9 +59,9 @@ class Loop:
         out = self.sched.handle(event)
         for instr in out:
             if isinstance(instr, ToWorker):
-                self.clock.to_worker(instr, self.sched.now)
+                self.clock.to_worker(instr, self.sched.state.now)
             elif isinstance(instr, ToClient):
-                self.clock.to_client(instr, self.sched.now)
+                self.clock.to_client(instr, self.sched.state.now)
         self.out += out
         return out
 

@@ -271,7 +271,7 @@ def test_credit_caps_in_flight_per_worker_and_delivery_per_client():
     sim = Sim(buf_size=3)
     sim.join(b"w1")
     out = sim.start(30, credit=4)
-    slack = sim.s.settings.read_slack
+    slack = sim.s.state.settings.read_slack
     assert reads(out) == list(range(3 + slack))  # the workers' credit 3 + the reader's slack
     # buf_size 3, a message holding at most half of it
     expect(sim.feed(range(3 + slack)), (b"w1", "tasks", [0]), (b"w1", "tasks", [1]), (b"w1", "tasks", [2]))
@@ -739,7 +739,7 @@ def test_a_slow_rank_holds_the_others_back_only_by_its_window():
     assert delivered(sim.out, b"r1") == [1, 3, 5]
     # rank 0 got what was released before rank 1's fourth seq; the reader stopped a window later
     assert delivered(sim.out, b"r0") == [0, 2, 4, 6]
-    assert max(reads(sim.out)) < 7 + 2 * 4 + sim.s.settings.read_slack
+    assert max(reads(sim.out)) < 7 + 2 * 4 + sim.s.state.settings.read_slack
     sim(ev.CreditGranted, b"r1", 1, 20)
     finish(sim, 1)
     assert delivered(sim.out, b"r0") == list(range(0, 40, 2))
@@ -1119,8 +1119,8 @@ class Cluster:
                 take, self.to_read[run] = queue[: 1 + k % 5], queue[1 + k % 5 :]
                 if take:
                     self.handle(ev.InputsRead, run, [item(p) for p in take])
-        elif what == "credit" and sim.s.runs:
-            run = max(sim.s.runs)
+        elif what == "credit" and sim.s.state.runs:
+            run = max(sim.s.state.runs)
             self.granted[run] = self.granted.get(run, 0) + 1 + k % 4
             self.handle(ev.CreditGranted, CONSUMER, run, self.granted[run])
         elif what == "epoch":
@@ -1174,12 +1174,12 @@ def test_any_interleaving_delivers_each_seq_once_in_order(first, workers, action
     # then a calm finish: a worker, and everything runs to the end
     cluster.step(("join", 0))
     for _ in range(2000):
-        if not sim.s.runs:
+        if not sim.s.state.runs:
             break
         for action in (("read", 4), ("credit", 3), ("work", 2)):
             for k in range(len(cluster.queues)):
                 cluster.step((action[0], k if action[0] == "work" else action[1]))
-    assert not sim.s.runs, "a run never ended"
+    assert not sim.s.state.runs, "a run never ended"
     last = sim.run
     for run, num_seqs in cluster.num_seqs.items():
         got = cluster.got.get(run, [])
@@ -1358,14 +1358,14 @@ def test_any_interleaving_in_stream_mode_delivers_the_merge_exactly_once(
         cluster.step(action)
     cluster.step(("join", 0))
     for _ in range(3000):
-        if not sim.s.runs:
+        if not sim.s.state.runs:
             break
         cluster.step(("read", 4))
         cluster.step(("credit", 3))
         for wid in sorted(cluster.parts):
             for p in range(partitions):
                 cluster.work(wid, p)
-    assert not sim.s.runs, "the run never ended"
+    assert not sim.s.state.runs, "the run never ended"
     want = expected_stream(num_seqs, partitions)
     got = cluster.got
     assert [it.pos for it in got] == list(range(len(got)))
@@ -1461,14 +1461,14 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
             cluster.step((what, k))
     cluster.step(("join", 0))
     for _ in range(3000):
-        if not sim.s.runs:
+        if not sim.s.state.runs:
             break
         cluster.step(("read", 4))
         for rank in range(world):
             cluster.rank_step("pull", rank)
         for k in range(len(cluster.queues)):
             cluster.step(("work", k))
-    assert not sim.s.runs, "a run never ended"
+    assert not sim.s.state.runs, "a run never ended"
     end = n // world * world
     for consumer, (rank, _, start) in cluster.sessions.items():
         got = cluster.got_by.get(consumer, [])

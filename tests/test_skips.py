@@ -132,7 +132,7 @@ class Sim:
                 rank=rank,
                 world_size=self.world,
                 batching=self.batching,
-                direct="tcp://127.0.0.1:1" if self.s.settings.direct else "",
+                direct="tcp://127.0.0.1:1" if self.s.state.settings.direct else "",
             )
             (reply,) = [i.msg for i in out if isinstance(i, Reply)]
             self.run = reply.run
@@ -170,7 +170,7 @@ def test_a_skipped_seq_takes_its_turn_as_a_marker_for_its_rank_and_is_counted():
     st = sim.s.status(sim.now)
     assert st.newest is not None and st.newest.seqs_skipped == 3 and st.seqs_skipped_total == 3
     assert st.seqs_delivered_total == 3  # markers hold no seq
-    assert sim.s.runs == {}  # done
+    assert sim.s.state.runs == {}  # done
 
 
 @pytest.mark.unit
@@ -198,7 +198,7 @@ def test_too_many_skipped_seqs_fail_the_run_naming_the_count_and_tags():
     assert failed.failure == protocol.FailureKind.MAPPER.value and failed.seq_tag == "s0"
     assert "map_seq skipped 3 seqs of epoch 1" in failed.message
     assert "max_skipped (0.25 of its 8 seqs): 's0', 's2', 's3'" in failed.message
-    assert sim.s.runs == {}
+    assert sim.s.state.runs == {}
 
 
 @pytest.mark.unit

@@ -150,8 +150,8 @@ def test_the_story_keeps_only_its_length():
     run = sim.start(6)
     sim("read-2", ev.InputsRead, run, [item(p) for p in range(6)])
     sim("results-3", ev.ResultsReceived, b"w1", run, [item(0, 0.0), item(1, 1.0)])
-    assert len(sim.s.story_log) == 7
-    entries, total = sim.s.story_log.select([("pos", 0), ("pos", 1)], last=2)
+    assert len(sim.s.state.story_log) == 7
+    entries, total = sim.s.state.story_log.select([("pos", 0), ("pos", 1)], last=2)
     kept = sim.s.story(0, 1)
     assert total == len(kept) > 2 and entries == kept[-2:]
     assert [(e.key, e.to) for e in entries] == [(0, "delivered"), (1, "delivered")]
@@ -161,7 +161,7 @@ def test_the_story_keeps_only_its_length():
     none("hello-1", ev.WorkerJoined, b"w1", "host", 11)
     run = none.start(6)
     assert tasks(none("read-2", ev.InputsRead, run, [item(p) for p in range(6)]), b"w1") == [0, 1]
-    assert len(none.s.story_log) == 0 and none.s.story(0, f"run:{run}", "worker:w1") == []
+    assert len(none.s.state.story_log) == 0 and none.s.story(0, f"run:{run}", "worker:w1") == []
 
 
 def test_story_keys_as_users_write_them():
@@ -204,7 +204,7 @@ def test_a_handler_that_raises_halfway_fails_its_run_and_keeps_what_it_built():
     assert failed.message == "internal server error handling read-9: Exploding: after the tasks were built"
     assert isinstance(out[4].msg, protocol.RunClose) and out[4].wid == b"w1"
     assert {i.stimulus for i in out} == {"read-9"}
-    assert sim.s.runs == {} and sim.s.internal_errors == 1
+    assert sim.s.state.runs == {} and sim.s.state.internal_errors == 1
     assert moves(sim, f"run:{run}")[-1] == ("running", "failed", "", "read-9")
     assert sim.s.story(f"run:{run}")[-1].note == failed.message
     sim.s.validate()

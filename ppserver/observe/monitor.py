@@ -51,7 +51,7 @@ class Monitor:
             self.exporter = None
 
     def _running(self) -> Dict[int, int]:
-        return {r.run: r.epoch for r in self.sched.runs.values() if r.state is RunState.RUNNING}
+        return {r.run: r.epoch for r in self.sched.state.runs.values() if r.state is RunState.RUNNING}
 
     def tick(self, now: float, status: Callable[[], ServerStatus]) -> None:
         """Called by the loop's housekeeping; samples about once a second, logs every interval.
@@ -66,7 +66,7 @@ class Monitor:
     def _tick(self, now: float, status: Callable[[], ServerStatus]) -> None:
         if self.window.due(now):
             stages = self.stages
-            stages.prune(self.sched.runs)
+            stages.prune(self.sched.state.runs)
             seconds, seqs = stages.totals()
             self.window.add(Sample(now, stages.total_delivered, dict(stages.run_delivered), seconds, seqs))
             if self.exporter is not None:

@@ -183,7 +183,7 @@ class StageClock:
         size_at, salt = self.size_at, _salt(e.run)
         for pos, nbytes in zip(e.positions, e.nbytes):
             size_at[(pos + salt) & MASK] = nbytes
-        run = self.sched.runs.get(e.run)
+        run = self.sched.state.runs.get(e.run)
         if run is not None and self.taken:
             for pos, nbytes in zip(e.positions, e.nbytes):  # taken before the server heard of it
                 lane = run.lane_of(pos)
@@ -210,7 +210,7 @@ class StageClock:
             found = self._lane(e.run, e.consumer)
             if found is None or not found.direct:
                 return
-            lane = self.taken[key] = DirectLane(found.start, found.index, self.sched.runs[e.run].width, 0, e.now)
+            lane = self.taken[key] = DirectLane(found.start, found.index, self.sched.state.runs[e.run].width, 0, e.now)
         since, taken = lane.since, lane.taken
         lane.since = e.now
         consumed = min(e.consumed, taken + RING)  # a client's count is not trusted with memory
@@ -255,7 +255,7 @@ class StageClock:
             host[1] += busy
 
     def _lane(self, run_id: int, consumer: bytes) -> Any:
-        run = self.sched.runs.get(run_id)
+        run = self.sched.state.runs.get(run_id)
         if run is not None:
             for lane in run.lanes.values():
                 if lane.consumer == consumer:
@@ -270,7 +270,7 @@ class StageClock:
         return host
 
     def _slot(self, consumer: bytes) -> List[int]:
-        job = self.sched.job
+        job = self.sched.state.job
         client = job.clients.get(consumer) if job is not None else None
         if job is None or client is None:
             label = ("", "")
@@ -293,7 +293,7 @@ class StageClock:
         latest = max((lane.since for lane in self.taken.values()), default=0.0)
         for key in [k for k, lane in self.taken.items() if k[0] not in live_runs and lane.since < latest - 30]:
             del self.taken[key]  # a final credit may come a little after its run ended
-        workers = self.sched.workers
+        workers = self.sched.state.workers
         for wid in [w for w in self.procs if w not in workers]:
             del self.procs[wid]
         alive = set(self.procs.values())

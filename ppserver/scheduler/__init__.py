@@ -1,9 +1,10 @@
 """The scheduler, a pure state machine: `Scheduler.handle(event) -> instructions`.
 
 `events` lists what can happen, `instructions` what the server is asked to do. `core` holds the
-event table and the workers; `requests` the job and who reads which run, `runs` a run's life,
-`delivery` the release into the lanes, `status` what it tells, `invariants` what `validate`
-checks. `jobs` holds the job's runs and their per-rank lanes, with the states of both;
+event table and the workers; `state` what the scheduler holds between events (`Scheduler.state`),
+which the parts work on: `requests` the job and who reads which run, `runs` a run's life,
+`delivery` the release into the lanes, `skips` the seqs map_seq skipped, `status` what it tells,
+`invariants` what `validate` checks. `jobs` holds the job's runs and their per-rank lanes, with the states of both;
 `dispatch` the one interface of the two mapper styles' dispatch, `seqs` (with its states in
 `seqstates`) and `streams`.
 `elastic` is a pure state machine of its own beside it: how many workers the pool should have.
@@ -15,6 +16,7 @@ from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, Prepare, Read, Replay, Reply, StopReading, ToClient, ToWorker
 from ppserver.scheduler.jobs import Job, Lane, LaneState, Run, RunState
 from ppserver.scheduler.settings import Failure, Settings
+from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.workers import Departure, InputPath, InputWay, WorkerState
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "RunState",
     "Failure",
     "Settings",
+    "SchedulerState",
     "Departure",
     "InputPath",
     "InputWay",

@@ -2,19 +2,21 @@
 no clock: the server performs what it returns, and tests drive it alone.
 
 This module holds the event table, the workers (registration, liveness, departures, graceful
-retirement) and the step after every event. The rest is by job: `requests` (refusals, the job, new runs, readers
-coming and going), `runs` (a run's life: the reader's answers, failing, ending), `delivery`
-(release in epoch order into the lanes within credit, ends), `status` (what a run waits for,
-keepalives, the typed status), `invariants` (what `validate` checks). What a task is and in
-what order outputs come is the business of the run's dispatch (`dispatch.Dispatch`):
-`SeqDispatch` for map_seq, `StreamDispatch` for map_seq_stream.
+retirement) and the step after every event. What the scheduler holds is one `SchedulerState`
+(`state`, read by the server as `Scheduler.state`). The rest is by job, each part built here over
+that state and the parts it calls (none holds the Scheduler or imports this module): `requests`
+(refusals, the job, new runs, readers coming and going), `runs` (a run's life: the reader's
+answers, failing, ending), `delivery` (release in epoch order into the lanes within credit,
+ends), `skips` (seqs map_seq skipped), `status` (what a run waits for, keepalives, the typed
+status), `invariants` (what `validate` checks). What a task is and in what order outputs come is
+the business of the run's dispatch (`dispatch.Dispatch`): `SeqDispatch` for map_seq,
+`StreamDispatch` for map_seq_stream.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from ppclient.protocol import FailureKind, Heartbeat, Retire, Tasks, Unknown
 from ppserver.exits import describe_exit
@@ -23,13 +25,14 @@ from ppserver.scheduler import invariants, status
 from ppserver.scheduler.delivery import Delivery
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, Read, StopReading, ToWorker
-from ppserver.scheduler.jobs import Job, Lane, Run
+from ppserver.scheduler.jobs import Run
 from ppserver.scheduler.requests import MAX_READERS, Requests
 from ppserver.scheduler.runs import Lifecycle, run_open
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.skips import Skips
+from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.status import SchedulerStatus
-from ppserver.scheduler.story import WORKER, Entry, Story, parse_key
+from ppserver.scheduler.story import WORKER, Entry, parse_key
 from ppserver.scheduler.workers import Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
@@ -40,36 +43,15 @@ Handler = Callable[[Any, List[Instruction]], None]
 
 
 class Scheduler:
-    """`strict`: check every seq's move against its table (tests; the server's hot path skips it)."""
+    """`strict`: check every seq's move against its table (tests; the server's hot path skips it).
+    `state` is everything it holds between events (state.py); the parts work on it."""
 
     def __init__(self, settings: Settings, strict: bool = False):
-        self.settings = settings
-        self.strict = strict
-        self.workers: Dict[bytes, WorkerState] = {}
-        self.job: Optional[Job] = None
-        self.runs: Dict[int, Run] = {}  # live runs (of the job)
-        # Ended lanes whose client has not connected yet: their last words wait for it (briefly).
-        self.unheard: Dict[Tuple[int, bytes], Tuple[Run, Lane]] = {}
-        self.last_run: Optional[Run] = None  # the newest run, live or not (for status)
-        self.next_run = 0  # run ids: the server sets the first one (random, so a restart never reuses ids)
-        self.total_delivered = 0
-        self.malformed_results = 0
-        self.lost_direct = 0  # direct results a consumer reported missing (made again)
-        self.lost_inputs = 0  # inputs a worker could not read (made again)
-        self.dropped_by_workers = 0  # messages workers dropped unread (what they carried redone)
-        self.departures: Counter = Counter()
-        self.retiring: Set[bytes] = set()  # workers to tell to exit once they hold nothing
-        self.handed_back = 0
-        self.last_beat = float("-inf")
-        self.reader_busy: Optional[str] = None  # what the reader is doing, as the last Tick said (None: idle)
-        self.now = 0.0  # the time of the event being handled
-        self.stimuli = ev.Stimuli()  # names events that come without a stimulus id (tests)
-        self.story_log = Story(settings.story_length)  # the moves, with their stimuli (story.py)
-        self.internal_errors = 0  # handlers that raised (see handle)
-        self.requests = Requests(self)
-        self.lifecycle = Lifecycle(self)
-        self.delivery = Delivery(self)
-        self.skips = Skips(self)
+        self.state = state = SchedulerState(settings, strict)
+        self.skips = Skips(state)
+        self.lifecycle = Lifecycle(state, self.skips)
+        self.delivery = Delivery(state, self.lifecycle)
+        self.requests = Requests(state, self.lifecycle)
         req, life, deliv = self.requests, self.lifecycle, self.delivery
         self._handlers: Dict[type, Handler] = {
             ev.WorkerJoined: self._joined,
@@ -114,14 +96,15 @@ class Scheduler:
         halfway is an internal error (`_contain`): what it built is kept and its run fails, so
         no client waits for what will not come (with `strict`, tests, it raises)."""
         out: List[Instruction] = []
-        self.now = self.story_log.now = event.now
-        stimulus = self.story_log.stimulus = event.stimulus or self.stimuli.next(ev.kind_of(type(event)))
+        state = self.state
+        state.now = state.story_log.now = event.now
+        stimulus = state.story_log.stimulus = event.stimulus or state.stimuli.next(ev.kind_of(type(event)))
         try:
             if not isinstance(event, ev.WorkerEvent) or self._touch(event, out):
                 self._handlers[type(event)](event, out)
                 self._pump(out)
         except Exception as exc:
-            if self.strict:
+            if state.strict:
                 raise
             self._contain(event, exc, out)
         for instr in out:
@@ -132,12 +115,12 @@ class Scheduler:
         """A handler raised: the instructions it built stay (the state moved with them), and the
         event's run, or every live run if it names none, fails as a server failure through the
         normal path; the log names the stimulus and what was built."""
-        stimulus = self.story_log.stimulus
-        self.internal_errors += 1
+        stimulus = self.state.story_log.stimulus
+        self.state.internal_errors += 1
         built = ", ".join(type(i).__name__ for i in out) or "nothing"
         log.exception("internal error handling %s (%s); built before it: %s", stimulus, type(event).__name__, built)
         run_id = getattr(event, "run", None)
-        targets = [run_id] if run_id in self.runs else list(self.runs)
+        targets = [run_id] if run_id in self.state.runs else list(self.state.runs)
         failure = Failure(FailureKind.SERVER, f"internal server error handling {stimulus}: {type(exc).__name__}: {exc}")
         for run in targets:
             try:
@@ -148,10 +131,10 @@ class Scheduler:
     def story(self, *keys: Union[int, str]) -> List[Entry]:
         """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "worker:NAME"),
         oldest first, each with its stimulus id (story.py). ValueError names a key that is none."""
-        return self.story_log.select([parse_key(k) for k in keys])[0]
+        return self.state.story_log.select([parse_key(k) for k in keys])[0]
 
     def _touch(self, event: ev.WorkerEvent, out: List[Instruction]) -> bool:
-        w = self.workers.get(event.wid)
+        w = self.state.workers.get(event.wid)
         if w is None:
             if not isinstance(event, ev.WorkerLeft):
                 out.append(ToWorker(event.wid, Unknown(), heartbeat=isinstance(event, ev.HeartbeatReceived)))
@@ -161,11 +144,12 @@ class Scheduler:
 
     def _pump(self, out: List[Instruction]) -> None:
         """The step after every event: work to the workers, outputs to the lanes, reading on."""
-        capacity = sum(w.capacity for w in self.workers.values() if not w.retiring)
+        workers, retiring = self.state.workers, self.state.retiring
+        capacity = sum(w.capacity for w in workers.values() if not w.retiring)
         for run in self._running():
             d = run.dispatch
             assert d is not None
-            d.dispatch(self.workers, out)
+            d.dispatch(workers, out)
             self.delivery.deliver(run, out)
             if not run.live or run.reading_stopped:
                 continue
@@ -175,35 +159,35 @@ class Scheduler:
             if d.reading_done():
                 run.reading_stopped = True
                 out.append(StopReading(run.run))
-        for wid in list(self.retiring):
-            w = self.workers[wid]
+        for wid in list(retiring):
+            w = workers[wid]
             if w.holds_nothing:
-                self.retiring.discard(wid)
+                retiring.discard(wid)
                 w.told_to_retire = True
                 out.append(ToWorker(wid, Retire()))
 
     def _running(self) -> List[Run]:
-        return [r for r in self.runs.values() if r.dispatch is not None]
+        return [r for r in self.state.runs.values() if r.dispatch is not None]
 
     def dispatch_of(self, run_id: int) -> Optional[Dispatch]:
         """The live run's dispatch (None: not live, or still preparing)."""
-        run = self.runs.get(run_id)
+        run = self.state.runs.get(run_id)
         return run.dispatch if run is not None else None
 
     # ---- what it tells ------------------------------------------------------------------------
     def status(self, now: float) -> SchedulerStatus:
-        return status.status(self, now)
+        return status.status(self.state, now)
 
     def validate(self) -> None:
         """Check every invariant the docstrings state (AssertionError naming the first that does
         not hold). It costs what the state holds: tests call it after every event, the server never."""
-        invariants.validate(self)
+        invariants.validate(self.state)
 
     def lanes(self, run_id: int) -> Dict[int, str]:
         """The lanes of a live run that have state of their own, and the word of each one's state
         (jobs.LaneState): "reading", "done", "gone" or "awaited" (no reader yet). A lane gets state
         when its reader comes or leaves (jobs.py), so a job's world_size costs nothing by itself."""
-        run = self.runs.get(run_id)
+        run = self.state.runs.get(run_id)
         if run is None:
             return {}
         return {index: lane.state.value for index, lane in sorted(run.lanes.items())}
@@ -214,14 +198,14 @@ class Scheduler:
         a direct consumer. A worker that reads the server's memory may read any of these."""
         d = self.dispatch_of(run_id)
         held = set(d.holds()) if d is not None else set()
-        held.update(item.pos for w in self.workers.values() for item in w.retained.get(run_id, ()))
+        held.update(item.pos for w in self.state.workers.values() for item in w.retained.get(run_id, ()))
         return sorted(held)
 
     # ---- workers ------------------------------------------------------------------------------
     def _joined(self, e: ev.WorkerJoined, out: List[Instruction]) -> None:
-        if e.wid in self.workers:
+        if e.wid in self.state.workers:
             self._remove(e.wid, Departure.REREGISTERED, out)
-        old = self.workers.get(e.replaces) if e.replaces is not None else None
+        old = self.state.workers.get(e.replaces) if e.replaces is not None else None
         if old is not None and old.pid == e.pid and old.host == e.host:
             self._remove(old.wid, Departure.RECONNECTED, out)  # its connection was reset: redo its work now
         w = WorkerState(
@@ -229,15 +213,16 @@ class Scheduler:
             host=e.host,
             pid=e.pid,
             local_index=e.local_index,
-            capacity=self.settings.buf_size,
+            capacity=self.state.settings.buf_size,
             joined=e.now,
             last_seen=e.now,
         )
-        self.workers[e.wid] = w
-        self.story_log.move(WORKER, w.name, None, None, "joined", w.wid, f"host {w.host} pid {w.pid}")
-        log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(self.workers))
-        if self.job is not None:
-            for client in self.job.clients.values():
+        state = self.state
+        state.workers[e.wid] = w
+        state.story_log.move(WORKER, w.name, None, None, "joined", w.wid, f"host {w.host} pid {w.pid}")
+        log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(state.workers))
+        if state.job is not None:
+            for client in state.job.clients.values():
                 if client.route is not None:
                     out.append(ToWorker(w.wid, client.route))
         for run in self._running():
@@ -245,33 +230,34 @@ class Scheduler:
 
     def _remove(self, wid: bytes, why: Departure, out: List[Instruction]) -> None:
         """Forget a worker; its work goes back to the queue (suspect if it crashed)."""
-        w = self.workers.pop(wid, None)
+        state = self.state
+        w = state.workers.pop(wid, None)
         if w is None:
             return
-        self.retiring.discard(wid)
-        self.departures[why] += 1
-        self.handed_back += len(w.tasks) + len(w.partitions)
+        state.retiring.discard(wid)
+        state.departures[why] += 1
+        state.handed_back += len(w.tasks) + len(w.partitions)
         quiet = (Departure.DEPARTED, Departure.REREGISTERED, Departure.RETIRED)
         log_at = logging.INFO if why in quiet else logging.WARNING
         what = (w.name, w.host, w.pid, why.value, len(w.tasks), len(w.partitions))
         log.log(log_at, "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back", *what)
         handed = f"{len(w.tasks)} tasks, {len(w.partitions)} partitions handed back"
-        self.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
+        state.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
         for run in self._running():
             assert run.dispatch is not None
-            self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, self.workers, out), out)
+            self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, state.workers, out), out)
 
     def _left(self, e: ev.WorkerLeft, out: List[Instruction]) -> None:
-        w = self.workers[e.wid]
+        w = self.state.workers[e.wid]
         self._remove(e.wid, Departure.RETIRED if w.retiring and w.holds_nothing else Departure.DEPARTED, out)
 
     def _retire(self, e: ev.RetireWorker, out: List[Instruction]) -> None:
         """The worker gets no new work from now on (free() is 0, no partition goes to it); _pump
         tells it to exit once it holds nothing, so whatever it holds is finished, not redone."""
-        w = self.workers.get(e.wid)
+        w = self.state.workers.get(e.wid)
         if w is not None and not w.retiring:
             w.retiring = True
-            self.retiring.add(w.wid)
+            self.state.retiring.add(w.wid)
             log.info(
                 "retiring worker %s (host %s pid %d) once its %d tasks are done",
                 w.name,
@@ -281,7 +267,7 @@ class Scheduler:
             )
 
     def _local_exit(self, e: ev.LocalWorkerExited, out: List[Instruction]) -> None:
-        for w in list(self.workers.values()):
+        for w in list(self.state.workers.values()):
             if w.local_index == e.local_index and w.pid == e.pid:
                 if w.told_to_retire and w.holds_nothing:
                     self._remove(w.wid, Departure.RETIRED, out)  # its bye is still on its way
@@ -291,42 +277,43 @@ class Scheduler:
                 self._remove(w.wid, Departure.EXITED, out)
 
     def _tick(self, e: ev.Tick, out: List[Instruction]) -> None:
-        for w in list(self.workers.values()):
-            if e.now - w.last_seen > self.settings.heartbeat_timeout:
+        state = self.state
+        for w in list(state.workers.values()):
+            if e.now - w.last_seen > state.settings.heartbeat_timeout:
                 log.warning("no heartbeat from worker %s for %.1f s", w.name, e.now - w.last_seen)
                 self._remove(w.wid, Departure.LOST, out)
-        self.reader_busy = e.reader_busy
+        state.reader_busy = e.reader_busy
         self.requests.expire(e.now, out)
         self.lifecycle.forget_unheard(e.now)
-        if e.now - self.last_beat < self.settings.heartbeat_interval:
+        if e.now - state.last_beat < state.settings.heartbeat_interval:
             return
-        self.last_beat = e.now
-        for wid in self.workers:
+        state.last_beat = e.now
+        for wid in state.workers:
             out.append(ToWorker(wid, Heartbeat(), heartbeat=True))
-        status.keepalives(self, out)
+        status.keepalives(state, out)
 
     def _heartbeat(self, e: ev.HeartbeatReceived, out: List[Instruction]) -> None:
         """A worker mapping a batch says how many of its seqs it has mapped: more than it said last
         is progress of the batch's run (its keepalives carry it), though no result came yet. Only
         a task the worker holds counts, so a stuck mapper shows none."""
-        w = self.workers[e.wid]
+        w = self.state.workers[e.wid]
         last, w.progress = w.progress, e.mapping
         if e.mapping is None:
             return
         run_id, pos, done = e.mapping
         before = last[2] if last is not None and last[:2] == (run_id, pos) else 0
-        run = self.runs.get(run_id)
+        run = self.state.runs.get(run_id)
         if done > before and run is not None and (run_id, pos) in w.tasks:
             run.mapped += done - before
 
     def _inputs_shared(self, e: ev.InputsShared, out: List[Instruction]) -> None:
-        self.workers[e.wid].inputs = e.path
+        self.state.workers[e.wid].inputs = e.path
 
     def _run_dropped(self, e: ev.RunDropped, out: List[Instruction]) -> None:
-        self.workers[e.wid].retained.pop(e.run, None)  # the inputs it may have been reading can go
+        self.state.workers[e.wid].retained.pop(e.run, None)  # the inputs it may have been reading can go
 
     def _mapping(self, e: ev.MappingReported, out: List[Instruction]) -> None:
-        self.workers[e.wid].mapping = (e.run, e.pos, e.seq_tag)
+        self.state.workers[e.wid].mapping = (e.run, e.pos, e.seq_tag)
 
     # ---- worker messages: to the run's dispatch ------------------------------------------------
     def _results(self, e: ev.ResultsReceived, out: List[Instruction]) -> None:
@@ -334,29 +321,29 @@ class Scheduler:
             self._malformed(len(e.bad), "results", e.wid, e.bad[0].reason)
         d = self.dispatch_of(e.run)
         if d is not None:
-            self.lifecycle.fail_id(e.run, d.results_received(self.workers[e.wid], e.items, e.bad), out)
+            self.lifecycle.fail_id(e.run, d.results_received(self.state.workers[e.wid], e.items, e.bad), out)
             self._skipped(e.run, out)
 
     def _skipped(self, run_id: int, out: List[Instruction]) -> None:
         """Count the seqs the mapper skipped that the run's dispatch accepted; too many fail it."""
-        run = self.runs.get(run_id)
+        run = self.state.runs.get(run_id)
         if run is not None:
-            self.lifecycle.fail_id(run_id, self.skips.taken(run, self.now), out)
+            self.lifecycle.fail_id(run_id, self.skips.taken(run, self.state.now), out)
 
     def _malformed(self, n: int, what: str, wid: bytes, first: str) -> None:
-        self.malformed_results += n
-        log.warning("dropped %d malformed %s from worker %s (first: %s)", n, what, self.workers[wid].name, first)
+        self.state.malformed_results += n
+        log.warning("dropped %d malformed %s from worker %s (first: %s)", n, what, self.state.workers[wid].name, first)
 
     def _holding(self, w: WorkerState) -> List[int]:
         """The live runs `w` holds tasks or stream partitions of."""
-        return [run_id for run_id in self.runs if any(r == run_id for r, _ in w.tasks | w.partitions)]
+        return [run_id for run_id in self.state.runs if any(r == run_id for r, _ in w.tasks | w.partitions)]
 
     def _malformed_message(self, e: ev.WorkerMessageMalformed, out: List[Instruction]) -> None:
-        w = self.workers[e.wid]
+        w = self.state.workers[e.wid]
         held = self._holding(w)
         if not held:
             return
-        self.malformed_results += 1
+        self.state.malformed_results += 1
         log.warning(
             "a message from worker %s did not decode (%s): its %d seqs and %d stream partitions are redone elsewhere",
             w.name,
@@ -367,14 +354,14 @@ class Scheduler:
         for run_id in held:
             d = self.dispatch_of(run_id)  # (an earlier run's failure may have ended it)
             if d is not None:
-                self.lifecycle.fail_id(run_id, d.malformed_message(w, e.reason, self.workers, out), out)
+                self.lifecycle.fail_id(run_id, d.malformed_message(w, e.reason, self.state.workers, out), out)
 
     def _dropped(self, e: ev.MessageDropped, out: List[Instruction]) -> None:
         """A message the worker could not take: the tasks or stream partition it carried are redone
         elsewhere, charged to their seqs; one it could not read at all charges everything the
         worker holds. Other messages (a route, say) carried no work: the worker goes on without."""
-        w = self.workers[e.wid]
-        self.dropped_by_workers += 1
+        w = self.state.workers[e.wid]
+        self.state.dropped_by_workers += 1
         kind = repr(e.what) if e.what else "unreadable"
         of_run = f" of run {e.run}" if e.run is not None else ""
         log.warning("worker %s dropped a %s message%s from the server: %s", w.name, kind, of_run, e.reason)
@@ -387,52 +374,52 @@ class Scheduler:
         for run_id in targets:
             d = self.dispatch_of(run_id)  # (None: a run that ended: nothing to redo)
             if d is not None:
-                failure = d.dropped(w, e.what, positions, partition, e.reason, self.workers, out)
+                failure = d.dropped(w, e.what, positions, partition, e.reason, self.state.workers, out)
                 self.lifecycle.fail_id(run_id, failure, out)
 
     def _completed(self, e: ev.CompletedReceived, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
         if d is not None:
-            d.completed(self.workers[e.wid], e.positions, e.nbytes, e.skipped, e.skipped_tags)
+            d.completed(self.state.workers[e.wid], e.positions, e.nbytes, e.skipped, e.skipped_tags)
             self._skipped(e.run, out)
 
     def _inputs_lost(self, e: ev.InputsLost, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
         if d is None:
             return
-        w = self.workers[e.wid]
+        w = self.state.workers[e.wid]
         redone, failure = d.inputs_lost(w, e.positions)
-        self.lost_inputs += redone
+        self.state.lost_inputs += redone
         if redone:
-            epoch = self.runs[e.run].epoch
+            epoch = self.state.runs[e.run].epoch
             log.warning("worker %s could not read %d inputs of epoch %d (%s): redone", w.name, redone, epoch, e.reason)
         self.lifecycle.fail_id(e.run, failure, out)
 
     def _task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
-        if d is not None and d.task_failed(self.workers[e.wid], e.pos):  # not a late word, not a dropped seq
+        if d is not None and d.task_failed(self.state.workers[e.wid], e.pos):  # not a late word, not a dropped seq
             self.lifecycle.fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
 
     def _stream_acked(self, e: ev.StreamAcked, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
         if d is not None:
-            d.stream_acked(self.workers[e.wid], e.partition, e.incarnation, e.n)
+            d.stream_acked(self.state.workers[e.wid], e.partition, e.incarnation, e.n)
 
     def _stream_outputs(self, e: ev.StreamOutputsReceived, out: List[Instruction]) -> None:
         if e.bad:
             self._malformed(len(e.bad), "stream outputs", e.wid, e.bad[0].reason)
         d = self.dispatch_of(e.run)
         if d is not None:
-            w = self.workers[e.wid]
-            failure = d.stream_outputs(w, e.partition, e.incarnation, e.items, e.bad, self.workers, out)
+            w = self.state.workers[e.wid]
+            failure = d.stream_outputs(w, e.partition, e.incarnation, e.items, e.bad, self.state.workers, out)
             self.lifecycle.fail_id(e.run, failure, out)
 
     def _stream_finished(self, e: ev.StreamFinished, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
         if d is not None:
-            d.stream_finished(self.workers[e.wid], e.partition, e.incarnation)
+            d.stream_finished(self.state.workers[e.wid], e.partition, e.incarnation)
 
     def _stream_failed(self, e: ev.StreamFailed, out: List[Instruction]) -> None:
         d = self.dispatch_of(e.run)
-        if d is not None and d.stream_failed(self.workers[e.wid], e.partition, e.incarnation):
+        if d is not None and d.stream_failed(self.state.workers[e.wid], e.partition, e.incarnation):
             self.lifecycle.fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)

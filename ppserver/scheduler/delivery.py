@@ -28,11 +28,12 @@ from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.dispatch import Room
 from ppserver.scheduler.instructions import Instruction, ToClient
-from ppserver.scheduler.jobs import GONE, READING, Lane, Run
+from ppserver.scheduler.jobs import GONE, READING, Job, Lane, Run
 from ppserver.scheduler.settings import Failure
+from ppserver.scheduler.state import SchedulerState
 
 if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
+    from ppserver.scheduler.runs import Lifecycle
 
 log = logging.getLogger("ppserver.scheduler")
 
@@ -40,10 +41,12 @@ MAX_GRANT_AHEAD = 1 << 20  # a client cannot make the server hold more than this
 
 
 class Delivery:
-    """Releasing, sending and ending, and the credit and word of each lane's client."""
+    """Releasing, sending and ending, and the credit and word of each lane's client. A batch that
+    cannot be cut fails its run, and a lane that ends may end it: `lifecycle` does both."""
 
-    def __init__(self, sched: Scheduler):
-        self.s = sched
+    def __init__(self, state: SchedulerState, lifecycle: Lifecycle):
+        self.state = state
+        self.lifecycle = lifecycle
 
     def deliver(self, run: Run, out: List[Instruction]) -> None:
         """What the run's outputs allow now: late results, the release, the lanes' messages and ends."""
@@ -58,21 +61,11 @@ class Delivery:
         self._release(run, out)
         if not run.live:  # a batch it cut failed it
             return
-        batch = self.s.settings.max_delivery_batch
+        batch = self.state.settings.max_delivery_batch
         for lane in run.lanes.values():
             if lane.ready:
-                self.s.total_delivered += flush(run.run, lane, batch, out)
+                self.state.total_delivered += flush(run.run, lane, batch, out)
         self._finish_lanes(run, out)
-
-    def started(self, run: Run, lane: Lane) -> Started:
-        size = run.shard_size(lane.index)
-        batching = run.job.batching
-        return Started(
-            run=run.run,
-            num_seqs=None if size is None else max(size - lane.start, 0),
-            fingerprint=self.s.settings.fingerprint,
-            batching=None if batching is None else batching.to_dict(),
-        )
 
     # ---- the release ------------------------------------------------------------------------
     @staticmethod
@@ -157,7 +150,7 @@ class Delivery:
                     return None
                 cutting.add(item)
         except BatchError as exc:  # the mapper's outputs cannot be padded together: as a map_seq batch would fail
-            self.s.lifecycle.fail(run, Failure(FailureKind.MAPPER, f"batch {cutting.count}: {exc}", exc.seq_tag), out)
+            self.lifecycle.fail(run, Failure(FailureKind.MAPPER, f"batch {cutting.count}: {exc}", exc.seq_tag), out)
             return None
         if not room(cutting.cut[0].pos):
             return None
@@ -185,30 +178,30 @@ class Delivery:
                     lane.delivered,
                     unit,
                 )
-        self.s.lifecycle.check_finished(run, out)
+        self.lifecycle.check_finished(run, out)
 
     def lane_of(self, consumer: bytes, run_id: int) -> Optional[Tuple[Run, Lane]]:
         """The consumer's lane in the run (live, or ended with last words it has not heard yet)."""
-        run = self.s.runs.get(run_id)
+        run = self.state.runs.get(run_id)
         if run is not None:
             for lane in run.lanes.values():
                 if lane.consumer == consumer:
                     return run, lane
-        return self.s.unheard.pop((run_id, consumer), None)  # keyed by consumer: a stranger pops nothing
+        return self.state.unheard.pop((run_id, consumer), None)  # keyed by consumer: a stranger pops nothing
 
     def credit(self, e: ev.CreditGranted, out: List[Instruction]) -> None:
         found = self.lane_of(e.consumer, e.run)
         if found is None:
             return
         run, lane = found
-        self.s.requests.alive(ev.ConsumerAlive(e.now, e.consumer), out)
+        heard(self.state.job, e.consumer, e.now)
         lane.granted = max(lane.granted, min(e.total, lane.delivered + MAX_GRANT_AHEAD))
         if e.consumed > lane.consumed:
             lane.consumed = min(e.consumed, lane.delivered)
             if run.dispatch is not None:
                 run.dispatch.forget(lane.index, lane.start + lane.consumed)
             if lane.ended:
-                self.s.lifecycle.check_finished(run, out)
+                self.lifecycle.check_finished(run, out)
         if not lane.connected:
             lane.connected = True
             out.extend(lane.held)
@@ -220,7 +213,7 @@ class Delivery:
             return
         run, lane = found
         if run.lane_of(e.pos) is lane and run.dispatch is not None and run.dispatch.redo_lost(e.pos):
-            self.s.lost_direct += 1
+            self.state.lost_direct += 1
             log.warning(
                 "%s of job %r did not get seq %d of epoch %d sent to it directly: made again, sent by the server",
                 run.job.who(lane.index),
@@ -228,6 +221,25 @@ class Delivery:
                 e.pos,
                 run.epoch,
             )
+
+
+def started_message(run: Run, lane: Lane, fingerprint: str) -> Started:
+    """The word that the run started, to the lane's client: its shard's count from the lane's start."""
+    size = run.shard_size(lane.index)
+    batching = run.job.batching
+    return Started(
+        run=run.run,
+        num_seqs=None if size is None else max(size - lane.start, 0),
+        fingerprint=fingerprint,
+        batching=None if batching is None else batching.to_dict(),
+    )
+
+
+def heard(job: Optional[Job], consumer: bytes, now: float) -> None:
+    """The consumer's client lives (a keepalive, or credit): its timeout starts again."""
+    client = job.clients.get(consumer) if job is not None else None
+    if client is not None:
+        client.alive_at = now
 
 
 def to_lane(lane: Lane, msg: Message, out: List[Instruction]) -> None:

@@ -16,16 +16,12 @@ connected.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ppserver.scheduler.delivery import MAX_GRANT_AHEAD
 from ppserver.scheduler.jobs import DONE, GONE, READING, Lane, Run, RunState
-
-if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
+from ppserver.scheduler.state import SchedulerState
 
 
-def validate(s: Scheduler) -> None:
+def validate(s: SchedulerState) -> None:
     _workers(s)
     job = s.job
     if job is not None:
@@ -50,7 +46,7 @@ def validate(s: Scheduler) -> None:
         assert not run.live and lane.held and not lane.connected, f"run {run_id}: unheard, yet live or heard"
 
 
-def _workers(s: Scheduler) -> None:
+def _workers(s: SchedulerState) -> None:
     for wid in s.retiring:
         w = s.workers.get(wid)
         assert w is not None and w.retiring and not w.told_to_retire, f"worker {wid!r} is not one to retire"
@@ -69,7 +65,7 @@ def _workers(s: Scheduler) -> None:
         assert not live, f"worker {w.name} retains inputs of live runs {live}"
 
 
-def _run(s: Scheduler, run: Run) -> None:
+def _run(s: SchedulerState, run: Run) -> None:
     where = f"run {run.run}"
     assert run.live and run.job is s.job, f"{where}: {run.state.value}, yet among the live runs"
     assert (run.dispatch is None) == (run.state is RunState.PREPARING), (
@@ -81,7 +77,7 @@ def _run(s: Scheduler, run: Run) -> None:
         _lane(s, run, lane)
 
 
-def _lane(s: Scheduler, run: Run, lane: Lane) -> None:
+def _lane(s: SchedulerState, run: Run, lane: Lane) -> None:
     where = f"run {run.run}, lane {lane.index}"
     assert not lane.ready, f"{where}: {len(lane.ready)} outputs released and not sent"
     assert 0 <= lane.consumed <= lane.delivered, f"{where}: {lane.consumed} taken of {lane.delivered} sent"

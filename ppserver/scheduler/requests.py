@@ -12,18 +12,17 @@ once it closed, or after its timeout without a keepalive or credit.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ppclient.batching import describe as describe_batching
 from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorReply, Superseded
 from ppserver.scheduler import events as ev
-from ppserver.scheduler.delivery import to_lane
+from ppserver.scheduler.delivery import heard, started_message, to_lane
 from ppserver.scheduler.instructions import Instruction, Prepare, Reply, ToWorker
 from ppserver.scheduler.jobs import Client, Job, Lane, LaneState, Run
+from ppserver.scheduler.runs import Lifecycle
+from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.story import RUN
-
-if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
 
 log = logging.getLogger("ppserver.scheduler")
 
@@ -35,11 +34,15 @@ MAX_READERS = 1 << 16
 
 
 class Requests:
-    def __init__(self, sched: Scheduler):
-        self.s = sched
+    """The job, its runs and their readers; a run superseded or left by its readers ends
+    through `lifecycle`."""
+
+    def __init__(self, state: SchedulerState, lifecycle: Lifecycle):
+        self.state = state
+        self.lifecycle = lifecycle
 
     def request(self, e: ev.EpochRequested, out: List[Instruction]) -> None:
-        refused = refusal(self.s.job, e)
+        refused = refusal(self.state.job, e)
         if refused is not None:
             log.warning("refused epoch %d for rank %d of job %r: %s", e.epoch, e.rank, e.job, refused)
             out.append(Reply(e.requester, ErrorReply(error=refused, reason="job")))
@@ -51,12 +54,12 @@ class Requests:
             target = main
         else:
             target = self._new_run(job, e, solo=e.lane if main is not None else None, out=out)
-        settings = self.s.settings
+        settings = self.state.settings
         accepted = EpochAccepted(run=target.run, instance=settings.instance, fingerprint=settings.fingerprint)
         out.append(Reply(e.requester, accepted))
 
     def _job_for(self, e: ev.EpochRequested, out: List[Instruction]) -> Job:
-        job = self.s.job
+        job = self.state.job
         if job is not None and job.key == e.job_key:
             return job
         if job is not None:
@@ -68,11 +71,11 @@ class Requests:
                 e.world_size,
             )
             for run in list(job.runs.values()):
-                self.s.lifecycle.supersede(run, e.epoch, out)
-        self.s.job = Job(e.job, e.world_size, e.drop_last, e.subshards, e.batching, e.sharding)
+                self.lifecycle.supersede(run, e.epoch, out)
+        job = self.state.job = Job(e.job, e.world_size, e.drop_last, e.subshards, e.batching, e.sharding)
         kind = (e.drop_last, readers(e.subshards), describe_batching(e.batching), e.sharding)
         log.info("job %r: world_size %d, drop_last %s, %s, %s, %s shards", e.job, e.world_size, *kind)
-        return self.s.job
+        return job
 
     def _attach(self, run: Run, e: ev.EpochRequested, out: List[Instruction]) -> None:
         lane = run.lane(e.lane)
@@ -81,10 +84,10 @@ class Requests:
         lane.attach(e.consumer, e.start, e.now, run.width)
         known = run.job.clients.get(e.consumer)
         client = run.job.clients[e.consumer] = Client(e.lane, e.timeout, e.now)
-        if e.direct and self.s.settings.direct:
+        if e.direct and self.state.settings.direct:
             client.route = ConsumerRoute(consumer=e.consumer, endpoint=e.direct, key=e.direct_key, host=e.host)
             if known is None or known.route != client.route:
-                for wid in self.s.workers:
+                for wid in self.state.workers:
                     out.append(ToWorker(wid, client.route))
         lane.direct = client.route is not None
         who = run.job.who(e.lane)
@@ -100,12 +103,13 @@ class Requests:
         if run.checked:
             self._leave_others(run, e.lane, out)
         if run.dispatch is not None:
-            to_lane(lane, self.s.delivery.started(run, lane), out)
+            to_lane(lane, started_message(run, lane, self.state.settings.fingerprint), out)
 
     def _new_run(self, job: Job, e: ev.EpochRequested, *, solo: Optional[int], out: List[Instruction]) -> Run:
-        self.s.next_run += 1
+        state = self.state
+        state.next_run += 1
         run = Run(
-            run=self.s.next_run,
+            run=state.next_run,
             job=job,
             epoch=e.epoch,
             requested=e.now,
@@ -121,11 +125,11 @@ class Requests:
             for index in job.unexpected(e.epoch) - {e.lane}:
                 run.lanes[index] = Lane(index=index, start=e.start, state=LaneState.GONE)
         job.runs[run.run] = run
-        self.s.runs[run.run] = run
-        self.s.last_run = run
-        self.s.story_log.move(RUN, run.run, run.run, None, run.state, note=f"epoch {run.epoch}")
+        state.runs[run.run] = run
+        state.last_run = run
+        state.story_log.move(RUN, run.run, run.run, None, run.state, note=f"epoch {run.epoch}")
         self._attach(run, e, out)
-        batching = None if self.s.settings.stream else job.batching
+        batching = None if state.settings.stream else job.batching
         out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, batching, job.contiguous))
         if solo is not None:
             log.info(
@@ -142,7 +146,7 @@ class Requests:
 
     def checked(self, e: ev.RunChecked, out: List[Instruction]) -> None:
         """The reader accepted the run's request: its readers leave their other runs."""
-        run = self.s.runs.get(e.run)
+        run = self.state.runs.get(e.run)
         if run is None:
             return
         run.checked = True
@@ -159,33 +163,32 @@ class Requests:
             if lane.consumer is not None and not lane.done:
                 to_lane(lane, Superseded(run=other.run, epoch=run.epoch), out)
             lane.leave()
-            self.s.lifecycle.check_finished(other, out)
+            self.lifecycle.check_finished(other, out)
 
     # ---- clients -------------------------------------------------------------------------------
     def alive(self, e: ev.ConsumerAlive, out: List[Instruction]) -> None:
-        client = self.s.job.clients.get(e.consumer) if self.s.job is not None else None
-        if client is not None:
-            client.alive_at = e.now
+        heard(self.state.job, e.consumer, e.now)
 
     def closed(self, e: ev.ConsumerClosed, out: List[Instruction]) -> None:
         self.gone(e.consumer, "closed", out, closed=True)
 
     def expire(self, now: float, out: List[Instruction]) -> None:
         """Clients silent for their timeout are gone."""
-        if self.s.job is not None:
-            for consumer, client in list(self.s.job.clients.items()):
+        job = self.state.job
+        if job is not None:
+            for consumer, client in list(job.clients.items()):
                 if now - client.alive_at > client.timeout:
                     self.gone(consumer, f"silent for {now - client.alive_at:.1f} s", out)
 
     def gone(self, consumer: bytes, why: str, out: List[Instruction], closed: bool = False) -> None:
         """A client closed or went silent: its lanes are dropped (the rank may resume later).
         `closed`: it said so, and takes nothing more: the workers free the blocks it never took."""
-        job = self.s.job
+        job = self.state.job
         client = job.clients.pop(consumer, None) if job is not None else None
         if job is None or client is None:
             return
         if client.route is not None:
-            for wid in self.s.workers:
+            for wid in self.state.workers:
                 out.append(ToWorker(wid, ConsumerGone(consumer=consumer, closed=closed)))
         for run, lane in job.lanes_of(consumer):
             if lane.gone:
@@ -193,7 +196,7 @@ class Requests:
             who = job.who(lane.index)
             log.warning("%s of job %r (epoch %d, run %d) gone: client %s", who, job.name, run.epoch, run.run, why)
             lane.leave()
-            self.s.lifecycle.check_finished(run, out)
+            self.lifecycle.check_finished(run, out)
 
 
 def main_run(job: Job, epoch: int) -> Optional[Run]:

@@ -8,22 +8,21 @@ only a client that has not connected yet still hears its last words (`unheard`, 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import Callable, List, Optional
 
 from ppclient.protocol import FailureKind, RunClose, RunFailed, RunOpen, Superseded
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
-from ppserver.scheduler.delivery import StreamCut, flush, to_lane
+from ppserver.scheduler.delivery import StreamCut, flush, started_message, to_lane
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker
 from ppserver.scheduler.jobs import GONE, Run, RunState
 from ppserver.scheduler.seqs import SeqDispatch
 from ppserver.scheduler.settings import Failure
+from ppserver.scheduler.skips import Skips
+from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.story import RUN
 from ppserver.scheduler.streams import StreamDispatch
-
-if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
 
 log = logging.getLogger("ppserver.scheduler")
 
@@ -32,21 +31,23 @@ UNHEARD_S = 60.0
 
 
 class Lifecycle:
-    """The reader's answers about runs, and how runs end."""
+    """The reader's answers about runs, and how runs end. Once a run's count of seqs is known,
+    its skipped seqs may be too many: `skips` says."""
 
-    def __init__(self, sched: Scheduler):
-        self.s = sched
+    def __init__(self, state: SchedulerState, skips: Skips):
+        self.state = state
+        self.skips = skips
 
     # ---- preparing --------------------------------------------------------------------------
     def rejected(self, e: ev.RunRejected, out: List[Instruction]) -> None:
         self.fail_id(e.run, Failure(FailureKind.REQUEST, e.message), out)
 
     def started(self, e: ev.RunStarted, out: List[Instruction]) -> None:
-        run = self.s.runs.get(e.run)
+        run = self.state.runs.get(e.run)
         if run is None:
             out.append(StopReading(e.run))  # it ended meanwhile
             return
-        s = self.s.settings
+        s = self.state.settings
         run.checked = True
         run.num_seqs = e.num_seqs
         run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.num_seqs
@@ -61,18 +62,18 @@ class Lifecycle:
         log.info("epoch %d started (run %d, %s %s)", run.epoch, run.run, count, _inputs(run, s.stream))
         for lane in run.lanes.values():
             if lane.consumer is not None and not lane.gone:
-                to_lane(lane, self.s.delivery.started(run, lane), out)
-        for w in self.s.workers.values():
+                to_lane(lane, started_message(run, lane, s.fingerprint), out)
+        for w in self.state.workers.values():
             out.append(ToWorker(w.wid, run_open(run)))
 
     def _seqs_known(self, run: Run, out: List[Instruction]) -> None:
         """The epoch's count of seqs is known now: the seqs skipped so far may be too many."""
-        self.fail_id(run.run, self.s.skips.over(run), out)
+        self.fail_id(run.run, self.skips.over(run), out)
 
     def _dispatch(self, run: Run, num_seqs: Optional[int]) -> Dispatch:
-        s = self.s.settings
+        s = self.state.settings
         if s.stream:
-            return StreamDispatch(run.run, run.epoch, num_seqs, s, story=self.s.story_log)
+            return StreamDispatch(run.run, run.epoch, num_seqs, s, story=self.state.story_log)
         return SeqDispatch(
             run.run,
             num_seqs,
@@ -83,9 +84,9 @@ class Lifecycle:
             first=run.next_wanted(0) or 0,
             route=self._router(run) if s.direct else None,
             width=run.width,
-            strict=self.s.strict,
+            strict=self.state.strict,
             batched=run.job.batching is not None,
-            story=self.s.story_log,
+            story=self.state.story_log,
         )
 
     @staticmethod
@@ -103,32 +104,32 @@ class Lifecycle:
         return route
 
     def inputs(self, e: ev.InputsRead, out: List[Instruction]) -> None:
-        run = self.s.runs.get(e.run)
+        run = self.state.runs.get(e.run)
         if run is not None and run.dispatch is not None:
             run.dispatch.add_inputs(e.items)
 
     def inputs_ended(self, e: ev.InputsEnded, out: List[Instruction]) -> None:
-        run = self.s.runs.get(e.run)
+        run = self.state.runs.get(e.run)
         if run is None or run.dispatch is None or run.num_seqs is not None:
             return  # the first end the reader found stands
         run.num_seqs = e.count
         if run.dispatch.one_output_per_input and run.cutting is None:
             run.total = e.count
         run.dispatch.inputs_ended(e.count, run.end())
-        log.info("epoch %d (run %d) has %d %s", run.epoch, run.run, e.count, _inputs(run, self.s.settings.stream))
+        log.info("epoch %d (run %d) has %d %s", run.epoch, run.run, e.count, _inputs(run, self.state.settings.stream))
         if run.seqs is None:
             run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.count
             self._seqs_known(run, out)
 
     def replayed(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
-        dispatch = self.s.dispatch_of(e.run)
-        if dispatch is not None:
-            dispatch.replay_read(e.partition, e.ticket, e.items)
+        run = self.state.runs.get(e.run)
+        if run is not None and run.dispatch is not None:
+            run.dispatch.replay_read(e.partition, e.ticket, e.items)
 
     # ---- ending ------------------------------------------------------------------------------
     def fail_id(self, run_id: int, failure: Optional[Failure], out: List[Instruction]) -> None:
         """Fail the run if it is live and there is a failure."""
-        run = self.s.runs.get(run_id)
+        run = self.state.runs.get(run_id)
         if run is not None and failure is not None:
             self.fail(run, failure, out)
 
@@ -144,7 +145,7 @@ class Lifecycle:
         )
         for lane in run.lanes.values():
             if lane.live:
-                self.s.total_delivered += flush(run.run, lane, self.s.settings.max_delivery_batch, out)
+                self.state.total_delivered += flush(run.run, lane, self.state.settings.max_delivery_batch, out)
                 to_lane(lane, msg, out)
         self.close(run, RunState.FAILED, out)
 
@@ -163,7 +164,7 @@ class Lifecycle:
 
     def close(self, run: Run, state: RunState, out: List[Instruction]) -> None:
         if state is RunState.DONE:
-            elapsed = max(self.s.now - (run.started or run.requested), 1e-9)
+            elapsed = max(self.state.now - (run.started or run.requested), 1e-9)
             delivered = sum(lane.delivered for lane in run.lanes.values())
             unit = run.job.units
             rate = delivered / elapsed
@@ -180,10 +181,10 @@ class Lifecycle:
         if run.skipped:
             log.info("epoch %d (run %d): map_seq skipped %d seqs", run.epoch, run.run, run.skipped)
         self.move(run, state, run.error or "")
-        run.ended = self.s.now
-        self.s.runs.pop(run.run, None)
+        run.ended = self.state.now
+        self.state.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
-        unheard = self.s.unheard
+        unheard = self.state.unheard
         for lane in run.lanes.values():
             if lane.consumer is not None and lane.held:
                 unheard[(run.run, lane.consumer)] = (run, lane)
@@ -194,20 +195,21 @@ class Lifecycle:
             run.reading_stopped = True
             out.append(StopReading(run.run))
         if run.dispatch is not None:
-            for w in self.s.workers.values():
+            for w in self.state.workers.values():
                 out.append(ToWorker(w.wid, RunClose(run=run.run)))
-            run.dispatch.close(self.s.workers)
+            run.dispatch.close(self.state.workers)
 
     def move(self, run: Run, state: RunState, note: str = "") -> None:
         """Move the run to `state`, told to the story."""
-        self.s.story_log.move(RUN, run.run, run.run, run.state, state, note=note)
+        self.state.story_log.move(RUN, run.run, run.run, run.state, state, note=note)
         run.to(state)
 
     def forget_unheard(self, now: float) -> None:
         """Ended lanes whose client never connected are forgotten after a while."""
-        for key, (ended_run, _) in list(self.s.unheard.items()):
+        unheard = self.state.unheard
+        for key, (ended_run, _) in list(unheard.items()):
             if now - (ended_run.ended or now) > UNHEARD_S:
-                del self.s.unheard[key]
+                del unheard[key]
 
 
 def run_open(run: Run) -> RunOpen:

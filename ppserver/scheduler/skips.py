@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 from ppclient.protocol import FailureKind
 from ppclient.throttle import Throttled
 from ppserver.scheduler.jobs import Run
 from ppserver.scheduler.settings import Failure
-
-if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
+from ppserver.scheduler.state import SchedulerState
 
 log = logging.getLogger("ppserver.scheduler")
 
@@ -27,11 +25,10 @@ NAMED = 8  # tags a run keeps of its skipped seqs, for the error that fails it
 
 
 class Skips:
-    """The skipped seqs of the scheduler's runs."""
+    """The skipped seqs of the scheduler's runs (their count over every run: `state.skipped_total`)."""
 
-    def __init__(self, sched: Scheduler):
-        self.s = sched
-        self.total = 0  # seqs skipped, over every run
+    def __init__(self, state: SchedulerState):
+        self.state = state
         self.logged = Throttled(log, "map_seq skipped seqs (returned None)")
 
     def taken(self, run: Run, now: float) -> Optional[Failure]:
@@ -42,7 +39,7 @@ class Skips:
             return None
         for pos, n, tags in d.skips:
             run.skipped += n
-            self.total += n
+            self.state.skipped_total += n
             room = NAMED - len(run.skipped_tags)
             if room > 0:
                 run.skipped_tags += tags[:room]
@@ -53,7 +50,7 @@ class Skips:
     def over(self, run: Run) -> Optional[Failure]:
         """The run's failure if its skipped seqs exceed max_skipped of its epoch's (None while that
         count is not known)."""
-        limit = self.s.settings.max_skipped
+        limit = self.state.settings.max_skipped
         seqs = run.seqs
         if not run.skipped or seqs is None or run.skipped <= limit * seqs:
             return None

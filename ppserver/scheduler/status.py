@@ -5,16 +5,14 @@ own part and turns the whole into the `status_reply` dict in one place (observe/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ppclient.batching import Batching
 from ppclient.protocol import Keepalive
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import Lane, Run, RunState
+from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.workers import Departure, WorkerState
-
-if TYPE_CHECKING:
-    from ppserver.scheduler.core import Scheduler
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class SchedulerStatus:
     newest: Optional[RunStatus]  # None: no run yet (idle)
 
 
-def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
+def holdup(s: SchedulerState, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
     """What the run (or a rank of it) waits for, in words (keepalives and status), and whether
     that is other readers whose clients live (their batch sizes, or room for their seqs)."""
     if run.dispatch is None:
@@ -124,7 +122,7 @@ def holdup(s: Scheduler, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bo
     return "the dataset", False
 
 
-def keepalives(s: Scheduler, out: List[Instruction]) -> None:
+def keepalives(s: SchedulerState, out: List[Instruction]) -> None:
     """A keepalive to the client of every lane that is not settled, saying what it waits for."""
     for run in s.runs.values():
         for lane in run.lanes.values():
@@ -141,7 +139,7 @@ def keepalives(s: Scheduler, out: List[Instruction]) -> None:
                 out.append(ToClient(lane.consumer, msg))
 
 
-def status(s: Scheduler, now: float) -> SchedulerStatus:
+def status(s: SchedulerState, now: float) -> SchedulerStatus:
     job = s.job
     ranks: List[RankStatus] = []
     if job is not None:
@@ -152,7 +150,7 @@ def status(s: Scheduler, now: float) -> SchedulerStatus:
     return SchedulerStatus(
         workers=tuple(_worker(w, now) for w in s.workers.values()),
         seqs_delivered_total=s.total_delivered,
-        seqs_skipped_total=s.skips.total,
+        seqs_skipped_total=s.skipped_total,
         malformed_results=s.malformed_results,
         lost_direct_results=s.lost_direct,
         lost_inputs=s.lost_inputs,
@@ -191,7 +189,7 @@ def _worker(w: WorkerState, now: float) -> WorkerStatus:
     )
 
 
-def _newest(s: Scheduler, last: Run, now: float) -> RunStatus:
+def _newest(s: SchedulerState, last: Run, now: float) -> RunStatus:
     began = last.started if last.started is not None else last.requested
     end = now if last.ended is None else last.ended
     delivered = sum(lane.delivered for lane in last.lanes.values())

@@ -66,7 +66,7 @@ class Control:
         self.hosts = hosts  # answers self-sizing worker hosts (server/pool_size.py)
         # Run ids start at a random point, so a restarted server never reuses an id a client
         # may still hold data for.
-        sched.next_run = random.getrandbits(40)
+        sched.state.next_run = random.getrandbits(40)
         self.replies: Dict[type, Callable[[], protocol.Message]] = {
             protocol.InfoRequest: lambda: protocol.InfoReply(**self.info),
             protocol.StatusRequest: lambda: protocol.StatusReply(status=self.status().to_wire()),
@@ -78,7 +78,7 @@ class Control:
         now = time.monotonic()
         event = EVENTS.get(type(msg))
         if event is not None:
-            e = self.sched.stimuli.name(event(now, ident, msg), msg.kind)
+            e = self.sched.state.stimuli.name(event(now, ident, msg), msg.kind)
             self.observe(e)
             return None, self.sched.handle(e)
         reply = self.replies.get(type(msg))
@@ -130,7 +130,7 @@ class Control:
                 host=msg.host,
                 batching=batching,
                 sharding=msg.sharding,
-                stimulus=self.sched.stimuli.next(msg.kind),
+                stimulus=self.sched.state.stimuli.next(msg.kind),
             )
         )
 
@@ -141,7 +141,7 @@ class Control:
             keys = [parse_key(k) for k in msg.keys]
         except ValueError as exc:
             return protocol.ErrorReply(error=f"story: {exc}")
-        entries, total = self.sched.story_log.select(keys, last=min(msg.limit, MAX_STORY))
+        entries, total = self.sched.state.story_log.select(keys, last=min(msg.limit, MAX_STORY))
         return protocol.StoryReply(entries=[e.to_dict() for e in entries], total=total, now=now)
 
     def _batching(self, asked: Optional[Dict[str, Any]]) -> Optional[Batching]:
@@ -179,7 +179,7 @@ class Control:
             )
         if msg.fingerprint == "":
             return "the resume state has no config fingerprint (EpochIterator.state_dict() always gives one)"
-        served = self.sched.settings.fingerprint
+        served = self.sched.state.settings.fingerprint
         if msg.fingerprint is not None and msg.fingerprint != served:
             return (
                 f"the resume state was made with config fingerprint {msg.fingerprint!r}; this server runs "

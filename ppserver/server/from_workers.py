@@ -97,7 +97,9 @@ class FromWorkers:
             if isinstance(msg, protocol.Heartbeat):
                 wid = ident[: -len(protocol.HEARTBEAT_SUFFIX)]
                 self.heartbeat(wid, msg.stats)
-                self.handle(ev.HeartbeatReceived(now, wid, _mapping(msg), stimulus=self.sched.stimuli.next(msg.kind)))
+                self.handle(
+                    ev.HeartbeatReceived(now, wid, _mapping(msg), stimulus=self.sched.state.stimuli.next(msg.kind))
+                )
             return
         try:
             decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))
@@ -116,11 +118,11 @@ class FromWorkers:
         build = self.events.get(type(decoded.msg), EVENTS[protocol.Heartbeat])
         event = build(now, ident, decoded.msg, decoded)
         if event is not None:
-            self.handle(self.sched.stimuli.name(event, decoded.msg.kind))
+            self.handle(self.sched.state.stimuli.name(event, decoded.msg.kind))
 
     def _undecodable(self, now: float, wid: bytes, exc: protocol.ProtocolError) -> None:
         self.malformed.hit(f"from worker {wid.decode(errors='replace')[:64]}: {exc}")
-        if wid in self.sched.workers:
+        if wid in self.sched.state.workers:
             self.handle(ev.WorkerMessageMalformed(now, wid, str(exc)))
 
     def _admit(self, now: float, wid: bytes, hello: protocol.Hello, decoded: Decoded) -> Optional[ev.Event]:
@@ -139,6 +141,6 @@ class FromWorkers:
         return ev.WorkerJoined(now, wid, hello.host[:255], hello.pid, hello.local_index, hello.replaces)
 
     def _inputs_lost(self, now: float, wid: bytes, msg: protocol.InputsLost, decoded: Decoded) -> ev.Event:
-        if wid in self.sched.workers and self.inputs.fall_back(wid):
+        if wid in self.sched.state.workers and self.inputs.fall_back(wid):
             self.handle(ev.InputsShared(now, wid, self.inputs.path(wid)))
         return ev.InputsLost(now, wid, msg.run, msg.pos, msg.reason[:MAX_REASON])

@@ -287,7 +287,7 @@ class Server:
     def handle(self, event: ev.Event) -> None:
         """Hand `event` to the scheduler, named (a stimulus id) if it came without a name."""
         if not event.stimulus:
-            self.sched.stimuli.name(event)
+            self.sched.state.stimuli.name(event)
         self.stages.on_event(event)
         self.perform(self.sched.handle(event))
 
@@ -297,14 +297,14 @@ class Server:
 
     def _to_worker(self, instr: ToWorker) -> None:
         ident = instr.wid + protocol.HEARTBEAT_SUFFIX if instr.heartbeat else instr.wid
-        self.stages.to_worker(instr, self.sched.now)
+        self.stages.to_worker(instr, self.sched.state.now)
         if instr.items:
             self.inputs.send(ident, instr.wid, instr.msg, instr.items)
         else:
             sockets.send(self.workers_sock, [ident, *protocol.encode(instr.msg)])
 
     def _to_client(self, instr: ToClient) -> None:
-        self.stages.to_client(instr, self.sched.now)
+        self.stages.to_client(instr, self.sched.state.now)
         for frames in protocol.encode_fitting(instr.msg, instr.items):
             sockets.send(self.control, [instr.consumer, protocol.DELIMITER, *frames])
 
@@ -343,7 +343,7 @@ class Server:
 
     def _fail_live_runs(self, message: str) -> None:
         now = time.monotonic()
-        for run in list(self.sched.runs):
+        for run in list(self.sched.state.runs):
             try:
                 self.handle(ev.RunFailedElsewhere(now, run, message))
             except Exception:
@@ -382,7 +382,7 @@ class Server:
             "version": ppclient.__version__,
             "fingerprint": self.fingerprint,
             "config_fingerprint": self.cfg.fingerprint,
-            "instance": self.sched.settings.instance,
+            "instance": self.sched.state.settings.instance,
             "batching": None if self.cfg.batching is None else self.cfg.batching.to_dict(),
             "shardings": self._shardings(),
         }
@@ -418,7 +418,7 @@ class Server:
         if now - self.last_tick < TICK_S:
             return
         self.last_tick = now
-        self.inputs.keep_only(self.sched.workers)
+        self.inputs.keep_only(self.sched.state.workers)
         if self.pool is not None:
             for index, pid, rc in self.pool.poll():
                 self.handle(ev.LocalWorkerExited(now, index, pid, rc))

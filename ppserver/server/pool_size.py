@@ -118,7 +118,7 @@ class PoolSize:
 
     # ---- samples --------------------------------------------------------------------------------
     def serving(self) -> int:
-        return sum(1 for w in self.sched.workers.values() if not w.retiring)
+        return sum(1 for w in self.sched.state.workers.values() if not w.retiring)
 
     def _local_room(self) -> int:
         pool = self.pool()
@@ -126,11 +126,11 @@ class PoolSize:
 
     def _pending(self) -> int:
         """Workers asked for that have not registered yet (local ones starting, hosts' to come)."""
-        workers = [w for w in self.sched.workers.values() if not w.retiring]
+        workers = [w for w in self.sched.state.workers.values() if not w.retiring]
         pool = self.pool()
         pending = 0
         if pool is not None:
-            local = sum(1 for w in self.sched.workers.values() if w.local_index is not None)
+            local = sum(1 for w in self.sched.state.workers.values() if w.local_index is not None)
             pending += max(pool.size - local, 0)
         for h in self.hosts.values():
             pending += max(h.wanted - sum(1 for w in workers if h.runs(w)), 0)
@@ -144,9 +144,9 @@ class PoolSize:
         """Who holds the epoch back now: the scheduler's word for what the newest live run waits
         for (the trainer's credit, the workers, the dataset), sampled several times a window."""
         stages = self.stages
-        live = [r for r in self.sched.runs.values() if r.dispatch is not None and r.live]
+        live = [r for r in self.sched.state.runs.values() if r.dispatch is not None and r.live]
         run = max(live, key=lambda r: r.run) if live else None
-        side = side_of(holdup(self.sched, run)[0]) if run is not None else None
+        side = side_of(holdup(self.sched.state, run)[0]) if run is not None else None
         serving, starting = self.serving(), self._pending()
         # The rate: results the workers sent (to the server or, direct, to their consumers), which
         # is what the trainer took where it holds the epoch back; delivery itself is only heard
@@ -184,7 +184,7 @@ class PoolSize:
         """A worker the server may retire (a local one, or one of a self-sizing host): the one that
         holds the least (a stream partition keeps its worker to the epoch's end), the newest of those."""
         owners: Dict[bytes, Optional[Host]] = {}
-        for w in self.sched.workers.values():
+        for w in self.sched.state.workers.values():
             if w.retiring:
                 continue
             if w.local_index is not None:
@@ -195,7 +195,7 @@ class PoolSize:
                     owners[w.wid] = h
         if not owners:
             return False
-        workers = self.sched.workers
+        workers = self.sched.state.workers
         wid = min(
             owners, key=lambda wid: (len(workers[wid].tasks) + len(workers[wid].partitions), -workers[wid].joined)
         )
