@@ -17,7 +17,7 @@ from ppclient.protocol import FailureKind, RunClose, RunFailed, RunOpen, Superse
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.delivery import StreamCut, flush, to_lane
-from ppserver.scheduler.dispatch import Dispatch
+from ppserver.scheduler.dispatch import Dispatch, StreamWork
 from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker
 from ppserver.scheduler.jobs import Run, RunState
 from ppserver.scheduler.seqs import SeqDispatch
@@ -125,7 +125,7 @@ class Lifecycle:
 
     def replayed(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
         dispatch = self.s.dispatch_of(e.run)
-        if dispatch is not None:
+        if isinstance(dispatch, StreamWork):
             dispatch.replay_read(e.partition, e.ticket, e.items)
 
     # ---- ending ------------------------------------------------------------------------------
