@@ -45,6 +45,8 @@ from conftest import (
 import ppclient
 from ppclient import protocol
 from ppclient.protocol import Channel, Peer
+from ppserver.scheduler.events import Carried
+from ppserver.server.from_workers import carried
 
 # A corpus whose reads can be made slow or stuck, from a module next to the config.
 DATA_MODULE = """
@@ -583,6 +585,26 @@ def test_a_worker_reports_every_message_it_drops(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
         server.close()
+
+
+@pytest.mark.unit
+def test_the_server_tells_what_a_dropped_message_carried_by_its_kind():
+    """Which work a dropped message's report makes the scheduler redo, told once as the event is
+    built: tasks, a stream partition's, none, or (unreadable) whatever the worker holds."""
+    assert carried(protocol.Tasks.kind) is Carried.TASKS
+    for kind in (protocol.StreamOpen, protocol.StreamInputs, protocol.StreamEnd, protocol.StreamClose):
+        assert carried(kind.kind) is Carried.STREAM
+    assert carried(protocol.StreamCredit.kind) is Carried.STREAM  # (a lost credit stalls the stream too)
+    for kind in (
+        protocol.ConsumerRoute,
+        protocol.ConsumerGone,
+        protocol.RunOpen,
+        protocol.RunClose,
+        protocol.Heartbeat,
+    ):
+        assert carried(kind.kind) is Carried.NOTHING
+    assert carried("stream_ack") is Carried.NOTHING  # a worker's own message: never sent to it
+    assert carried("") is Carried.UNKNOWN
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------

@@ -37,6 +37,7 @@ from ppserver.scheduler import (
 )
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
+from ppserver.scheduler.streams import Partition, PartState
 
 pytestmark = pytest.mark.unit
 
@@ -536,6 +537,16 @@ def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
     assert failed.msg.seq_tag == "s0" and failed.msg.message == "seq 's0': 2 malformed results (undecodable header)"
 
 
+def dropped(
+    sim: Sim, wid: bytes, what: str, carried: ev.Carried, run: Optional[int], reason: str, **kw
+) -> List[Instruction]:
+    """`wid` dropped a message of kind `what` that carried `carried` (as the server tells it)."""
+    return sim(ev.MessageDropped, wid, what, carried, run, reason=reason, **kw)
+
+
+TASKS, STREAM, NOTHING, UNKNOWN = ev.Carried.TASKS, ev.Carried.STREAM, ev.Carried.NOTHING, ev.Carried.UNKNOWN
+
+
 def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_naming_it():
     sim = Sim(buf_size=2, max_seq_retries=3)
     sim.join(b"a")
@@ -545,13 +556,13 @@ def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_nami
     sim.join(b"b")
     assert sorted(tasks(sim.out, b"a")) == [0, 1] and sorted(tasks(sim.out, b"b")) == [2, 3]
     why = "header of 2000076 bytes exceeds 1048576"
-    out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
+    out = dropped(sim, b"a", "tasks", TASKS, sim.run, why, positions=[1])
     assert tasks(out) == [] and status(sim).dropped_by_workers == 1  # "b" is busy: 1 waits for it, not "a"
     out = sim.results(b"b", [2, 3])
     assert tasks(out, b"b") == [1]
-    out = sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [1], why)
+    out = dropped(sim, b"b", "tasks", TASKS, sim.run, why, positions=[1])
     assert tasks(out, b"a") == [1]  # "a" has room again, and is not the one that dropped it last
-    out = sim(ev.MessageDropped, b"a", "tasks", sim.run, None, [1], why)
+    out = dropped(sim, b"a", "tasks", TASKS, sim.run, why, positions=[1])
     (failed,) = client_msgs(out, protocol.RunFailed)
     assert failed.msg.failure == "dataset"
     tag = protocol.short_tag(huge)
@@ -567,14 +578,14 @@ def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without
     sim.join(b"b")
     before = list(sim.out)
     for what in ("route", "consumer_gone", "run_close"):  # they carried no work: nothing to redo
-        assert sim(ev.MessageDropped, b"a", what, None, None, [], "junk") == []
-    assert sim(ev.MessageDropped, b"a", "tasks", sim.run + 7, None, [0], "junk") == []  # not a live run
+        assert dropped(sim, b"a", what, NOTHING, None, "junk") == []
+    assert dropped(sim, b"a", "tasks", TASKS, sim.run + 7, "junk", positions=[0]) == []  # not a live run
     assert sim.out == before and status(sim).dropped_by_workers == 4
-    sim(ev.MessageDropped, b"a", "", None, None, [], "undecodable header")  # which? everything of "a"
+    dropped(sim, b"a", "", UNKNOWN, None, "undecodable header")  # which? everything of "a"
     assert in_flight(sim)["a"] == 0
     out = sim.results(b"b", [2, 3])
     assert sorted(tasks(out, b"b")) == [0, 1]  # redone on "b"
-    sim(ev.MessageDropped, b"b", "tasks", sim.run, None, [], "an item without a position")  # every task of the run
+    dropped(sim, b"b", "tasks", TASKS, sim.run, "an item without a position")  # every task of the run
     assert in_flight(sim)["b"] == 0
     assert sorted(tasks(sim.out, b"a")[-2:]) == [0, 1]
 
@@ -587,17 +598,78 @@ def test_a_stream_message_a_worker_dropped_restarts_its_partition_elsewhere():
     sim.feed(range(4))
     owner = {i.msg.partition: i.wid for i in sent(sim.out, protocol.StreamOpen)}
     other = b"b" if owner[1] == b"a" else b"a"
-    out = sim(ev.MessageDropped, owner[1], "stream_inputs", 1, 1, [], "header of 2000076 bytes exceeds 1048576")
+    why = "header of 2000076 bytes exceeds 1048576"
+    out = dropped(sim, owner[1], "stream_inputs", STREAM, 1, why, partition=1)
     expect(out, (owner[1], "stream_close"), (other, "stream_open"), ("replay", 1, 1, [1, 3]))
     assert out[0].msg == protocol.StreamClose(run=1, partition=1) and out[1].msg.partition == 1
-    assert sim(ev.MessageDropped, owner[1], "stream_inputs", 1, 1, [], "late") == []  # not its partition now
-    out = sim(ev.MessageDropped, other, "stream_inputs", 1, 1, [], "header of 2000076 bytes exceeds 1048576")
+    assert dropped(sim, owner[1], "stream_inputs", STREAM, 1, "late", partition=1) == []  # not its partition now
+    out = dropped(sim, other, "stream_inputs", STREAM, 1, why, partition=1)
     expect(out, (CONSUMER, "run_failed"), ("stop_reading", 1), (b"a", "run_close"), (b"b", "run_close"))
     failed = out[0]
     assert failed.msg.failure == "dataset"
-    assert failed.msg.message == (
-        "stream partition 1 (last input 's3') could not be taken by 2 workers (header of 2000076 bytes exceeds 1048576)"
-    )
+    assert failed.msg.message == f"stream partition 1 (last input 's3') could not be taken by 2 workers ({why})"
+
+
+def test_a_message_of_the_other_mapper_style_is_nothing_to_a_run():
+    """A map_seq run takes no stream message, a stream run no map_seq one (a worker of another
+    config, or a late word): nothing changes, nothing is sent, the run goes on."""
+    sim = Sim(buf_size=2)
+    sim.join(b"a")
+    sim.start(4)
+    sim.feed(range(4))
+    run = sim.run
+    held = in_flight(sim)
+    for event, *args in (
+        (ev.StreamAcked, b"a", run, 0, 1, 1),
+        (ev.StreamOutputsReceived, b"a", run, 0, 1, [item(0)], []),
+        (ev.StreamFinished, b"a", run, 0, 1),
+        (ev.StreamFailed, b"a", run, 0, 1, "s0", "boom", ""),
+        (ev.MessageDropped, b"a", "stream_inputs", STREAM, run, 0, [], "junk"),
+    ):
+        assert sim(event, *args) == []
+    assert in_flight(sim) == held and sim.s.state.runs[run].live
+
+    sim = stream_sim(buf_size=2, partitions=1)
+    sim.join(b"a")
+    sim.start(4)
+    sim.feed(range(2))
+    run = sim.run
+    for event, *args in (
+        (ev.ResultsReceived, b"a", run, [result(0)], []),
+        (ev.CompletedReceived, b"a", run, [0], [10]),
+        (ev.InputsLost, b"a", run, [0], "gone"),
+        (ev.TaskFailed, b"a", run, 0, "s0", "boom", ""),
+        (ev.MessageDropped, b"a", "tasks", TASKS, run, None, [0], "junk"),
+    ):
+        assert sim(event, *args) == []
+    assert sim.s.state.runs[run].live and status(sim).lost_inputs == 0
+    expect(outputs(sim, b"a", 0, [0]), (b"a", "stream_credit"), (CONSUMER, "seqs", [0]))
+
+
+def test_a_stream_partition_moves_only_along_its_table_and_is_charged_per_progress():
+    part = Partition(0)
+    with pytest.raises(AssertionError, match="stream partition 0: unowned -> done is not a move"):
+        part.finish()
+    part.open(b"w", 2)
+    assert (part.state, part.wid, part.incarnation) == (PartState.OWNED, b"w", 1)
+    with pytest.raises(AssertionError, match="owned -> owned is not a move"):
+        part.open(b"v", 2)
+    assert [part.charge(), part.charge()] == [1, 2]  # no output in between: its fault
+    part.received += 1
+    assert part.charge() == 1  # progress since: the count starts again
+    part.disown()
+    assert (part.state, part.wid) == (PartState.UNOWNED, None)
+    part.wid = b"w"
+    with pytest.raises(AssertionError, match="unowned, owner b'w'"):
+        part.validate(1, {})
+    part.wid = None
+    part.open(b"v", 2)
+    part.finish()
+    assert (part.state, part.wid, part.incarnation) == (PartState.DONE, None, 2)
+    part.validate(1, {})
+    for move in (part.disown, lambda: part.open(b"w", 2)):
+        with pytest.raises(AssertionError, match="done -> "):
+            move()
 
 
 # ---- runs: preparing, superseding, refusing -----------------------------------------------------

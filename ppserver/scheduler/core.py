@@ -9,21 +9,23 @@ that state and the parts it calls (none holds the Scheduler or imports this modu
 answers, failing, ending), `delivery` (release in epoch order into the lanes within credit,
 ends), `skips` (seqs map_seq skipped), `status` (what a run waits for, keepalives, the typed
 status), `invariants` (what `validate` checks). What a task is and in what order outputs come is
-the business of the run's dispatch (`dispatch.Dispatch`): `SeqDispatch` for map_seq,
-`StreamDispatch` for map_seq_stream.
+the business of the run's dispatch (`dispatch.Dispatch`, with a part
+per mapper style): `SeqDispatch` for map_seq,
+`StreamDispatch` for map_seq_stream; a worker's message goes to a run's dispatch only if it is
+of the message's style (`_route`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, TypeVar, Union
 
-from ppclient.protocol import FailureKind, Heartbeat, Retire, Tasks, Unknown
+from ppclient.protocol import FailureKind, Heartbeat, Retire, Unknown
 from ppserver.exits import describe_exit
 from ppserver.scheduler import events as ev
 from ppserver.scheduler import invariants, status
 from ppserver.scheduler.delivery import Delivery
-from ppserver.scheduler.dispatch import Dispatch
+from ppserver.scheduler.dispatch import Dispatch, Drop, SeqWork, StreamWork
 from ppserver.scheduler.instructions import Instruction, Read, StopReading, ToWorker
 from ppserver.scheduler.jobs import Run
 from ppserver.scheduler.requests import MAX_READERS, Requests
@@ -40,6 +42,8 @@ log = logging.getLogger("ppserver.scheduler")
 __all__ = ["MAX_READERS", "Scheduler"]
 
 Handler = Callable[[Any, List[Instruction]], None]
+D = TypeVar("D", bound=Dispatch)
+Of = Callable[[Optional[Dispatch]], Optional[D]]  # a run's dispatch if it is of a style (Dispatch.of)
 
 
 class Scheduler:
@@ -316,12 +320,22 @@ class Scheduler:
         self.state.workers[e.wid].mapping = (e.run, e.pos, e.seq_tag)
 
     # ---- worker messages: to the run's dispatch ------------------------------------------------
+    def _route(self, run_id: int, of: Of[D], call: Callable[[D], Optional[Failure]], out: List[Instruction]) -> bool:
+        """Hand a worker's message of a run to the run's dispatch if it is of the message's style
+        (`of`: SeqWork.of, StreamWork.of, or Dispatch.of for either), and fail the run with the
+        failure `call` returns. False if it is not: the run is not live (or still preparing), or
+        it maps in the other style (a late or stray message): nothing to it."""
+        d = of(self.dispatch_of(run_id))
+        if d is None:
+            return False
+        self.lifecycle.fail_id(run_id, call(d), out)
+        return True
+
     def _results(self, e: ev.ResultsReceived, out: List[Instruction]) -> None:
         if e.bad:
             self._malformed(len(e.bad), "results", e.wid, e.bad[0].reason)
-        d = self.dispatch_of(e.run)
-        if d is not None:
-            self.lifecycle.fail_id(e.run, d.results_received(self.state.workers[e.wid], e.items, e.bad), out)
+        w = self.state.workers[e.wid]
+        if self._route(e.run, SeqWork.of, lambda d: d.results_received(w, e.items, e.bad), out):
             self._skipped(e.run, out)
 
     def _skipped(self, run_id: int, out: List[Instruction]) -> None:
@@ -351,10 +365,8 @@ class Scheduler:
             len(w.tasks),
             len(w.partitions),
         )
-        for run_id in held:
-            d = self.dispatch_of(run_id)  # (an earlier run's failure may have ended it)
-            if d is not None:
-                self.lifecycle.fail_id(run_id, d.malformed_message(w, e.reason, self.state.workers, out), out)
+        for run_id in held:  # (an earlier run's failure may have ended a later one)
+            self._route(run_id, Dispatch.of, lambda d: d.malformed_message(w, e.reason, self.state.workers, out), out)
 
     def _dropped(self, e: ev.MessageDropped, out: List[Instruction]) -> None:
         """A message the worker could not take: the tasks or stream partition it carried are redone
@@ -365,61 +377,75 @@ class Scheduler:
         kind = repr(e.what) if e.what else "unreadable"
         of_run = f" of run {e.run}" if e.run is not None else ""
         log.warning("worker %s dropped a %s message%s from the server: %s", w.name, kind, of_run, e.reason)
-        if e.what not in ("", Tasks.kind) and not e.what.startswith("stream_"):
-            return  # it carried no work
-        if e.what and e.run is not None:
-            targets, positions, partition = [e.run], e.positions, e.partition
+        if e.carried is ev.Carried.NOTHING:
+            return
+        if e.carried is not ev.Carried.UNKNOWN and e.run is not None:
+            targets, drop = [e.run], Drop(e.carried, e.positions, e.partition, e.reason)
         else:  # which run it was is not known: everything the worker holds
-            targets, positions, partition = self._holding(w), [], None
-        for run_id in targets:
-            d = self.dispatch_of(run_id)  # (None: a run that ended: nothing to redo)
-            if d is not None:
-                failure = d.dropped(w, e.what, positions, partition, e.reason, self.state.workers, out)
-                self.lifecycle.fail_id(run_id, failure, out)
+            targets, drop = self._holding(w), Drop(e.carried, (), None, e.reason)
+        style = _CARRIED_TO[drop.carried]
+        for run_id in targets:  # (a run that ended has nothing to redo)
+            self._route(run_id, style, lambda d: d.dropped(w, drop, self.state.workers, out), out)
 
     def _completed(self, e: ev.CompletedReceived, out: List[Instruction]) -> None:
-        d = self.dispatch_of(e.run)
-        if d is not None:
-            d.completed(self.state.workers[e.wid], e.positions, e.nbytes, e.skipped, e.skipped_tags)
+        w = self.state.workers[e.wid]
+        if self._route(e.run, SeqWork.of, lambda d: d.completed(w, e), out):
             self._skipped(e.run, out)
 
     def _inputs_lost(self, e: ev.InputsLost, out: List[Instruction]) -> None:
-        d = self.dispatch_of(e.run)
-        if d is None:
-            return
+        self._route(e.run, SeqWork.of, lambda d: self._lost(d, e), out)
+
+    def _lost(self, d: SeqWork, e: ev.InputsLost) -> Optional[Failure]:
+        """Count and log the tasks whose inputs a worker could not read that are redone."""
         w = self.state.workers[e.wid]
         redone, failure = d.inputs_lost(w, e.positions)
         self.state.lost_inputs += redone
         if redone:
             epoch = self.state.runs[e.run].epoch
             log.warning("worker %s could not read %d inputs of epoch %d (%s): redone", w.name, redone, epoch, e.reason)
-        self.lifecycle.fail_id(e.run, failure, out)
+        return failure
 
     def _task_failed(self, e: ev.TaskFailed, out: List[Instruction]) -> None:
-        d = self.dispatch_of(e.run)
-        if d is not None and d.task_failed(self.state.workers[e.wid], e.pos):  # not a late word, not a dropped seq
-            self.lifecycle.fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
+        w = self.state.workers[e.wid]
+        self._route(e.run, SeqWork.of, lambda d: _mapper_failure(e) if d.task_failed(w, e.pos) else None, out)
 
     def _stream_acked(self, e: ev.StreamAcked, out: List[Instruction]) -> None:
-        d = self.dispatch_of(e.run)
-        if d is not None:
-            d.stream_acked(self.state.workers[e.wid], e.partition, e.incarnation, e.n)
+        w = self.state.workers[e.wid]
+        self._route(e.run, StreamWork.of, lambda d: d.stream_acked(w, e.partition, e.incarnation, e.n), out)
 
     def _stream_outputs(self, e: ev.StreamOutputsReceived, out: List[Instruction]) -> None:
         if e.bad:
             self._malformed(len(e.bad), "stream outputs", e.wid, e.bad[0].reason)
-        d = self.dispatch_of(e.run)
-        if d is not None:
-            w = self.state.workers[e.wid]
-            failure = d.stream_outputs(w, e.partition, e.incarnation, e.items, e.bad, self.state.workers, out)
-            self.lifecycle.fail_id(e.run, failure, out)
+        w = self.state.workers[e.wid]
+        self._route(
+            e.run,
+            StreamWork.of,
+            lambda d: d.stream_outputs(w, e.partition, e.incarnation, e.items, e.bad, self.state.workers, out),
+            out,
+        )
 
     def _stream_finished(self, e: ev.StreamFinished, out: List[Instruction]) -> None:
-        d = self.dispatch_of(e.run)
-        if d is not None:
-            d.stream_finished(self.state.workers[e.wid], e.partition, e.incarnation)
+        w = self.state.workers[e.wid]
+        self._route(e.run, StreamWork.of, lambda d: d.stream_finished(w, e.partition, e.incarnation), out)
 
     def _stream_failed(self, e: ev.StreamFailed, out: List[Instruction]) -> None:
-        d = self.dispatch_of(e.run)
-        if d is not None and d.stream_failed(self.state.workers[e.wid], e.partition, e.incarnation):
-            self.lifecycle.fail_id(e.run, Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback), out)
+        w = self.state.workers[e.wid]
+        self._route(
+            e.run,
+            StreamWork.of,
+            lambda d: _mapper_failure(e) if d.stream_failed(w, e.partition, e.incarnation) else None,
+            out,
+        )
+
+
+# The dispatches a dropped message's work is redone by: its style's (either, if it is not known).
+_CARRIED_TO: Dict[ev.Carried, Of[Dispatch]] = {
+    ev.Carried.TASKS: SeqWork.of,
+    ev.Carried.STREAM: StreamWork.of,
+    ev.Carried.UNKNOWN: Dispatch.of,
+}
+
+
+def _mapper_failure(e: Union[ev.TaskFailed, ev.StreamFailed]) -> Failure:
+    """The run's failure when its mapper raised, as the worker reports it."""
+    return Failure(FailureKind.MAPPER, e.message, e.seq_tag, e.traceback)

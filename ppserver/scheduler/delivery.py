@@ -26,7 +26,7 @@ from ppclient.collate import BatchError
 from ppclient.protocol import Batch, End, FailureKind, Item, Message, Seqs, Started
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
-from ppserver.scheduler.dispatch import Room
+from ppserver.scheduler.dispatch import Room, SeqWork
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import GONE, READING, Job, Lane, Run
 from ppserver.scheduler.settings import Failure
@@ -52,7 +52,7 @@ class Delivery:
         """What the run's outputs allow now: late results, the release, the lanes' messages and ends."""
         d = run.dispatch
         assert d is not None
-        if d.late:  # lost direct results made again: they were released
+        if isinstance(d, SeqWork) and d.late:  # lost direct results made again: they were released
             for item in d.late:
                 lane = run.lane_of(item.pos)
                 if lane is not None and lane.consumer is not None and not lane.gone:
@@ -198,7 +198,7 @@ class Delivery:
         lane.granted = max(lane.granted, min(e.total, lane.delivered + MAX_GRANT_AHEAD))
         if e.consumed > lane.consumed:
             lane.consumed = min(e.consumed, lane.delivered)
-            if run.dispatch is not None:
+            if isinstance(run.dispatch, SeqWork):
                 run.dispatch.forget(lane.index, lane.start + lane.consumed)
             if lane.ended:
                 self.lifecycle.check_finished(run, out)
@@ -212,7 +212,7 @@ class Delivery:
         if found is None:
             return
         run, lane = found
-        if run.lane_of(e.pos) is lane and run.dispatch is not None and run.dispatch.redo_lost(e.pos):
+        if run.lane_of(e.pos) is lane and isinstance(run.dispatch, SeqWork) and run.dispatch.redo_lost(e.pos):
             self.state.lost_direct += 1
             log.warning(
                 "%s of job %r did not get seq %d of epoch %d sent to it directly: made again, sent by the server",

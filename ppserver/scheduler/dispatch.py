@@ -1,37 +1,56 @@
-"""What the scheduler asks of a run's dispatch, whichever the mapper style.
+"""What the scheduler asks of a run's dispatch, by what the run's work is.
 
 A dispatch owns a running run's inputs, tasks and outputs: what to read, who maps what, what a
-worker's message or departure means for them, and the outputs in epoch order. `SeqDispatch`
-(map_seq: any worker maps any seq) and `StreamDispatch` (map_seq_stream: a partition is one
-stream on one worker) implement it; the scheduler talks to them only through this class.
+worker's departure or a message it could not take means for them, and the outputs in epoch
+order. That much every run has (`Dispatch`). The rest depends on the mapper style, and so does
+the class: `SeqWork` (map_seq: any worker maps any seq; results, direct results, tasks a worker
+could not read or that failed; implemented by `seqs.SeqDispatch`) and `StreamWork`
+(map_seq_stream: a partition is one stream on one worker; replayed inputs, acks, outputs, ends;
+implemented by `streams.StreamDispatch`). The scheduler hands a worker's message to a run's
+dispatch only if it is of the message's style: one of the other style's (a worker of another
+config, or a late one) is nothing to the run, and no class has to say so.
 
-A message of the other style's (a stream message in a map_seq run, say: a worker of another
-config, or a late one) is nothing to a dispatch: those methods have defaults that ignore it.
 Each method that may fail the run returns the Failure, and the scheduler fails it.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from ppclient.protocol import BadItem, Batch, Item
+from ppserver.scheduler.events import Carried, CompletedReceived
 from ppserver.scheduler.instructions import Instruction
 from ppserver.scheduler.settings import Failure
 from ppserver.scheduler.workers import WorkerState
 
 Workers = Dict[bytes, WorkerState]
 Room = Callable[[int], bool]  # whether the output at a position may be released now
+D = TypeVar("D", bound="Dispatch")
+
+
+@dataclass(frozen=True)
+class Drop:
+    """What a message a worker dropped unread carried, as far as it could be read: `carried`
+    (which style's work), the tasks' `positions` (empty: every task of the run the worker holds)
+    or the stream `partition` (None: every partition of the run it runs), and why."""
+
+    carried: Carried
+    positions: Sequence[int]
+    partition: Optional[int]
+    reason: str
 
 
 class Dispatch(abc.ABC):
+    """What every run's dispatch does, whichever the mapper style."""
+
     run: int
-    # Results made again after they were released (a direct result lost on its way), to go to
-    # their consumer at once; the scheduler empties it after every event.
-    late: List[Item]
-    # Results accepted since the last event that hold seqs map_seq skipped: (position, how many,
-    # the first few tags); the scheduler counts them (skips.py) and empties it.
-    skips: List[Tuple[int, int, List[str]]]
+
+    @classmethod
+    def of(cls: Type[D], d: Optional[Dispatch]) -> Optional[D]:
+        """`d` if it is one of this class (a message of one style goes only to that style's)."""
+        return d if isinstance(d, cls) else None
 
     # ---- reading ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -51,10 +70,6 @@ class Dispatch(abc.ABC):
     def reading_done(self) -> bool:
         """Nothing more will be read: the reader may move on to another epoch."""
 
-    def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
-        """Inputs read again for a stream partition that restarts."""
-        return None
-
     # ---- workers -----------------------------------------------------------------------------
     @abc.abstractmethod
     def dispatch(self, workers: Workers, out: List[Instruction]) -> None:
@@ -71,66 +86,9 @@ class Dispatch(abc.ABC):
         """A message from `w` did not decode: everything of this run it holds is charged and redone."""
 
     @abc.abstractmethod
-    def dropped(
-        self,
-        w: WorkerState,
-        what: str,
-        positions: List[int],
-        partition: Optional[int],
-        reason: str,
-        workers: Workers,
-        out: List[Instruction],
-    ) -> Optional[Failure]:
-        """`w` dropped a message of kind `what` unread ("": which is not known; `positions` empty and
-        `partition` None: everything of this run it holds): what it carried is redone, charged."""
-
-    def results_received(self, w: WorkerState, items: List[Item], bad: List[BadItem]) -> Optional[Failure]:
-        """map_seq results (and malformed ones) from `w`."""
-        return None
-
-    def completed(
-        self,
-        w: WorkerState,
-        positions: List[int],
-        sizes: List[int],
-        skipped: Sequence[int] = (),
-        skipped_tags: Sequence[List[str]] = (),
-    ) -> None:
-        """map_seq results `w` sent to their consumers itself (and the seqs of each it skipped)."""
-        return None
-
-    def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:
-        """map_seq tasks whose inputs `w` could not read; returns how many are redone."""
-        return 0, None
-
-    def task_failed(self, w: WorkerState, pos: int) -> bool:
-        """Whether a map_seq task's failure `w` reports fails the run."""
-        return False
-
-    def stream_acked(self, w: WorkerState, partition: int, incarnation: int, n: int) -> None:
-        """A stream partition's owner took `n` more inputs."""
-        return None
-
-    def stream_outputs(
-        self,
-        w: WorkerState,
-        partition: int,
-        incarnation: int,
-        items: List[Item],
-        bad: List[BadItem],
-        workers: Workers,
-        out: List[Instruction],
-    ) -> Optional[Failure]:
-        """Outputs of a stream partition."""
-        return None
-
-    def stream_finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
-        """A stream partition ended."""
-        return None
-
-    def stream_failed(self, w: WorkerState, partition: int, incarnation: int) -> bool:
-        """Whether a stream partition's failure `w` reports fails the run."""
-        return False
+    def dropped(self, w: WorkerState, drop: Drop, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
+        """`w` dropped a message of this run's style (or one it could not read) unread: what it
+        carried is redone, charged."""
 
     # ---- delivery ----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -145,15 +103,6 @@ class Dispatch(abc.ABC):
     @abc.abstractmethod
     def one_output_per_input(self) -> bool:
         """Whether the epoch has as many outputs as inputs (so its input count gives theirs)."""
-
-    def forget(self, lane: int, upto: int) -> None:
-        """The consumer of `lane` has taken its outputs below index `upto` of the lane."""
-        return None
-
-    def redo_lost(self, pos: int) -> bool:
-        """A released direct result its consumer never got: made again, to go through the server.
-        False if there is nothing to redo (not a direct result that was released)."""
-        return False
 
     # ---- the end -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -171,3 +120,73 @@ class Dispatch(abc.ABC):
     @abc.abstractmethod
     def validate(self, workers: Workers) -> None:
         """Check the invariants of its docstring; AssertionError naming the first that does not hold."""
+
+
+class SeqWork(Dispatch):
+    """A map_seq run's dispatch: tasks, their results, and results sent to consumers directly."""
+
+    # Results made again after they were released (a direct result lost on its way), to go to
+    # their consumer at once; the scheduler empties it after every event.
+    late: List[Item]
+    # Results accepted since the last event that hold seqs map_seq skipped: (position, how many,
+    # the first few tags); the scheduler counts them (skips.py) and empties it.
+    skips: List[Tuple[int, int, List[str]]]
+
+    @abc.abstractmethod
+    def results_received(self, w: WorkerState, items: List[Item], bad: List[BadItem]) -> Optional[Failure]:
+        """Results (and malformed ones) from `w`."""
+
+    @abc.abstractmethod
+    def completed(self, w: WorkerState, done: CompletedReceived) -> None:
+        """Results `w` sent to their consumers itself: their positions and sizes, and the seqs of
+        each the mapper skipped."""
+
+    @abc.abstractmethod
+    def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:
+        """Tasks whose inputs `w` could not read; returns how many are redone."""
+
+    @abc.abstractmethod
+    def task_failed(self, w: WorkerState, pos: int) -> bool:
+        """Whether a task's failure `w` reports fails the run."""
+
+    @abc.abstractmethod
+    def forget(self, lane: int, upto: int) -> None:
+        """The consumer of `lane` has taken its outputs below index `upto` of the lane."""
+
+    @abc.abstractmethod
+    def redo_lost(self, pos: int) -> bool:
+        """A released direct result its consumer never got: made again, to go through the server.
+        False if there is nothing to redo (not a direct result that was released)."""
+
+
+class StreamWork(Dispatch):
+    """A map_seq_stream run's dispatch: partitions, each one stream on one worker."""
+
+    @abc.abstractmethod
+    def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
+        """Inputs read again for a partition that restarts."""
+
+    @abc.abstractmethod
+    def stream_acked(self, w: WorkerState, partition: int, incarnation: int, n: int) -> None:
+        """A partition's owner took `n` more inputs."""
+
+    @abc.abstractmethod
+    def stream_outputs(
+        self,
+        w: WorkerState,
+        partition: int,
+        incarnation: int,
+        items: List[Item],
+        bad: List[BadItem],
+        workers: Workers,
+        out: List[Instruction],
+    ) -> Optional[Failure]:
+        """Outputs of a partition."""
+
+    @abc.abstractmethod
+    def stream_finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
+        """A partition ended."""
+
+    @abc.abstractmethod
+    def stream_failed(self, w: WorkerState, partition: int, incarnation: int) -> bool:
+        """Whether a partition's failure `w` reports fails the run."""

@@ -12,6 +12,7 @@ into these; nothing else reaches the scheduler.
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
@@ -136,12 +137,23 @@ class InputsLost(WorkerEvent):
     reason: str = ""
 
 
+class Carried(enum.Enum):
+    """What a message of the server's to a worker carried, by its kind (the server tells, as it
+    builds a MessageDropped): which work is redone when the worker drops it."""
+
+    TASKS = "tasks"  # map_seq tasks
+    STREAM = "stream"  # a stream partition's opening, inputs, end, close or credit
+    NOTHING = "nothing"  # no work (a route, a run's close, ...): the worker goes on without it
+    UNKNOWN = "unknown"  # unreadable: everything the worker holds is charged
+
+
 @dataclass(frozen=True, slots=True)
 class MessageDropped(WorkerEvent):
     """The worker dropped a message of the server's unread (see protocol.Dropped): what it carried
     is redone elsewhere, charged, or the run fails naming the seq."""
 
-    what: str  # its kind ("": unreadable: everything the worker holds is charged)
+    what: str  # its kind, as the worker read it ("": unreadable)
+    carried: Carried
     run: Optional[int] = None
     partition: Optional[int] = None
     positions: List[int] = field(default_factory=list)  # empty: every task of the run it holds

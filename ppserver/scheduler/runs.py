@@ -14,7 +14,7 @@ from ppclient.protocol import FailureKind, RunClose, RunFailed, RunOpen, Superse
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
 from ppserver.scheduler.delivery import StreamCut, flush, started_message, to_lane
-from ppserver.scheduler.dispatch import Dispatch
+from ppserver.scheduler.dispatch import Dispatch, StreamWork
 from ppserver.scheduler.instructions import Instruction, StopReading, ToWorker
 from ppserver.scheduler.jobs import GONE, Run, RunState
 from ppserver.scheduler.seqs import SeqDispatch
@@ -123,7 +123,7 @@ class Lifecycle:
 
     def replayed(self, e: ev.ReplayRead, out: List[Instruction]) -> None:
         run = self.state.runs.get(e.run)
-        if run is not None and run.dispatch is not None:
+        if run is not None and isinstance(run.dispatch, StreamWork):
             run.dispatch.replay_read(e.partition, e.ticket, e.items)
 
     # ---- ending ------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ import heapq
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks, short_tag
-from ppserver.scheduler.dispatch import Dispatch, Room, Workers
+from ppserver.scheduler.dispatch import Drop, Room, SeqWork, Workers
+from ppserver.scheduler.events import CompletedReceived
 from ppserver.scheduler.instructions import Instruction, ToWorker
 from ppserver.scheduler.seqstates import (
     ASKED,
@@ -58,7 +59,7 @@ BATCH_READ_SLACK = 4  # batches read beyond the workers' credit
 BATCH_READ_STEP = 2
 
 
-class SeqDispatch(SeqTable, Dispatch):
+class SeqDispatch(SeqTable, SeqWork):
     def __init__(
         self,
         run: int,
@@ -193,20 +194,14 @@ class SeqDispatch(SeqTable, Dispatch):
     ) -> Optional[Failure]:
         return self.results_received(w, [], [BadItem(None, reason)])
 
-    def completed(
-        self,
-        w: WorkerState,
-        positions: List[int],
-        sizes: List[int],
-        skipped: Sequence[int] = (),
-        skipped_tags: Sequence[List[str]] = (),
-    ) -> None:
+    def completed(self, w: WorkerState, done: CompletedReceived) -> None:
         """Results the worker sent to their consumers: a placeholder takes each one's turn in
-        delivery order, and the input is kept until the consumer has taken the seq. `skipped[k]`:
-        the seqs of result k the mapper skipped (empty: none), `skipped_tags[k]` a few of their tags."""
+        delivery order, and the input is kept until the consumer has taken the seq. `done.skipped[k]`:
+        the seqs of result k the mapper skipped (empty: none), `done.skipped_tags[k]` a few of their tags."""
         worker, state, to, wid, keep = self.worker, self.state, self._to, w.wid, self.kept.keep
+        positions, skipped, skipped_tags = done.positions, done.skipped, done.skipped_tags
         skips = len(skipped) == len(positions) and len(skipped_tags) == len(positions)
-        for k, (pos, size) in enumerate(zip(positions, sizes)):
+        for k, (pos, size) in enumerate(zip(positions, done.nbytes)):
             if worker.get(pos) != wid:
                 continue  # late or duplicate
             w.done += 1
@@ -238,26 +233,15 @@ class SeqDispatch(SeqTable, Dispatch):
             redone += 1
         return redone, None
 
-    def dropped(
-        self,
-        w: WorkerState,
-        what: str,
-        positions: List[int],
-        partition: Optional[int],
-        reason: str,
-        workers: Workers,
-        out: List[Instruction],
-    ) -> Optional[Failure]:
+    def dropped(self, w: WorkerState, drop: Drop, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
         """Tasks `w` dropped unread (their message did not decode, say; none named: every one of this
         run it holds): each goes to another worker if there is one. A seq whose task `max_seq_retries`
         workers dropped fails the run naming it: its input is what they cannot take."""
-        if what not in ("", Tasks.kind):
-            return None  # a stream message: nothing of this run
-        for pos in positions or [p for run, p in sorted(w.tasks) if run == self.run]:
+        for pos in drop.positions or [p for run, p in sorted(w.tasks) if run == self.run]:
             n = self._take_back(w, pos, "refused", avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
                 tag = _tag(pos, self.inputs.get(pos))
-                message = f"seq {tag!r} (position {pos}): {n} workers could not take its input ({reason})"
+                message = f"seq {tag!r} (position {pos}): {n} workers could not take its input ({drop.reason})"
                 return Failure(FailureKind.DATASET, message, seq_tag=tag)
         return None
 

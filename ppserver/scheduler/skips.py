@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from ppclient.protocol import FailureKind
 from ppclient.throttle import Throttled
+from ppserver.scheduler.dispatch import SeqWork
 from ppserver.scheduler.jobs import Run
 from ppserver.scheduler.settings import Failure
 from ppserver.scheduler.state import SchedulerState
@@ -35,7 +36,7 @@ class Skips:
         """Count what the run's dispatch accepted since the last event; the failure if the run
         skipped more than it may."""
         d = run.dispatch
-        if d is None or not d.skips:
+        if not isinstance(d, SeqWork) or not d.skips:
             return None
         for pos, n, tags in d.skips:
             run.skipped += n

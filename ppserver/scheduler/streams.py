@@ -13,6 +13,7 @@ crashes without progress in between fail the run.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union, cast
@@ -27,24 +28,39 @@ from ppclient.protocol import (
     StreamEnd,
     StreamInputs,
     StreamOpen,
-    Tasks,
     short_tag,
 )
-from ppserver.scheduler.dispatch import Dispatch, Room, Workers
+from ppserver.scheduler.dispatch import Drop, Room, StreamWork, Workers
 from ppserver.scheduler.instructions import Instruction, Replay, ToWorker
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.story import PARTITION, Story
 from ppserver.scheduler.workers import WorkerState
 
-UNOWNED, OWNED, DONE = "unowned", "owned", "done"  # a partition's states, as its story tells them
+
+class PartState(enum.Enum):
+    """A stream partition's state (docs/protocol.md, stream partitions), in its story as its value."""
+
+    UNOWNED = "unowned"  # no worker runs it; once one does, what was sent before is replayed first
+    OWNED = "owned"  # its owner `wid` runs it: inputs go there within credit, replayed ones first
+    DONE = "done"  # its stream ended: nothing more goes to it
+
+
+UNOWNED, OWNED, DONE = PartState
+
+# The moves a partition's state may make; a stream that ended stays ended.
+PART_MOVES: Dict[PartState, Tuple[PartState, ...]] = {
+    UNOWNED: (OWNED,),
+    OWNED: (UNOWNED, DONE),
+    DONE: (),
+}
 
 
 @dataclass
 class Partition:
-    """One stream: unowned (no `wid`), owned (inputs go to `wid`, replayed first if it ran
-    elsewhere before), or done."""
+    """One stream, in one state (PartState): it has an owner (`wid`) while owned, and only then."""
 
     index: int
+    state: PartState = UNOWNED
     wid: Optional[bytes] = None  # the owner
     queue: Deque[Item] = field(default_factory=deque)  # new inputs not yet sent
     fed: int = 0  # inputs of this partition received from the reader
@@ -56,17 +72,23 @@ class Partition:
     eof_sent: bool = False
     outputs: Deque[Tuple[Item, bytes]] = field(default_factory=deque)  # (output, the worker that made it)
     received: int = 0  # outputs received, across restarts
-    done: bool = False
     deaths: int = 0
-    received_at_death: int = -1
+    received_at_death: Optional[int] = None  # `received` at the last failure charged (None: none yet)
     last_tag: Optional[str] = None
     incarnation: int = 0  # counts the partition's starts; the owner echoes it
 
     def replaying(self) -> bool:
         return self.sent < self.replay_until
 
+    def to(self, state: PartState) -> None:
+        """Move to `state` (only along PART_MOVES)."""
+        if state not in PART_MOVES[self.state]:
+            raise AssertionError(f"stream partition {self.index}: {self.state.value} -> {state.value} is not a move")
+        self.state = state
+
     def open(self, wid: bytes, credit: int) -> None:
         """Start (again) on `wid`, from the partition's first input."""
+        self.to(OWNED)
         self.wid = wid
         self.incarnation += 1
         self.in_credit = credit
@@ -74,7 +96,7 @@ class Partition:
     def charge(self) -> int:
         """A failure charged to the partition (a crash, a malformed output, an input its worker could
         not take); progress since the last one means that one was not its fault. Returns the count."""
-        if self.received > self.received_at_death:
+        if self.received_at_death is None or self.received > self.received_at_death:
             self.deaths = 0
         self.deaths += 1
         self.received_at_death = self.received
@@ -82,6 +104,7 @@ class Partition:
 
     def disown(self) -> None:
         """Its owner is gone or let it down: unowned, to replay what was sent once it runs again."""
+        self.to(UNOWNED)
         self.wid = None
         self.replay_until = self.fed - len(self.queue)
         self.replay.clear()
@@ -91,14 +114,14 @@ class Partition:
         self.eof_sent = False
 
     def finish(self) -> None:
-        self.done = True
+        self.to(DONE)
         self.wid = None
         self.queue.clear()
         self.replay.clear()
 
     def replayed(self, ticket: int, items: List[Item]) -> None:
         """Inputs read again, for the replay asked for with `ticket` (else for an earlier owner's)."""
-        if ticket == self.replay_ticket and self.wid is not None:
+        if ticket == self.replay_ticket and self.state is OWNED:
             self.replay_ticket = None
             self.replay.extend(items)
 
@@ -144,20 +167,21 @@ class Partition:
         return batch
 
     def validate(self, run: int, workers: Dict[bytes, WorkerState]) -> None:
-        """Done: no owner, nothing queued. Unowned: fed nothing. Owned: in its owner's set, sent
-        no more than it was fed."""
+        """An owner while owned, and only then. Done: nothing queued. Unowned: fed nothing. Owned:
+        in its owner's set, sent no more than it was fed."""
         where = f"run {run}, stream partition {self.index}"
-        if self.done:
-            assert self.wid is None and not self.queue and not self.replay, f"{where}: done, yet fed"
-        elif self.wid is None:
+        assert (self.wid is not None) == (self.state is OWNED), f"{where}: {self.state.value}, owner {self.wid!r}"
+        if self.state is DONE:
+            assert not self.queue and not self.replay, f"{where}: done, yet fed"
+        elif self.state is UNOWNED:
             assert self.replay_ticket is None and self.in_credit == 0, f"{where}: unowned, yet fed"
         else:
-            w = workers.get(self.wid)
+            w = workers.get(self.wid) if self.wid is not None else None
             assert w is not None and (run, self.index) in w.partitions, f"{where}: not in its owner's set"
             assert self.sent <= self.fed and self.in_credit >= 0, f"{where}: {self.sent} of {self.fed} sent"
 
 
-class StreamDispatch(Dispatch):
+class StreamDispatch(StreamWork):
     """A partition's moves (unowned -> owned -> done, owned -> unowned) are told to `story`."""
 
     def __init__(
@@ -176,8 +200,6 @@ class StreamDispatch(Dispatch):
         self.complete_frac = 0.0  # the largest released so far: the merge's never decreases
         self.tickets = 0  # replay requests so far (each one's ticket is its number)
         self.read_upto = 0  # positions asked of the reader
-        self.late: List[Item] = []  # (stream outputs are never sent directly: none is ever lost)
-        self.skips: List[Tuple[int, int, List[str]]] = []  # (a stream skips by yielding less: never)
 
     @property
     def one_output_per_input(self) -> bool:
@@ -190,7 +212,7 @@ class StreamDispatch(Dispatch):
             self.fed = max(self.fed, item.pos + 1)
             part = self.parts[item.pos % n]
             part.fed += 1
-            if not part.done:  # a stream that ended early never reads its remaining inputs
+            if part.state is not DONE:  # a stream that ended early never reads its remaining inputs
                 part.queue.append(item)
         self.feed_done = self.num_seqs is not None and self.fed >= self.num_seqs
 
@@ -205,7 +227,7 @@ class StreamDispatch(Dispatch):
         n = len(self.parts)
         limit = self.read_upto
         for part in self.parts:
-            if part.wid is None or part.done or part.replaying():
+            if part.state is not OWNED or part.replaying():
                 continue
             room = part.in_credit - len(part.queue)
             if room <= 0:
@@ -225,7 +247,7 @@ class StreamDispatch(Dispatch):
 
     def reading_done(self) -> bool:
         """No partition can need an input again (a partition that restarts replays its inputs)."""
-        return all(part.done for part in self.parts)
+        return all(part.state is DONE for part in self.parts)
 
     def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
         self.parts[partition].replayed(ticket, items)
@@ -265,7 +287,7 @@ class StreamDispatch(Dispatch):
         if not serving:
             return
         for part in self.parts:
-            if part.wid is not None or part.done:
+            if part.state is not UNOWNED:
                 continue
             choices = [w for w in serving if w.wid != avoid] or serving
             w = min(choices, key=lambda w: (len(w.partitions), w.joined))
@@ -336,27 +358,16 @@ class StreamDispatch(Dispatch):
         self._assign(workers, out, avoid=w.wid)
         return None
 
-    def dropped(
-        self,
-        w: WorkerState,
-        what: str,
-        positions: List[int],
-        partition: Optional[int],
-        reason: str,
-        workers: Workers,
-        out: List[Instruction],
-    ) -> Optional[Failure]:
+    def dropped(self, w: WorkerState, drop: Drop, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
         """`w` dropped a message of the partition unread (None: of a partition of this run it runs):
         its stream misses what it carried, so it restarts elsewhere, charged; `max_seq_retries`
         such restarts without progress fail the run naming its last input."""
-        if what == Tasks.kind:
-            return None  # map_seq tasks: nothing of this run
         mine = [p for run, p in sorted(w.partitions) if run == self.run]
-        for p in mine if partition is None else [partition]:
+        for p in mine if drop.partition is None else [drop.partition]:
             part = self.parts[p] if 0 <= p < len(self.parts) else None
             if part is None or part.wid != w.wid:
                 continue  # not (or no longer) its partition
-            cost = f"could not be taken by {{n}} workers ({reason})"
+            cost = f"could not be taken by {{n}} workers ({drop.reason})"
             failure = self._take_back(w, part, cost, workers, out, FailureKind.DATASET)
             if failure is not None:
                 return failure
@@ -393,7 +404,7 @@ class StreamDispatch(Dispatch):
         n = len(self.parts)
         buf = self.settings.buf_size
         for part in self.parts:
-            if part.wid is None:
+            if part.wid is None:  # unowned or done
                 continue
             replay = part.to_replay(n, buf)
             if replay:
@@ -425,7 +436,7 @@ class StreamDispatch(Dispatch):
                 self.rr = (self.rr + 1) % n
                 self.released += 1
                 return item
-            if not part.done:
+            if part.state is not DONE:
                 return None  # its next output decides what comes next
             self.rr = (self.rr + 1) % n
         return None
@@ -439,15 +450,15 @@ class StreamDispatch(Dispatch):
                 item.meta = {**item.meta, "complete_frac": self.complete_frac}
 
     def total(self) -> Optional[int]:
-        if all(part.done and not part.outputs for part in self.parts):
+        if all(part.state is DONE and not part.outputs for part in self.parts):
             return self.released
         return None
 
     def close(self, workers: Workers) -> None:
+        """Its owners forget its partitions (which keep their last state: the run will not run again)."""
         for part in self.parts:
             if part.wid is not None and part.wid in workers:
                 workers[part.wid].partitions.discard((self.run, part.index))
-            part.wid = None
             part.queue.clear()
             part.outputs.clear()
             part.replay.clear()
@@ -456,9 +467,9 @@ class StreamDispatch(Dispatch):
         return {
             "fed": self.fed,
             "waiting_for_worker": sum(len(p.queue) + len(p.replay) for p in self.parts),
-            "in_flight": sum(1 for p in self.parts if p.wid is not None),
+            "in_flight": sum(1 for p in self.parts if p.state is OWNED),
             "reorder_buffer": sum(len(p.outputs) for p in self.parts),
-            "partitions_done": sum(1 for p in self.parts if p.done),
+            "partitions_done": sum(1 for p in self.parts if p.state is DONE),
         }
 
     def holds(self) -> List[int]:

@@ -25,6 +25,27 @@ log = logging.getLogger("ppserver.server")
 Builder = Callable[[float, bytes, Any, Decoded], Optional[ev.Event]]
 MAX_REASON = 500  # characters of a worker's reason that are kept
 
+# The work each message the server sends a worker carries (any other: none).
+CARRIES: Dict[str, ev.Carried] = {
+    protocol.Tasks.kind: ev.Carried.TASKS,
+    **{
+        m.kind: ev.Carried.STREAM
+        for m in (
+            protocol.StreamOpen,
+            protocol.StreamInputs,
+            protocol.StreamEnd,
+            protocol.StreamClose,
+            protocol.StreamCredit,
+        )
+    },
+}
+
+
+def carried(what: str) -> ev.Carried:
+    """What a message of kind `what` a worker dropped carried ("": unreadable, so not known)."""
+    return CARRIES.get(what, ev.Carried.NOTHING) if what else ev.Carried.UNKNOWN
+
+
 EVENTS: Dict[type, Builder] = {
     protocol.Results: lambda now, wid, m, d: ev.ResultsReceived(now, wid, m.run, d.items, d.bad),
     protocol.Completed: lambda now, wid, m, d: ev.CompletedReceived(
@@ -32,7 +53,7 @@ EVENTS: Dict[type, Builder] = {
     ),
     protocol.RunDropped: lambda now, wid, m, d: ev.RunDropped(now, wid, m.run),
     protocol.Dropped: lambda now, wid, m, d: ev.MessageDropped(
-        now, wid, m.what, m.run, m.partition, m.pos, m.reason[:MAX_REASON]
+        now, wid, m.what, carried(m.what), m.run, m.partition, m.pos, m.reason[:MAX_REASON]
     ),
     protocol.StreamOutputs: lambda now, wid, m, d: ev.StreamOutputsReceived(
         now, wid, m.run, m.partition, m.incarnation, d.items, d.bad
