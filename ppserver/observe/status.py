@@ -5,11 +5,12 @@ it by attribute; `ServerStatus.to_wire` is the one place it becomes the `status_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from ppserver.observe.progress import Progress, RunProgress
-from ppserver.scheduler.status import JobStatus, RankStatus, RunStatus, SchedulerStatus, WorkerStatus
+from ppserver.observe.progress import Progress
+from ppserver.scheduler.status import JobStatus, RunStatus, SchedulerStatus
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class ServerStatus:
         p = self.progress
         return {
             "workers_alive": len(s.workers),
-            "workers": [_worker(w) for w in s.workers],
+            "workers": _plain(s.workers),
             "seqs_delivered_total": s.seqs_delivered_total,
             "seqs_skipped_total": s.seqs_skipped_total,
             "malformed_results": s.malformed_results,
@@ -81,7 +82,7 @@ class ServerStatus:
             "departures": {d.value: n for d, n in s.departures.items()},
             "handed_back": s.handed_back,
             "job": None if s.job is None else _job(s.job),
-            "ranks": [_rank(r) for r in s.ranks],
+            "ranks": _plain(s.ranks),
             **_newest(s.newest),
             "address": self.address,
             "worker_address": self.worker_address,
@@ -99,52 +100,26 @@ class ServerStatus:
             "held_back_by": p.held_back_by,
             "advice": p.advice,
             "stage_ms": dict(p.stage_ms),
-            "progress": [_run_progress(r) for r in p.progress],
+            "progress": _plain(p.progress),
         }
 
 
-def _worker(w: WorkerStatus) -> Dict[str, Any]:
-    return {
-        "id": w.id,
-        "host": w.host,
-        "pid": w.pid,
-        "local": w.local,
-        "seqs_done": w.seqs_done,
-        "in_flight": w.in_flight,
-        "partitions": list(w.partitions),
-        "last_heartbeat_s": w.last_heartbeat_s,
-        "retiring": w.retiring,
-    }
+def _plain(value: Any) -> Any:
+    """A status value as msgpack takes it: a dataclass as a dict of its fields in their order,
+    tuples as lists, enums as their values (the field names are the wire's keys)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
 
 
 def _job(j: JobStatus) -> Dict[str, Any]:
-    return {
-        "name": j.name,
-        "world_size": j.world_size,
-        "drop_last": j.drop_last,
-        "subshards": j.subshards,
-        "batching": None if j.batching is None else j.batching.to_dict(),
-        "sharding": j.sharding,
-        "clients": j.clients,
-        "runs": list(j.runs),
-        "epochs": list(j.epochs),
-    }
-
-
-def _rank(r: RankStatus) -> Dict[str, Any]:
-    return {
-        "rank": r.rank,
-        "subshard": r.subshard,
-        "epoch": r.epoch,
-        "run": r.run,
-        "solo": r.solo,
-        "position": r.position,
-        "shard_size": r.shard_size,
-        "seqs_per_sec": r.seqs_per_sec,
-        "done": r.done,
-        "last_heard_s": r.last_heard_s,
-        "credit": r.credit,
-    }
+    return {**_plain(j), "batching": None if j.batching is None else j.batching.to_dict()}
 
 
 def _newest(r: Optional[RunStatus]) -> Dict[str, Any]:
@@ -163,19 +138,7 @@ def _newest(r: Optional[RunStatus]) -> Dict[str, Any]:
             "waiting_for": None,
             "queues": {},
         }
-    return {
-        "epoch": r.epoch,
-        "run": r.run,
-        "state": r.state.value,
-        "num_seqs": r.num_seqs,
-        "seqs_delivered": r.seqs_delivered,
-        "seqs_skipped": r.seqs_skipped,
-        "seqs_per_sec": r.seqs_per_sec,
-        "mb_delivered": r.mb_delivered,
-        "error": r.error,
-        "waiting_for": r.waiting_for,
-        "queues": dict(r.queues),
-    }
+    return _plain(r)
 
 
 def _pool(p: PoolStatus) -> Dict[str, Any]:
@@ -191,17 +154,6 @@ def _pool(p: PoolStatus) -> Dict[str, Any]:
             {"ago_s": c.ago_s, "action": c.action, "reason": c.reason, "text": c.text, "from": c.before, "to": c.after}
             for c in p.changes
         ],
-        "changes_total": [list(t) for t in p.changes_total],
-        "hosts": [{"host": h.host, "procs": h.procs, "wanted": h.wanted, "max_procs": h.max_procs} for h in p.hosts],
-    }
-
-
-def _run_progress(r: RunProgress) -> Dict[str, Any]:
-    return {
-        "epoch": r.epoch,
-        "run": r.run,
-        "seqs_done": r.seqs_done,
-        "seqs_total": r.seqs_total,
-        "seqs_per_sec": r.seqs_per_sec,
-        "eta_s": r.eta_s,
+        "changes_total": _plain(p.changes_total),
+        "hosts": _plain(p.hosts),
     }
