@@ -4,7 +4,8 @@
 event table and the workers; `requests` the job and who reads which run, `runs` a run's life,
 `delivery` the release into the lanes, `status` what it tells, `invariants` what `validate`
 checks. `jobs` holds the job's runs and their per-rank lanes; `dispatch` the one interface of
-the two mapper styles' dispatch, `seqs` (with its states in `seqstates`) and `streams`.
+the two mapper styles' dispatch, `seqs` (with its states in `seqstates`, its placement of tasks
+in `placement`) and `streams`.
 `elastic` is a pure state machine of its own beside it: how many workers the pool should have.
 """
 
