@@ -183,8 +183,12 @@ class SeqTable:
 
     def queue(self, pos: int, item: Input) -> None:
         """ASKED -> QUEUED: its input came."""
+        if self.strict:
+            self._check_move(pos, QUEUED, None)
+        self.story.move(self.subject, pos, self.run, ASKED, QUEUED)
+        self.state[pos] = QUEUED
         self.inputs[pos] = item
-        self.move(pos, QUEUED)
+        heapq.heappush(self.todo, pos)
 
     def take(self, pos: int, w: WorkerState) -> Optional[Seq]:
         """The head of the queue, `pos`, leaves it for worker `w`: QUEUED -> RUNNING, REDO ->
