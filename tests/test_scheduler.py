@@ -38,6 +38,7 @@ from ppserver.scheduler import (
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
 from ppserver.scheduler.streams import Partition, PartState
+from ppserver.scheduler.workers import Isolation
 
 pytestmark = pytest.mark.unit
 
@@ -952,6 +953,28 @@ def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
     sim(ev.CreditGranted, b"r1", 1, 10)
     finish(sim, 1)
     assert delivered(sim.out, b"r1") == [1, 3, 5, 7] and ToWorker(b"w1", protocol.RunClose(run=1)) in sim.out
+
+
+def test_a_suspect_stays_alone_on_its_worker_when_a_late_result_of_another_run_comes():
+    sim = ranks_sim(2, 8, credit=0)
+    sim(ev.CreditGranted, b"r0", 1, 100)
+    sim(ev.CreditGranted, b"r1", 1, 3)
+    finish(sim, 1)  # epoch 1 lives on for rank 1
+    run2, _ = sim.request(2, consumer=b"r0", job="train", rank=0, world_size=2)
+    sim(ev.RunChecked, run2)
+    sim(ev.CreditGranted, b"r0", run2, 100)
+    sim(ev.RunStarted, run2, 2, 8)
+    out = sim.feed(range(4), run=run2)
+    assert tasks(out, b"w1") == [0, 1] and tasks(out, b"w2") == [2, 3]
+    sim.results(b"w2", [3], run=run2)
+    sim.now = 6.0
+    sim(ev.HeartbeatReceived, b"w1")
+    sim(ev.Tick)  # w2 lost: 2 is a suspect
+    out = sim.results(b"w1", [0, 1], run=run2)
+    assert tasks(out, b"w1") == [2] and sim.s.state.workers[b"w1"].isolation is Isolation.ISOLATING
+    assert sim.results(b"w1", [1], run=1) == []  # late: epoch 1's seq 1 was answered long ago
+    out = sim.feed(range(4, 8), run=run2)
+    assert tasks(out) == [] and sim.s.state.workers[b"w1"].tasks == {(run2, 2)}  # the suspect runs alone still
 
 
 def test_resume_at_or_ahead_of_what_was_released_takes_the_lane_over():

@@ -15,6 +15,7 @@ from ppclient.protocol import Item
 from ppserver.scheduler import Instruction, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.story import parse_key
+from ppserver.scheduler.workers import Isolation
 
 pytestmark = pytest.mark.unit
 
@@ -223,3 +224,29 @@ def test_a_strict_scheduler_lets_a_handler_error_raise():
     d.dispatch = explode  # type: ignore[method-assign]
     with pytest.raises(Exploding):
         sim.s.handle(ev.InputsRead(0.0, run, [item(0)]))
+
+
+def test_a_worker_that_takes_a_suspect_isolates_until_it_is_settled_and_its_story_tells_it():
+    sim = Sim()  # buf_size 2
+    sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    run = sim.start(4)
+    assert tasks(sim("read-2", ev.InputsRead, run, [item(0), item(1)]), b"w1") == [0, 1]
+    sim("hello-3", ev.WorkerJoined, b"w2", "host", 12)
+    sim.now = 6.0
+    sim("hb-4", ev.HeartbeatReceived, b"w2")
+    w2 = sim.s.state.workers[b"w2"]
+    assert tasks(sim("tick-5", ev.Tick), b"w2") == [0]  # w1 lost: 0 and 1 are suspects, each alone
+    assert w2.isolation is Isolation.ISOLATING
+    assert tasks(sim("results-6", ev.ResultsReceived, b"w2", run, [item(0, 0.0)]), b"w2") == [1]
+    assert w2.isolation is Isolation.ISOLATING
+    sim("results-7", ev.ResultsReceived, b"w2", run, [item(1, 1.0)])
+    assert w2.isolation is Isolation.NORMAL
+    assert tasks(sim("read-8", ev.InputsRead, run, [item(2), item(3)]), b"w2") == [2, 3]  # no suspect: its credit
+    told = [(e.from_, e.to, e.stimulus, e.note) for e in sim.s.story("worker:w2") if e.subject == "worker"]
+    assert told == [
+        ("-", "joined", "hello-3", "host host pid 12"),
+        ("normal", "isolating", "tick-5", f"pos 0 of run {run}"),
+        ("isolating", "normal", "results-6", ""),
+        ("normal", "isolating", "results-6", f"pos 1 of run {run}"),
+        ("isolating", "normal", "results-7", ""),
+    ]

@@ -2,7 +2,7 @@
 whole state (tests call it after every event; it costs what the state holds, so the server
 never does).
 
-Workers: a worker holds at most its credit (buf_size) of tasks, a suspect alone; every task and
+Workers: a worker holds at most its credit (buf_size) of tasks, one that isolates its suspect alone; every task and
 stream partition it holds belongs to a live run's dispatch, which says the same (each dispatch
 checks its own side: `Dispatch.validate`); it retains inputs only of runs that ended. A
 retiring worker is told to exit once it holds nothing, at once (between events none waits).
@@ -19,6 +19,7 @@ from __future__ import annotations
 from ppserver.scheduler.delivery import MAX_GRANT_AHEAD
 from ppserver.scheduler.jobs import DONE, GONE, READING, Lane, Run, RunState
 from ppserver.scheduler.state import SchedulerState
+from ppserver.scheduler.workers import NORMAL
 
 
 def validate(s: SchedulerState) -> None:
@@ -55,7 +56,7 @@ def _workers(s: SchedulerState) -> None:
         assert w.retiring == (wid in s.retiring or w.told_to_retire), f"worker {w.name}: retiring, yet not tracked"
         assert w.wid == wid, f"worker {wid!r} registered as {w.wid!r}"
         assert len(w.tasks) <= w.capacity, f"worker {w.name} holds {len(w.tasks)} tasks, above its credit {w.capacity}"
-        assert not w.isolating or len(w.tasks) <= 1, f"worker {w.name} runs a suspect, yet holds {len(w.tasks)} tasks"
+        assert w.isolation is NORMAL or len(w.tasks) == 1, f"worker {w.name} isolates, yet holds {len(w.tasks)} tasks"
         for run_id, _ in w.tasks | w.partitions:
             run = s.runs.get(run_id)
             assert run is not None and run.dispatch is not None, (

@@ -2,7 +2,7 @@
 
 A position of a map_seq run is in exactly one state (SeqTable.state) while the run holds
 anything of it; what goes with the state (its input, its worker, its result, its charges)
-sits in dicts keyed by position, and SeqTable._to keeps them in step with it:
+sits in dicts keyed by position, and SeqTable, their only writer, keeps them in step with it:
 
     (none) ─asked─► ASKED ─input read─► QUEUED ─sent─► RUNNING ─result─► READY ─released─► (none)
     RUNNING ─worker lost, malformed result, input unreadable, task dropped unread─► QUEUED
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Deque, Dict, FrozenSet, List, Literal, Optional, Set, Union
 
 from ppclient.protocol import Batch, Item
-from ppserver.scheduler.story import POS, Story
-from ppserver.scheduler.workers import WorkerState
+from ppserver.scheduler.story import DELIVERED, POS, Story
+from ppserver.scheduler.workers import ISOLATING, WorkerState
 
 Input = Union[Item, Batch]
 
@@ -113,16 +113,20 @@ class KeptInputs:
 
 
 class SeqTable:
-    """The positions a map_seq run holds: each one's state, and what goes with it. `_to` moves a
-    state and what goes with it; the three moves of every seq that carry nothing along (asked,
-    sent, released) are written in place on the hot path. With `strict`, every move is checked
-    against MOVES."""
+    """The positions a map_seq run holds: each one's state, and what goes with it, and the window
+    they lie in. It alone writes them: `move` moves a state and what goes with it; `ask`, `take`,
+    `ready` and `release` are the moves every seq makes, written out for the hot path. Every move
+    is told to the story; with `strict`, every move is checked against MOVES. A worker's task
+    leaving it ends the worker's isolation when it was its last (workers.Isolation)."""
 
-    def __init__(self, run: int, width: int, strict: bool, first: int, end: Optional[int]):
+    def __init__(
+        self, run: int, width: int, strict: bool, first: int, end: Optional[int], story: Story, subject: str = POS
+    ):
         self.run = run
         self.strict = strict
         # the window: positions from next_out (the next to release) up to read_next (the next to
-        # consider reading) may be open; none from `end` on (drop_last; None: not known yet)
+        # consider reading) may be open; none from `end` on (drop_last; None: not known yet). The
+        # dispatch moves these bounds; the moves of positions move `open`.
         self.next_out = first
         self.read_next = first
         self.end = end
@@ -133,12 +137,13 @@ class SeqTable:
         self.results: Dict[int, Item] = {}  # of positions READY
         self.charges: Dict[int, Charges] = {}  # of positions charged since they last settled
         self.todo: List[int] = []  # heap of QUEUED and REDO positions (and stale entries): lowest first
+        self.aside: List[int] = []  # positions taken off the heap for a moment (`set_aside`)
         self.open = 0  # positions asked for and neither released nor dropped (states in OPEN)
         self.kept = KeptInputs(width)
-        self.story = Story(0)  # where the moves are told (the scheduler's, once the dispatch has it)
-        self.subject = POS  # what a position is in the story (BATCH in a run that batches)
+        self.story = story  # where the moves are told (the scheduler's)
+        self.subject = subject  # what a position is in the story (BATCH in a run that batches)
 
-    def _to(self, pos: int, new: Optional[Seq], w: Optional[WorkerState] = None) -> None:
+    def move(self, pos: int, new: Optional[Seq], w: Optional[WorkerState] = None) -> None:
         """Move the seq at `pos` to `new` (None: the run holds nothing of it any more), off its
         worker `w` if given (the slot is free). What goes with the state follows: one to send is
         queued; one done for good (READY, gone) drops its input and charges, an ORPHAN its charges."""
@@ -147,9 +152,10 @@ class SeqTable:
         self.story.move(self.subject, pos, self.run, self.state.get(pos), new, None if w is None else w.wid)
         if w is not None:
             del self.worker[pos]
-            w.tasks.discard((self.run, pos))
-            if not w.tasks:
-                w.isolating = False
+            tasks = w.tasks
+            tasks.discard((self.run, pos))
+            if not tasks and w.isolation is ISOLATING:
+                w.rejoin(self.story)
         if new is None:
             del self.state[pos]
             self.inputs.pop(pos, None)
@@ -165,6 +171,88 @@ class SeqTable:
         elif new is ORPHAN:
             self.charges.pop(pos, None)
 
+    # ---- the moves every seq makes --------------------------------------------------------
+    def ask(self, pos: int) -> None:
+        """(none) -> ASKED: the reader is asked for the input at `pos`, the next to consider."""
+        if self.strict:
+            self._check_move(pos, ASKED, None)
+        self.state[pos] = ASKED  # (nothing goes with it)
+        self.story.move(self.subject, pos, self.run, None, ASKED)
+        self.read_next = pos + 1
+        self.open += 1
+
+    def queue(self, pos: int, item: Input) -> None:
+        """ASKED -> QUEUED: its input came."""
+        if self.strict:
+            self._check_move(pos, QUEUED, None)
+        self.story.move(self.subject, pos, self.run, ASKED, QUEUED)
+        self.state[pos] = QUEUED
+        self.inputs[pos] = item
+        heapq.heappush(self.todo, pos)
+
+    def take(self, pos: int, w: WorkerState) -> Optional[Seq]:
+        """The head of the queue, `pos`, leaves it for worker `w`: QUEUED -> RUNNING, REDO ->
+        REDOING. Returns the state it left, or None if the entry was stale (nothing moved)."""
+        if self.strict and self.todo[0] != pos:
+            raise AssertionError(f"run {self.run}: seq {pos} taken, yet {self.todo[0]} heads the queue")
+        heapq.heappop(self.todo)
+        old = self.state.get(pos)
+        if old is not QUEUED and old is not REDO:
+            return None
+        new = RUNNING if old is QUEUED else REDOING
+        if self.strict:
+            self._check_move(pos, new, None)
+        self.state[pos] = new
+        self.story.move(self.subject, pos, self.run, old, new, w.wid)
+        self.worker[pos] = w.wid
+        w.tasks.add((self.run, pos))
+        return old
+
+    def ready(self, pos: int, w: WorkerState, result: Item) -> Input:
+        """RUNNING -> READY off `w`: its result came; returns the input it held."""
+        if self.strict:
+            self._check_move(pos, READY, w)
+        self.story.move(self.subject, pos, self.run, RUNNING, READY, w.wid)
+        del self.worker[pos]
+        tasks = w.tasks
+        tasks.discard((self.run, pos))
+        if not tasks and w.isolation is ISOLATING:
+            w.rejoin(self.story)
+        self.state[pos] = READY
+        self.results[pos] = result
+        self.charges.pop(pos, None)
+        return self.inputs.pop(pos)
+
+    def release(self, pos: int) -> None:
+        """READY -> (none), told as delivered: the result at `pos`, the next out, goes to its rank."""
+        if self.strict:
+            self._check_move(pos, None, None)
+        del self.state[pos], self.results[pos]  # (a READY seq holds nothing else)
+        self.story.move(self.subject, pos, self.run, READY, DELIVERED)
+        self.open -= 1
+        self.next_out += 1
+
+    # ---- the queue ------------------------------------------------------------------------
+    def head(self) -> Optional[int]:
+        """The lowest position to send (stale entries of the heap dropped), or None."""
+        todo, state = self.todo, self.state
+        while todo:
+            head_state = state.get(todo[0])
+            if head_state is QUEUED or head_state is REDO:
+                return todo[0]
+            heapq.heappop(todo)
+        return None
+
+    def set_aside(self) -> None:
+        """Take the head off the queue until `restore` (the seqs behind it go first)."""
+        self.aside.append(heapq.heappop(self.todo))
+
+    def restore(self) -> None:
+        """Back to the queue with the positions set aside."""
+        for pos in self.aside:
+            heapq.heappush(self.todo, pos)
+        self.aside.clear()
+
     def _check_move(self, pos: int, new: Optional[Seq], w: Optional[WorkerState]) -> None:
         old = self.state.get(pos)
         if new not in MOVES[old]:
@@ -173,25 +261,25 @@ class SeqTable:
         if (w is not None) != off or (w is not None and self.worker.get(pos) != w.wid):
             raise AssertionError(f"run {self.run}, seq at {pos}: {_name(old)} -> {_name(new)} off worker {w}")
 
-    def _drop(self, pos: int) -> None:
+    def drop(self, pos: int) -> None:
         """No rank wants the seq any more (it was asked for, not yet released): forgotten; a task in
         flight keeps its worker's slot, and its input, until it is settled."""
         self.open -= 1
-        self._to(pos, ORPHAN if self.state[pos] is RUNNING else None)
+        self.move(pos, ORPHAN if self.state[pos] is RUNNING else None)
 
-    def _take_back(
+    def take_back(
         self, w: WorkerState, pos: int, charge: Optional[Charge] = None, avoid: bool = False
     ) -> Optional[int]:
         """Take the task at `pos` back from `w`, which maps it now (else its word is late): to the
         queue if the seq is still wanted (a redo of a lost result stays one), charged with
         `charge` (a field of Charges) and, `avoid`, to go to another worker if there is one.
         Returns how many such charges the seq has (0: none counted), or None if nothing went back."""
-        if not self._mine(w, pos):
+        if not self.mine(w, pos):
             return None
         if self.state[pos] is ORPHAN:
-            self._to(pos, None, w)  # no rank wants it: nothing to redo
+            self.move(pos, None, w)  # no rank wants it: nothing to redo
             return None
-        self._to(pos, QUEUED if self.state[pos] is RUNNING else REDO, w)
+        self.move(pos, QUEUED if self.state[pos] is RUNNING else REDO, w)
         if charge is None:
             return 0
         charges = self.charges.get(pos)
@@ -203,7 +291,7 @@ class SeqTable:
             charges.avoid = w.wid
         return n
 
-    def _mine(self, w: WorkerState, pos: int) -> bool:
+    def mine(self, w: WorkerState, pos: int) -> bool:
         """Whether `w` maps the seq at `pos` now (else its word about it is late, or a duplicate)."""
         return self.worker.get(pos) == w.wid
 
@@ -222,7 +310,7 @@ class SeqTable:
         if item is None or pos in self.state:
             return False
         self.inputs[pos] = item
-        self._to(pos, REDO)
+        self.move(pos, REDO)
         return True
 
     def close(self, workers: Dict[bytes, WorkerState]) -> None:
@@ -233,12 +321,13 @@ class SeqTable:
             w = workers.get(wid)
             if w is not None:
                 w.tasks.discard((self.run, pos))
-                if not w.tasks:
-                    w.isolating = False
+                if not w.tasks and w.isolation is ISOLATING:
+                    w.rejoin(self.story)
                 w.retained.setdefault(self.run, []).append(self.inputs[pos])
         for held in (self.state, self.inputs, self.worker, self.results, self.charges):
             held.clear()
         self.todo.clear()
+        self.aside.clear()
         self.kept.clear()
         self.open = 0
 
@@ -248,7 +337,8 @@ class SeqTable:
     def validate(self, workers: Dict[bytes, WorkerState]) -> None:
         """Each position held is in one state, holds what that state says and nothing else, and
         lies where that state says: an open one in the window, a redo behind it; the reader owes
-        every one asked for; a task's worker lists it, and lists no other of this run."""
+        every one asked for; a task's worker lists it, and lists no other of this run; a worker
+        that isolates runs a suspect (or one no rank wants any more)."""
         where = f"run {self.run}"
         by_state: Dict[Seq, Set[int]] = {state: set() for state in Seq}
         for pos, state in self.state.items():
@@ -290,6 +380,14 @@ class SeqTable:
                 assert run != self.run or self.worker.get(pos) == w.wid, (
                     f"{where}: {w.name} holds seq {pos}, not its own"
                 )
+                charged = self.charges.get(pos)
+                assert (
+                    run != self.run
+                    or w.isolation is not ISOLATING
+                    or self.state[pos] is ORPHAN
+                    or (charged is not None and charged.deaths > 0)
+                ), f"{where}: {w.name} isolates with seq {pos}, no suspect"
+        assert not self.aside, f"{where}: seqs {self.aside} set aside between events"
 
 
 def _name(state: Optional[Seq]) -> str:

@@ -1,10 +1,11 @@
 """The scheduler's story: a bounded log of the moves it made, each with the stimulus that caused it.
 
 A seq's or batch's state moves (seqstates.py), a stream partition's owner changes (streams.py), a
-run's state moves (runs.py), and workers join and leave (core.py); each move is appended here
-with the stimulus id of the event being handled and its time. `Scheduler.story(*keys)` picks
-the entries of some positions, batches, partitions, runs or workers, as Dask's `story()` does,
-so a stalled epoch can be explained by the server itself (`ppserver status --story`).
+run's state moves (runs.py), workers join and leave (core.py) and isolate (workers.py); each move
+is appended here with the stimulus id of the event being handled and its time.
+`Scheduler.story(*keys)` picks the entries of some positions, batches, partitions, runs or
+workers, as Dask's `story()` does, so a stalled epoch can be explained by the server itself
+(`ppserver status --story`).
 
 Writing is on the hot path (a seq moves about five times): an entry is written into columns
 allocated once (a ring), its states as words made once per state, so a move allocates nothing

@@ -1,4 +1,5 @@
-"""The scheduler's view of one worker, how it gets its inputs, and why workers leave."""
+"""The scheduler's view of one worker, how it gets its inputs, whether it runs a suspect alone,
+and why workers leave."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
+
+from ppserver.scheduler.story import WORKER, Story
 
 
 class Departure(enum.Enum):
@@ -61,10 +64,26 @@ class InputPath:
         return math.inf
 
 
+class Isolation(enum.Enum):
+    """Whether a worker runs a suspect seq (or batch) alone, so that a crash names the right one.
+
+        NORMAL ─an idle worker takes a suspect─► ISOLATING ─its last task left it─► NORMAL
+
+    Placement (placement.py) decides; the dispatch moves the worker to ISOLATING as it sends the
+    suspect, and the seq table moves it back when the task leaves the worker (settled, taken
+    back, or its run closed). An isolating worker holds exactly that one task."""
+
+    NORMAL = "normal"  # takes any work its credit allows
+    ISOLATING = "isolating"  # runs one suspect alone: it gets nothing else
+
+
+NORMAL, ISOLATING = Isolation
+
+
 @dataclass
 class WorkerState:
     """A registered worker: it holds at most `capacity` (buf_size) map_seq tasks, and a suspect
-    alone (`isolating`); each task and stream partition it holds is its run's dispatch's too."""
+    alone (`isolation`); each task and stream partition it holds is its run's dispatch's too."""
 
     wid: bytes
     host: str
@@ -76,7 +95,7 @@ class WorkerState:
     tasks: Set[Tuple[int, int]] = field(default_factory=set)  # (run, pos) of map_seq tasks (seqs or batches) held
     partitions: Set[Tuple[int, int]] = field(default_factory=set)  # (run, partition) of streams run here
     done: int = 0
-    isolating: bool = False  # runs one suspect seq (or batch) alone, so that a crash names the right seq
+    isolation: Isolation = NORMAL  # ISOLATING: runs one suspect seq (or batch) alone (moved by isolate/rejoin)
     inputs: InputPath = field(default_factory=InputPath)  # how it gets its inputs
     # inputs of tasks in flight when their run ended, by run: kept until the worker drops the run
     retained: Dict[int, List[Any]] = field(default_factory=dict)
@@ -90,7 +109,22 @@ class WorkerState:
         return self.wid.decode("utf8", "replace")
 
     def free(self) -> int:
+        """The tasks its credit has room for: none once it retires."""
         return 0 if self.retiring else self.capacity - len(self.tasks)
+
+    def isolate(self, story: Story, note: str) -> None:
+        """NORMAL -> ISOLATING: the idle worker takes a suspect (`note`: which), to run it alone."""
+        if self.isolation is not NORMAL or self.tasks:
+            raise AssertionError(f"worker {self.name}: {self.isolation.value} -> isolating, {len(self.tasks)} tasks")
+        self.isolation = ISOLATING
+        story.move(WORKER, self.name, None, NORMAL, ISOLATING, self.wid, note)
+
+    def rejoin(self, story: Story) -> None:
+        """ISOLATING -> NORMAL: its suspect left it; it takes any work again."""
+        if self.isolation is not ISOLATING or self.tasks:
+            raise AssertionError(f"worker {self.name}: {self.isolation.value} -> normal, {len(self.tasks)} tasks")
+        self.isolation = NORMAL
+        story.move(WORKER, self.name, None, ISOLATING, NORMAL, self.wid)
 
     @property
     def holds_nothing(self) -> bool:
