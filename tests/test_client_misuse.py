@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from conftest import (
 
 import ppclient
 from ppclient import UsageError
+from ppclient.client import JOB_REFUSAL_GRACE_S
 
 pytestmark = pytest.mark.processes
 
@@ -188,3 +190,28 @@ def test_an_address_where_nothing_answers_says_why(tmp_path):
             assert why in str(info.value), address
     finally:
         listening.close()
+
+
+def test_a_request_refused_for_clients_that_close_meanwhile_goes_through_and_a_real_conflict_still_fails(server):
+    """A client's close comes over its own connection, which the server may read after another
+    client's request: such a request is refused for a client that is already gone. The client asks
+    again for JOB_REFUSAL_GRACE_S, so a script that closes one job and starts another goes on; a
+    job whose client stays is refused all the same, once the grace has passed."""
+    srv, _ = server
+    first = ppclient.Client(srv.address, job="first", timeout=30)
+    try:
+        it = first.epoch(1)
+        next(it)  # job "first" has a live client
+        with ppclient.Client(srv.address, job="second", timeout=30) as other:
+            began = time.monotonic()
+            with pytest.raises(ppclient.Error, match="job 'first' is running with 1 live client"):
+                other.epoch(1)
+            assert time.monotonic() - began >= JOB_REFUSAL_GRACE_S  # asked again until the grace ended
+        closing = threading.Timer(0.1, first.close)  # the first job ends while the next one asks
+        closing.start()
+        with ppclient.Client(srv.address, job="second", timeout=30) as other:
+            got = collect(other.epoch(1))
+        closing.join(timeout=10)
+        assert [s["seq_tag"] for s in got] == [f"seq-{i}" for i in range(50)]
+    finally:
+        first.close()

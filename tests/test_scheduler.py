@@ -825,6 +825,7 @@ def test_another_job_is_refused_while_a_client_of_this_one_lives():
     assert run is None and "job 'train' is running with 2 live clients" in refusal(out)
     assert "a request of job 'eval' must wait until they are gone" in refusal(out)
     assert "silent for their client timeout of 30 s" in refusal(out)
+    assert [i.msg.reason for i in out] == ["job"]  # a conflict with the job: the client asks again for a moment
     run, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=4)
     assert run is None and "this request of job 'train' conflicts" in refusal(out)  # the same job, not another
     assert "world_size 4, where the job has world_size 2" in refusal(out)
@@ -840,7 +841,7 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
     sim.join(b"w1")
     for world, parts in [(MAX_READERS + 1, 1), (MAX_READERS // 4, 8), (10**12, 1)]:
         run, out = sim.request(1, consumer=b"big", job="big", world_size=world, subshards=parts)
-        assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="job"))]
+        assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="request"))]
         assert f"above the {MAX_READERS}" in refusal(out) and f"{world * parts} " in refusal(out) + " "
         assert status(sim).job is None  # nothing was made for it
     sim.start(8)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -25,11 +26,13 @@ from .batching import argument as batching_arg
 from .epoch import EpochIterator, Session
 from .errors import Error, Superseded, UsageError
 from .inbox import Inbox
-from .requester import Requester
+from .requester import Refused, Requester
 from .results import DirectResults
 
 __all__ = ["Client", "EpochIterator"]
 
+JOB_REFUSAL_GRACE_S = 1.0  # a request refused for the job's other clients is asked again this long
+JOB_REFUSAL_RETRY_S = 0.05
 ALIVE_INTERVAL_S = 1.0  # how often the client tells the server it lives (at most a quarter of its timeout)
 
 # Clients not closed yet: closed at interpreter exit while their threads still run (a client left to
@@ -291,29 +294,38 @@ class Client:
         if self._results is not None:
             self._results.unmap_gone()
         self._keep_alive()
-        return self._requests.ask(
-            protocol.EpochRequest(
-                epoch=epoch,
-                consumer=self._consumer,
-                seq_list=seq_list,
-                seq_order=seq_order,
-                job=self.job,
-                rank=self.rank,
-                world_size=self.world_size,
-                start=start,
-                drop_last=self.drop_last,
-                timeout=self.timeout,
-                fingerprint=fingerprint,
-                subshard=self.subshard,
-                subshards=self.subshards,
-                direct=results.endpoint if results is not None else "",
-                direct_key=self._keys.public if self._keys is not None and results is not None else b"",
-                host=results.host if results is not None else "",
-                batching=batching,
-                sharding=self.sharding,
-            ),
-            protocol.EpochAccepted,
+        request = protocol.EpochRequest(
+            epoch=epoch,
+            consumer=self._consumer,
+            seq_list=seq_list,
+            seq_order=seq_order,
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            start=start,
+            drop_last=self.drop_last,
+            timeout=self.timeout,
+            fingerprint=fingerprint,
+            subshard=self.subshard,
+            subshards=self.subshards,
+            direct=results.endpoint if results is not None else "",
+            direct_key=self._keys.public if self._keys is not None and results is not None else b"",
+            host=results.host if results is not None else "",
+            batching=batching,
+            sharding=self.sharding,
         )
+        # A refusal for the job's other clients may be for clients that have just closed: their
+        # `client_closed` comes over their own connections, which the server may read after this
+        # request's. Asked again for a moment, such a request goes through; a real conflict is
+        # refused all the same, JOB_REFUSAL_GRACE_S later.
+        deadline = time.monotonic() + JOB_REFUSAL_GRACE_S
+        while True:
+            try:
+                return self._requests.ask(request, protocol.EpochAccepted)
+            except Refused as exc:
+                if exc.reason != "job" or time.monotonic() >= deadline:
+                    raise
+            time.sleep(JOB_REFUSAL_RETRY_S)
 
     def _keep_alive(self) -> None:
         if self._alive is None:

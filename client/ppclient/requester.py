@@ -16,6 +16,15 @@ from .protocol import Channel, Peer
 RETRY_S = 2.5  # a request unanswered this long is sent again on a new connection (the server may have restarted)
 
 
+class Refused(Error):
+    """The server refused a request; `reason` is its error reply's ("job": a conflict with the
+    running job, see docs/protocol.md)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class Requester:
     """Requests to `address`; `new_socket()` makes a REQ socket, `check()` raises if the client
     cannot send (closed, or made in another process)."""
@@ -87,7 +96,7 @@ class Requester:
         except protocol.ProtocolError as exc:
             raise Error(f"malformed reply from {self.address}: {exc}") from None
         if isinstance(reply, protocol.ErrorReply):
-            raise Error(reply.error)
+            raise Refused(reply.error, reply.reason)
         if not isinstance(reply, expect):
             raise Error(f"the server answered {msg.kind!r} with {reply.kind!r}")
         return reply

@@ -42,10 +42,12 @@ class Requests:
         self.lifecycle = lifecycle
 
     def request(self, e: ev.EpochRequested, out: List[Instruction]) -> None:
-        refused = refusal(self.state.job, e)
+        malformed = form_error(e)
+        refused = malformed or refusal(self.state.job, e)
         if refused is not None:
             log.warning("refused epoch %d for rank %d of job %r: %s", e.epoch, e.rank, e.job, refused)
-            out.append(Reply(e.requester, ErrorReply(error=refused, reason="job")))
+            reason = "request" if malformed else "job"  # "job": it may pass once the job's clients are gone
+            out.append(Reply(e.requester, ErrorReply(error=refused, reason=reason)))
             return
         job = self._job_for(e, out)
         main = main_run(job, e.epoch)
@@ -219,14 +221,19 @@ def _can_attach(run: Run, e: ev.EpochRequested) -> bool:
     return e.start >= lane.released
 
 
-def refusal(job: Optional[Job], e: ev.EpochRequested) -> Optional[str]:
-    """Why the request cannot be served (one line), or None."""
+def form_error(e: ev.EpochRequested) -> Optional[str]:
+    """Why the request can never be served, whatever the job (one line), or None."""
     if not 0 <= e.rank < e.world_size:
         return f"rank {e.rank} is not below world_size {e.world_size}"
     if not 0 <= e.subshard < e.subshards:
         return f"reader {e.subshard} of a rank is not below its number of readers {e.subshards}"
     if e.world_size * e.subshards > MAX_READERS:
         return _too_many(e.world_size, e.subshards)
+    return None
+
+
+def refusal(job: Optional[Job], e: ev.EpochRequested) -> Optional[str]:
+    """Why the request cannot be served while the job's other clients live (one line), or None."""
     others = [client for consumer, client in job.clients.items() if consumer != e.consumer] if job else []
     if job is None or not others:
         return None  # no job, or one whose clients are all gone: this request starts a new one
