@@ -352,3 +352,36 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
     assert wire["progress"] == [
         {"epoch": 1, "run": run, "seqs_done": 1, "seqs_total": 2, "seqs_per_sec": None, "eta_s": None}
     ]
+
+
+def test_stage_times_stay_positive_when_direct_lanes_report_out_of_epoch_order():
+    """Two ranks with direct results: rank 1 says it took its seqs before rank 0 does, whose seqs
+    are dated back over the interval since its last credit, to before rank 1's last arrival. No
+    stage's seconds go down, and each seq's time after arriving is counted once (reorder + wait_trainer)."""
+    loop = Loop(buf_size=4)
+    loop(ev.WorkerJoined(0.0, b"w1", "hostA", 11))
+    runs = []
+    for rank in (0, 1):
+        out = loop(
+            ev.EpochRequested(
+                0.0, b"req%d" % rank, b"c%d" % rank, 1, job="asr", rank=rank, world_size=2, direct="ipc://@c"
+            )
+        )
+        runs.append(next(i.msg.run for i in out if isinstance(getattr(i, "msg", None), protocol.EpochAccepted)))
+    run = runs[0]
+    assert runs == [run, run]
+    loop(ev.RunChecked(0.0, run))
+    loop(ev.RunStarted(0.0, run, 1, 4))
+    for rank in (0, 1):
+        loop(ev.CreditGranted(2.0, b"c%d" % rank, run, 10))
+    assert tasks(loop(ev.InputsRead(1.0, run, [item(p) for p in range(4)]))) == [0, 1, 2, 3]
+    loop(ev.CompletedReceived(3.0, b"w1", run, [0, 1], [16, 16]))
+    loop(ev.CompletedReceived(9.0, b"w1", run, [2, 3], [16, 16]))
+    loop(ev.CreditGranted(9.5, b"c1", run, 10, consumed=2))  # took 1 and 3 (dated 5.75 and 9.5)
+    before, _ = loop.clock.totals()
+    loop(ev.CreditGranted(10.0, b"c0", run, 10, consumed=2))  # took 0 and 2 (dated 6 and 10)
+    seconds, seqs = loop.clock.totals()
+    assert seqs["wait_trainer"] == seqs["reorder"] == 4
+    # they are Prometheus counters: a seq never takes time off a stage
+    assert all(seconds[stage] >= before[stage] for stage in STAGES), (before, seconds)
+    assert seconds["wait_trainer"] + seconds["reorder"] == pytest.approx(3 + 2.75 + 1 + 0.5)

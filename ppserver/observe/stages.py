@@ -128,8 +128,12 @@ class StageClock:
                 got = now
             if got > prefix:
                 prefix = got  # every seq up to this one has arrived since then
-            credit += now - prefix
-            reorder += prefix - got
+            # Lanes report in their own order (a direct consumer's seqs are dated back over the
+            # interval since its last credit), so another lane's may have moved the prefix past
+            # this seq's time: then its whole wait after arriving counts as reorder.
+            turn = prefix if prefix < now else now
+            credit += now - turn
+            reorder += turn - got
         n = len(keys)
         self.prefix[run] = prefix
         self.seconds["wait_trainer"] += credit
