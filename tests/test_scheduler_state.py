@@ -80,7 +80,7 @@ def test_a_workers_retirement_moves_once_each_way_and_validate_holds_it_to_what_
     assert w.retirement is RETIRING and w.retiring and w.free() == 1  # its credit; placement gives it nothing
     with pytest.raises(AssertionError, match="worker w: retiring -> retiring"):
         w.retire(story)
-    with pytest.raises(AssertionError, match="worker w: retiring -> told to retire, holding work"):
+    with pytest.raises(AssertionError, match="worker w: retiring -> told to retire, holding 1 tasks, 0 partitions"):
         w.tell_to_retire(story)
     w.tasks.clear()
     with pytest.raises(AssertionError, match="worker w retires and holds nothing, yet was not told to"):

@@ -100,7 +100,8 @@ SERVING, RETIRING, TOLD = Retirement
 @dataclass
 class WorkerState:
     """A registered worker: it holds at most `capacity` (buf_size) map_seq tasks, and a suspect
-    alone (`isolation`); each task and stream partition it holds is its run's dispatch's too."""
+    alone (`isolation`), and gets nothing new once the pool shrinks by it (`retirement`); each
+    task and stream partition it holds is its run's dispatch's too."""
 
     wid: bytes
     host: str
@@ -158,7 +159,8 @@ class WorkerState:
     def tell_to_retire(self, story: Story) -> None:
         """RETIRING -> TOLD: it holds nothing any more; it is told to exit."""
         if self.retirement is not RETIRING or not self.holds_nothing:
-            raise AssertionError(f"worker {self.name}: {self.retirement.value} -> told to retire, holding work")
+            held = f"{len(self.tasks)} tasks, {len(self.partitions)} partitions"
+            raise AssertionError(f"worker {self.name}: {self.retirement.value} -> told to retire, holding {held}")
         self.retirement = TOLD
         story.move(WORKER, self.name, None, RETIRING, TOLD, self.wid)
 
