@@ -16,25 +16,24 @@ from ppserver.scheduler.invariants import validate
 from ppserver.scheduler.requests import Requests
 from ppserver.scheduler.runs import Lifecycle
 from ppserver.scheduler.skips import Skips
-from ppserver.scheduler.workers import WorkerState
+from ppserver.scheduler.workers import RETIRING, SERVING, TOLD, WorkerState
 
 pytestmark = pytest.mark.unit
 
 
 def test_the_parts_take_a_run_from_request_to_start_over_the_state_alone():
-    state = SchedulerState(Settings(fingerprint="fp", instance="i"), strict=True)
+    state = SchedulerState(Settings(fingerprint="fp", instance="i"), strict=True, next_run=41)
     skips = Skips(state)
     life = Lifecycle(state, skips)
     delivery = Delivery(state, life)
     requests = Requests(state, life)
-    state.next_run = 40
     state.workers[b"w"] = WorkerState(wid=b"w", host="h", pid=1, local_index=None, capacity=1, joined=0, last_seen=0)
 
     out: List[Instruction] = []
     requests.request(ev.EpochRequested(0.0, b"req", b"c0", 3), out)
     assert out == [Prepare(41, 3), Reply(b"req", EpochAccepted(run=41, instance="i", fingerprint="fp"))]
     run = state.runs[41]
-    assert state.last_run is run and state.job is run.job and state.next_run == 41
+    assert state.last_run is run and state.job is run.job and state.next_run == 42
 
     out = []
     life.started(ev.RunStarted(1.0, 41, 3, 2), out)  # the client has not connected: its Started waits
@@ -55,3 +54,42 @@ def test_the_scheduler_owns_one_state_its_parts_share():
     assert sched.requests.lifecycle is sched.lifecycle and sched.delivery.lifecycle is sched.lifecycle
     sched.handle(ev.EpochRequested(0.0, b"req", b"c0", 1))
     assert list(state.runs) == [1] and sched.status(0.0).newest is not None and sched.status(0.0).newest.run == 1
+
+
+def test_the_scheduler_is_given_its_first_run_id_and_counts_on_from_it():
+    sched = Scheduler(Settings(), strict=True, first_run=1 << 39)
+    for consumer, epoch in ((b"c0", 1), (b"c1", 2)):
+        out = sched.handle(ev.EpochRequested(0.0, b"req", consumer, epoch))
+        assert [i.msg.run for i in out if isinstance(i, Reply)] == [(1 << 39) + epoch - 1]
+    assert list(sched.state.runs) == [1 << 39, (1 << 39) + 1] and sched.state.next_run == (1 << 39) + 2
+
+
+def test_a_workers_retirement_moves_once_each_way_and_validate_holds_it_to_what_it_holds():
+    """SERVING -> RETIRING -> TOLD, each move in the story; a retiring worker holding nothing (it
+    should have been told) and a told one holding work are errors validate names."""
+    state = SchedulerState(Settings(), strict=True)
+    w = state.workers[b"w"] = WorkerState(
+        wid=b"w", host="h", pid=1, local_index=None, capacity=2, joined=0, last_seen=0
+    )
+    story = state.story_log
+    assert w.retirement is SERVING and not w.retiring and w.free() == 2
+    w.tasks.add((1, 0))
+    with pytest.raises(AssertionError, match="worker w: serving -> told to retire"):
+        w.tell_to_retire(story)
+    w.retire(story)
+    assert w.retirement is RETIRING and w.retiring and w.free() == 1  # its credit; placement gives it nothing
+    with pytest.raises(AssertionError, match="worker w: retiring -> retiring"):
+        w.retire(story)
+    with pytest.raises(AssertionError, match="worker w: retiring -> told to retire, holding 1 tasks, 0 partitions"):
+        w.tell_to_retire(story)
+    w.tasks.clear()
+    with pytest.raises(AssertionError, match="worker w retires and holds nothing, yet was not told to"):
+        validate(state)
+    w.tell_to_retire(story)
+    assert w.retirement is TOLD and w.retiring
+    validate(state)
+    w.partitions.add((1, 0))
+    with pytest.raises(AssertionError, match="worker w was told to retire, yet holds work"):
+        validate(state)
+    rows = [(e.from_, e.to, e.note) for e in story.select([("worker", "w")])[0]]
+    assert rows == [("serving", "retiring", "1 tasks, 0 partitions to finish"), ("retiring", "told to retire", "")]

@@ -15,7 +15,7 @@ from ppclient.protocol import Item
 from ppserver.scheduler import Instruction, Reply, Scheduler, Settings, StopReading, ToClient, ToWorker
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.story import parse_key
-from ppserver.scheduler.workers import Isolation
+from ppserver.scheduler.workers import Isolation, Retirement
 
 pytestmark = pytest.mark.unit
 
@@ -249,4 +249,72 @@ def test_a_worker_that_takes_a_suspect_isolates_until_it_is_settled_and_its_stor
         ("isolating", "normal", "results-6", ""),
         ("normal", "isolating", "results-6", f"pos 1 of run {run}"),
         ("isolating", "normal", "results-7", ""),
+    ]
+
+
+def test_a_handler_that_raises_on_an_event_about_one_run_fails_that_run_alone():
+    """An event that names a run (events.RunEvent) fails only that run when its handler raises;
+    one that names none fails every live run."""
+    sim = Sim(strict=False)
+    sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    first = sim.start(4)
+    (reply,) = [i.msg for i in sim("epoch-2", ev.EpochRequested, b"req-c0", b"c0", 2) if isinstance(i, Reply)]
+    second = reply.run
+    assert set(sim.s.state.runs) == {first, second}
+
+    def explode(e, out):
+        raise Exploding("boom")
+
+    sim.s._handlers[ev.MissingReported] = explode
+    assert sim("missing-3", ev.MissingReported, b"c0", second, 0) == [StopReading(second)]  # it was preparing
+    assert set(sim.s.state.runs) == {first}
+    assert moves(sim, f"run:{second}")[-1] == ("preparing", "failed", "", "missing-3")
+    sim.s._handlers[ev.ConsumerAlive] = explode
+    out = sim("alive-4", ev.ConsumerAlive, b"c0")
+    failed = protocol.RunFailed(
+        run=first, failure="server", message="internal server error handling alive-4: Exploding: boom"
+    )
+    assert out == [ToClient(b"c0", failed), StopReading(first), ToWorker(b"w1", protocol.RunClose(run=first))]
+    assert sim.s.state.runs == {} and sim.s.state.internal_errors == 2
+
+
+def test_a_worker_that_leaves_while_isolating_ends_its_story_with_its_departure():
+    sim = Sim()  # buf_size 2
+    sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    run = sim.start(4)
+    sim("read-2", ev.InputsRead, run, [item(0), item(1)])
+    sim("hello-3", ev.WorkerJoined, b"w2", "host", 12)
+    sim.now = 6.0
+    sim("hb-4", ev.HeartbeatReceived, b"w2")
+    assert tasks(sim("tick-5", ev.Tick), b"w2") == [0]  # w1 lost: w2 runs suspect 0 alone
+    sim("bye-6", ev.WorkerLeft, b"w2")
+    story = sim.s.story("worker:w2")
+    assert [(e.subject, e.key, e.from_, e.to, e.stimulus) for e in story[-3:]] == [
+        ("pos", 0, "running", "queued", "bye-6"),
+        ("worker", "w2", "isolating", "normal", "bye-6"),
+        ("worker", "w2", "joined", "departed", "bye-6"),
+    ]
+
+
+def test_a_retired_worker_tells_its_retirement_in_its_story():
+    sim = Sim()  # buf_size 2
+    sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    sim("hello-2", ev.WorkerJoined, b"w2", "host", 12)
+    run = sim.start(4)
+    assert tasks(sim("read-3", ev.InputsRead, run, [item(p) for p in range(4)]), b"w1") == [0, 2]
+    w1 = sim.s.state.workers[b"w1"]
+    assert sim("retire-4", ev.RetireWorker, b"w1") == []
+    assert w1.retirement is Retirement.RETIRING and w1.retiring
+    out = sim("results-5", ev.ResultsReceived, b"w1", run, [item(0, 0.0)])
+    assert w1.retirement is Retirement.RETIRING and not [i for i in out if isinstance(i.msg, protocol.Retire)]
+    out = sim("results-6", ev.ResultsReceived, b"w1", run, [item(2, 2.0)])
+    assert [i for i in out if isinstance(i.msg, protocol.Retire)] == [ToWorker(b"w1", protocol.Retire())]
+    assert w1.retirement is Retirement.TOLD
+    sim("bye-7", ev.WorkerLeft, b"w1")
+    told = [(e.from_, e.to, e.stimulus, e.note) for e in sim.s.story("worker:w1") if e.subject == "worker"]
+    assert told == [
+        ("-", "joined", "hello-1", "host host pid 11"),
+        ("serving", "retiring", "retire-4", "2 tasks, 0 partitions to finish"),
+        ("retiring", "told to retire", "results-6", ""),
+        ("joined", "retired", "bye-7", "0 tasks, 0 partitions handed back"),
     ]

@@ -35,7 +35,7 @@ from ppserver.scheduler.skips import Skips
 from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.status import SchedulerStatus
 from ppserver.scheduler.story import WORKER, Entry, parse_key
-from ppserver.scheduler.workers import Departure, WorkerState
+from ppserver.scheduler.workers import RETIRING, SERVING, TOLD, Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
 
@@ -48,10 +48,11 @@ Of = Callable[[Optional[Dispatch]], Optional[D]]  # a run's dispatch if it is of
 
 class Scheduler:
     """`strict`: check every seq's move against its table (tests; the server's hot path skips it).
+    `first_run`: the id of the first run (the server's is random, so a restart never reuses one).
     `state` is everything it holds between events (state.py); the parts work on it."""
 
-    def __init__(self, settings: Settings, strict: bool = False):
-        self.state = state = SchedulerState(settings, strict)
+    def __init__(self, settings: Settings, strict: bool = False, first_run: int = 1):
+        self.state = state = SchedulerState(settings, strict, next_run=first_run)
         self.skips = Skips(state)
         self.lifecycle = Lifecycle(state, self.skips)
         self.delivery = Delivery(state, self.lifecycle)
@@ -123,8 +124,8 @@ class Scheduler:
         self.state.internal_errors += 1
         built = ", ".join(type(i).__name__ for i in out) or "nothing"
         log.exception("internal error handling %s (%s); built before it: %s", stimulus, type(event).__name__, built)
-        run_id = getattr(event, "run", None)
-        targets = [run_id] if run_id in self.state.runs else list(self.state.runs)
+        run_id = event.run if isinstance(event, ev.RunEvent) else None
+        targets = [run_id] if run_id is not None and run_id in self.state.runs else list(self.state.runs)
         failure = Failure(FailureKind.SERVER, f"internal server error handling {stimulus}: {type(exc).__name__}: {exc}")
         for run in targets:
             try:
@@ -147,9 +148,16 @@ class Scheduler:
         return True
 
     def _pump(self, out: List[Instruction]) -> None:
-        """The step after every event: work to the workers, outputs to the lanes, reading on."""
-        workers, retiring = self.state.workers, self.state.retiring
-        capacity = sum(w.capacity for w in workers.values() if not w.retiring)
+        """The step after every event: work to the workers, outputs to the lanes, reading on, and
+        retiring workers that hold nothing told to exit (found by a scan: workers are few)."""
+        workers = self.state.workers
+        capacity = 0
+        retiring = False
+        for w in workers.values():
+            if w.retirement is SERVING:
+                capacity += w.capacity
+            elif w.retirement is RETIRING:
+                retiring = True
         for run in self._running():
             d = run.dispatch
             assert d is not None
@@ -163,12 +171,11 @@ class Scheduler:
             if d.reading_done():
                 run.reading_stopped = True
                 out.append(StopReading(run.run))
-        for wid in list(retiring):
-            w = workers[wid]
-            if w.holds_nothing:
-                retiring.discard(wid)
-                w.told_to_retire = True
-                out.append(ToWorker(wid, Retire()))
+        if retiring:
+            for w in workers.values():
+                if w.retirement is RETIRING and w.holds_nothing:
+                    w.tell_to_retire(self.state.story_log)
+                    out.append(ToWorker(w.wid, Retire()))
 
     def _running(self) -> List[Run]:
         return [r for r in self.state.runs.values() if r.dispatch is not None]
@@ -238,7 +245,6 @@ class Scheduler:
         w = state.workers.pop(wid, None)
         if w is None:
             return
-        state.retiring.discard(wid)
         state.departures[why] += 1
         state.handed_back += len(w.tasks) + len(w.partitions)
         quiet = (Departure.DEPARTED, Departure.REREGISTERED, Departure.RETIRED)
@@ -246,22 +252,23 @@ class Scheduler:
         what = (w.name, w.host, w.pid, why.value, len(w.tasks), len(w.partitions))
         log.log(log_at, "worker %s (host %s pid %d) %s; %d seqs and %d partitions handed back", *what)
         handed = f"{len(w.tasks)} tasks, {len(w.partitions)} partitions handed back"
-        state.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
         for run in self._running():
             assert run.dispatch is not None
             self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, state.workers, out), out)
+        # last, after its work went back (and with it any isolation): a departed worker's story ends here
+        state.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
 
     def _left(self, e: ev.WorkerLeft, out: List[Instruction]) -> None:
         w = self.state.workers[e.wid]
-        self._remove(e.wid, Departure.RETIRED if w.retiring and w.holds_nothing else Departure.DEPARTED, out)
+        self._remove(e.wid, Departure.RETIRED if w.retirement is TOLD else Departure.DEPARTED, out)
 
     def _retire(self, e: ev.RetireWorker, out: List[Instruction]) -> None:
-        """The worker gets no new work from now on (free() is 0, no partition goes to it); _pump
-        tells it to exit once it holds nothing, so whatever it holds is finished, not redone."""
+        """The worker gets no new work from now on (workers.Retirement: placement gives a retiring
+        one nothing); _pump tells it to exit once it holds nothing, so whatever it holds is
+        finished, not redone."""
         w = self.state.workers.get(e.wid)
-        if w is not None and not w.retiring:
-            w.retiring = True
-            self.state.retiring.add(w.wid)
+        if w is not None and w.retirement is SERVING:
+            w.retire(self.state.story_log)
             log.info(
                 "retiring worker %s (host %s pid %d) once its %d tasks are done",
                 w.name,
@@ -273,7 +280,7 @@ class Scheduler:
     def _local_exit(self, e: ev.LocalWorkerExited, out: List[Instruction]) -> None:
         for w in list(self.state.workers.values()):
             if w.local_index == e.local_index and w.pid == e.pid:
-                if w.told_to_retire and w.holds_nothing:
+                if w.retirement is TOLD:
                     self._remove(w.wid, Departure.RETIRED, out)  # its bye is still on its way
                     continue
                 how = describe_exit(e.returncode)

@@ -29,6 +29,15 @@ class Event:
     stimulus: str = field(default="", kw_only=True)
 
 
+class RunEvent:
+    """An event about one run (`run`; None: not known): a handler that raises on it fails that
+    run, not every live one (Scheduler._contain). A mixin beside Event or WorkerEvent, with no
+    fields of its own, so each event keeps its fields' order."""
+
+    __slots__ = ()
+    run: Optional[int]
+
+
 class Stimuli:
     """Names events: their kind (a protocol message's, or the event's) and a running number."""
 
@@ -91,7 +100,7 @@ class InputsShared(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class RunDropped(WorkerEvent):
+class RunDropped(WorkerEvent, RunEvent):
     """The worker dropped a closed run: the inputs of that run's tasks it held may go."""
 
     run: int = 0
@@ -103,7 +112,7 @@ class WorkerLeft(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class ResultsReceived(WorkerEvent):
+class ResultsReceived(WorkerEvent, RunEvent):
     run: int
     items: List[Item] = field(default_factory=list)
     bad: List[BadItem] = field(default_factory=list)
@@ -118,7 +127,7 @@ class WorkerMessageMalformed(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class CompletedReceived(WorkerEvent):
+class CompletedReceived(WorkerEvent, RunEvent):
     """Results the worker sent to their consumers itself: their positions and sizes."""
 
     run: int
@@ -129,7 +138,7 @@ class CompletedReceived(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class InputsLost(WorkerEvent):
+class InputsLost(WorkerEvent, RunEvent):
     """Tasks whose inputs the worker could not read: taken back, redone if still wanted."""
 
     run: int
@@ -148,7 +157,7 @@ class Carried(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class MessageDropped(WorkerEvent):
+class MessageDropped(WorkerEvent, RunEvent):
     """The worker dropped a message of the server's unread (see protocol.Dropped): what it carried
     is redone elsewhere, charged, or the run fails naming the seq."""
 
@@ -161,7 +170,7 @@ class MessageDropped(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class TaskFailed(WorkerEvent):
+class TaskFailed(WorkerEvent, RunEvent):
     run: int
     pos: int
     seq_tag: Optional[str]
@@ -170,7 +179,7 @@ class TaskFailed(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class MappingReported(WorkerEvent):
+class MappingReported(WorkerEvent, RunEvent):
     """The worker is about to map seq `seq_tag` of the suspect batch at `pos` (it runs it alone)."""
 
     run: int
@@ -179,7 +188,7 @@ class MappingReported(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class StreamAcked(WorkerEvent):
+class StreamAcked(WorkerEvent, RunEvent):
     run: int
     partition: int
     incarnation: int
@@ -187,7 +196,7 @@ class StreamAcked(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class StreamOutputsReceived(WorkerEvent):
+class StreamOutputsReceived(WorkerEvent, RunEvent):
     run: int
     partition: int
     incarnation: int
@@ -196,14 +205,14 @@ class StreamOutputsReceived(WorkerEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class StreamFinished(WorkerEvent):
+class StreamFinished(WorkerEvent, RunEvent):
     run: int
     partition: int
     incarnation: int
 
 
 @dataclass(frozen=True, slots=True)
-class StreamFailed(WorkerEvent):
+class StreamFailed(WorkerEvent, RunEvent):
     run: int
     partition: int
     incarnation: int
@@ -275,7 +284,7 @@ class EpochRequested(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class RunChecked(Event):
+class RunChecked(Event, RunEvent):
     """The reader checked the run's request against the dataset; it will set the epoch up
     once the runs of other epochs have stopped reading."""
 
@@ -283,7 +292,7 @@ class RunChecked(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class RunRejected(Event):
+class RunRejected(Event, RunEvent):
     """The reader refused the request (e.g. an unknown seq tag); nothing running is touched."""
 
     run: int
@@ -291,7 +300,7 @@ class RunRejected(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class RunStarted(Event):
+class RunStarted(Event, RunEvent):
     """The reader set up the dataset for this run's epoch; `num_seqs` inputs will follow."""
 
     run: int
@@ -302,7 +311,7 @@ class RunStarted(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class InputsRead(Event):
+class InputsRead(Event, RunEvent):
     """Inputs the reader read: seqs, or the batches of a batched map_seq run."""
 
     run: int
@@ -310,7 +319,7 @@ class InputsRead(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class InputsEnded(Event):
+class InputsEnded(Event, RunEvent):
     """A dataset whose count was not known in advance has no seq at `count`: the epoch has
     `count` inputs (batches, of a batched map_seq run), and the positions asked for from there
     on will not come."""
@@ -321,7 +330,7 @@ class InputsEnded(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayRead(Event):
+class ReplayRead(Event, RunEvent):
     """Inputs read again for a stream partition that restarts on another worker."""
 
     run: int
@@ -331,14 +340,14 @@ class ReplayRead(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class ReadFailed(Event):
+class ReadFailed(Event, RunEvent):
     run: int
     message: str
     traceback: str = ""
 
 
 @dataclass(frozen=True, slots=True)
-class RunFailedElsewhere(Event):
+class RunFailedElsewhere(Event, RunEvent):
     """Fail a run for a reason outside the scheduler (an internal error of the server)."""
 
     run: int
@@ -347,7 +356,7 @@ class RunFailedElsewhere(Event):
 
 # ---- clients ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class CreditGranted(Event):
+class CreditGranted(Event, RunEvent):
     consumer: bytes
     run: int
     total: int
@@ -355,7 +364,7 @@ class CreditGranted(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class MissingReported(Event):
+class MissingReported(Event, RunEvent):
     """The client has waited long for the seq at `pos`: a direct result may have been lost."""
 
     consumer: bytes

@@ -5,7 +5,8 @@ never does).
 Workers: a worker holds at most its credit (buf_size) of tasks, one that isolates its suspect alone; every task and
 stream partition it holds belongs to a live run's dispatch, which says the same (each dispatch
 checks its own side: `Dispatch.validate`); it retains inputs only of runs that ended. A
-retiring worker is told to exit once it holds nothing, at once (between events none waits).
+retiring worker is told to exit once it holds nothing, at once (between events none waits), and
+one told holds nothing.
 Runs: the live runs are the job's, preparing (no dispatch yet) or running; an ended run holds
 nothing. Lanes: a lane's index is its key; its fields agree with its state (a client while
 reading or done, End sent exactly when done, unless it left since); its consumer has taken no
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ppserver.scheduler.delivery import MAX_GRANT_AHEAD
 from ppserver.scheduler.jobs import DONE, GONE, READING, Lane, Run, RunState
 from ppserver.scheduler.state import SchedulerState
-from ppserver.scheduler.workers import NORMAL
+from ppserver.scheduler.workers import NORMAL, RETIRING, TOLD
 
 
 def validate(s: SchedulerState) -> None:
@@ -48,12 +49,11 @@ def validate(s: SchedulerState) -> None:
 
 
 def _workers(s: SchedulerState) -> None:
-    for wid in s.retiring:
-        w = s.workers.get(wid)
-        assert w is not None and w.retiring and not w.told_to_retire, f"worker {wid!r} is not one to retire"
-        assert not w.holds_nothing, f"worker {w.name} holds nothing, yet was not told to retire"
     for wid, w in s.workers.items():
-        assert w.retiring == (wid in s.retiring or w.told_to_retire), f"worker {w.name}: retiring, yet not tracked"
+        assert w.retirement is not RETIRING or not w.holds_nothing, (
+            f"worker {w.name} retires and holds nothing, yet was not told to"
+        )
+        assert w.retirement is not TOLD or w.holds_nothing, f"worker {w.name} was told to retire, yet holds work"
         assert w.wid == wid, f"worker {wid!r} registered as {w.wid!r}"
         assert len(w.tasks) <= w.capacity, f"worker {w.name} holds {len(w.tasks)} tasks, above its credit {w.capacity}"
         assert w.isolation is NORMAL or len(w.tasks) == 1, f"worker {w.name} isolates, yet holds {len(w.tasks)} tasks"

@@ -109,7 +109,6 @@ class Requests:
 
     def _new_run(self, job: Job, e: ev.EpochRequested, *, solo: Optional[int], out: List[Instruction]) -> Run:
         state = self.state
-        state.next_run += 1
         run = Run(
             run=state.next_run,
             job=job,
@@ -120,6 +119,7 @@ class Requests:
             solo=solo,
             base=e.start,
         )
+        state.next_run += 1
         # Ranks that have not come yet are expected where this one starts (DDP ranks resume
         # together), unless they are done with this epoch (in a solo run, none is): a lane gets
         # state of its own only when its reader comes, or here if it is not expected.

@@ -11,7 +11,7 @@ handled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Counter, Dict, Optional, Set, Tuple
+from typing import Counter, Dict, Optional, Tuple
 
 from ppserver.scheduler.events import Stimuli
 from ppserver.scheduler.jobs import Job, Lane, Run
@@ -38,8 +38,9 @@ class SchedulerState:
     unheard: Dict[Tuple[int, bytes], Tuple[Run, Lane]] = field(default_factory=dict)
     # The newest run, live or not: what status tells about once it ended.
     last_run: Optional[Run] = None
-    # The last run id given: the server sets the first (random, so a restart never reuses ids).
-    next_run: int = 0
+    # The id the next run gets: the Scheduler is given the first (the server's is random, so a
+    # restart never reuses an id a client may still hold data for).
+    next_run: int = 1
     # Counters over every run, for status: seqs sent to clients, seqs map_seq skipped, ...
     total_delivered: int = 0
     skipped_total: int = 0
@@ -49,8 +50,6 @@ class SchedulerState:
     dropped_by_workers: int = 0  # messages workers dropped unread (what they carried redone)
     # Why workers left, counted (status).
     departures: Counter[Departure] = field(default_factory=Counter)
-    # Workers to tell to exit once they hold nothing (retired by the pool's policy).
-    retiring: Set[bytes] = field(default_factory=set)
     # Tasks and stream partitions taken back from workers that left (status).
     handed_back: int = 0
     # When workers and clients were last sent a heartbeat or keepalive: one per heartbeat_interval.

@@ -1,5 +1,5 @@
 """The scheduler's view of one worker, how it gets its inputs, whether it runs a suspect alone,
-and why workers leave."""
+whether the pool shrinks by it, and why workers leave."""
 
 from __future__ import annotations
 
@@ -80,10 +80,28 @@ class Isolation(enum.Enum):
 NORMAL, ISOLATING = Isolation
 
 
+class Retirement(enum.Enum):
+    """Whether the pool shrinks by a worker (the elastic pool's policy, or a self-sizing host's):
+
+        SERVING ─the pool retires it─► RETIRING ─it holds nothing─► TOLD ─its bye or exit─► (gone)
+
+    A RETIRING worker gets no new work (placement.py), so whatever it holds is finished, not
+    redone; the scheduler's step after each event tells it to exit (`Retire`) as soon as it
+    holds nothing, so between events a RETIRING worker holds something and a TOLD one nothing."""
+
+    SERVING = "serving"  # takes new work
+    RETIRING = "retiring"  # takes none; told to exit once it holds none
+    TOLD = "told to retire"  # told to exit: its bye (or its exit, if local) is on its way
+
+
+SERVING, RETIRING, TOLD = Retirement
+
+
 @dataclass
 class WorkerState:
     """A registered worker: it holds at most `capacity` (buf_size) map_seq tasks, and a suspect
-    alone (`isolation`); each task and stream partition it holds is its run's dispatch's too."""
+    alone (`isolation`), and gets nothing new once the pool shrinks by it (`retirement`); each
+    task and stream partition it holds is its run's dispatch's too."""
 
     wid: bytes
     host: str
@@ -101,16 +119,20 @@ class WorkerState:
     retained: Dict[int, List[Any]] = field(default_factory=dict)
     mapping: Optional[Tuple[int, int, Optional[str]]] = None  # (run, pos, seq_tag) its suspect batch maps now
     progress: Optional[Tuple[int, int, int]] = None  # (run, pos, seqs mapped) of the batch it maps, as last heard
-    retiring: bool = False  # the pool shrinks by it: no new work; told to exit once it holds none
-    told_to_retire: bool = False
+    retirement: Retirement = SERVING  # the pool shrinks by it (moved by retire/tell_to_retire)
 
     @property
     def name(self) -> str:
         return self.wid.decode("utf8", "replace")
 
+    @property
+    def retiring(self) -> bool:
+        """The pool shrinks by it (RETIRING or TOLD): it gets no new work."""
+        return self.retirement is not SERVING
+
     def free(self) -> int:
-        """The tasks its credit has room for: none once it retires."""
-        return 0 if self.retiring else self.capacity - len(self.tasks)
+        """The tasks its credit has room for (whether it may take any is placement's word)."""
+        return self.capacity - len(self.tasks)
 
     def isolate(self, story: Story, note: str) -> None:
         """NORMAL -> ISOLATING: the idle worker takes a suspect (`note`: which), to run it alone."""
@@ -125,6 +147,22 @@ class WorkerState:
             raise AssertionError(f"worker {self.name}: {self.isolation.value} -> normal, {len(self.tasks)} tasks")
         self.isolation = NORMAL
         story.move(WORKER, self.name, None, ISOLATING, NORMAL, self.wid)
+
+    def retire(self, story: Story) -> None:
+        """SERVING -> RETIRING: the pool shrinks by it; it finishes what it holds and gets nothing new."""
+        if self.retirement is not SERVING:
+            raise AssertionError(f"worker {self.name}: {self.retirement.value} -> retiring")
+        self.retirement = RETIRING
+        held = f"{len(self.tasks)} tasks, {len(self.partitions)} partitions to finish"
+        story.move(WORKER, self.name, None, SERVING, RETIRING, self.wid, held)
+
+    def tell_to_retire(self, story: Story) -> None:
+        """RETIRING -> TOLD: it holds nothing any more; it is told to exit."""
+        if self.retirement is not RETIRING or not self.holds_nothing:
+            held = f"{len(self.tasks)} tasks, {len(self.partitions)} partitions"
+            raise AssertionError(f"worker {self.name}: {self.retirement.value} -> told to retire, holding {held}")
+        self.retirement = TOLD
+        story.move(WORKER, self.name, None, RETIRING, TOLD, self.wid)
 
     @property
     def holds_nothing(self) -> bool:

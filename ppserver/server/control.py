@@ -11,7 +11,6 @@ the dataset refuses leaves the running epoch alone.
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -64,9 +63,6 @@ class Control:
         self.worker_address = worker_address
         self.observe = observe  # sees each event before the scheduler does (stage timings)
         self.hosts = hosts  # answers self-sizing worker hosts (server/pool_size.py)
-        # Run ids start at a random point, so a restarted server never reuses an id a client
-        # may still hold data for.
-        sched.state.next_run = random.getrandbits(40)
         self.replies: Dict[type, Callable[[], protocol.Message]] = {
             protocol.InfoRequest: lambda: protocol.InfoReply(**self.info),
             protocol.StatusRequest: lambda: protocol.StatusReply(status=self.status().to_wire()),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import sys
@@ -129,7 +130,9 @@ class Server:
         length_keys = tuple(self.out_templates if cfg.is_stream else self.in_templates)
         check_default(cfg, length_keys, self.out_templates)
         self.fingerprint = served_fingerprint(cfg.fingerprint, _identity(self.dataset))
-        self.sched = Scheduler(scheduler_settings(cfg, self.fingerprint))
+        # Run ids start at a random point, so a restarted server never reuses an id a client
+        # may still hold data for.
+        self.sched = Scheduler(scheduler_settings(cfg, self.fingerprint), first_run=1 + random.getrandbits(40))
         self.ctx = zmq.Context()
         self.malformed = Throttled(log, "dropped a malformed message")
         self.refused = Throttled(log, "refused a connection")
