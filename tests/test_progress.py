@@ -186,7 +186,7 @@ def rank(position: int, shard_size: Optional[int], done: bool = False) -> RankSt
 
 def sched_status(*ranks: RankStatus, waiting_for: Optional[str] = "the workers", idle: bool = False) -> SchedulerStatus:
     """A scheduler's status whose newest run is 7 (none if `idle`), with `ranks`."""
-    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, waiting_for, {})
+    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, waiting_for, None, 0)
     return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, None, ranks, None if idle else newest)
 
 
@@ -348,7 +348,16 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
             "credit": 0,
         }
     ]
-    assert wire["waiting_for"] == "the trainer (no credit)" and wire["queues"]["in_flight"] == 1
+    assert wire["waiting_for"] == "the trainer (no credit)"
+    assert list(wire["queues"].items()) == [
+        ("fed", 2),
+        ("waiting_for_worker", 0),
+        ("in_flight", 1),
+        ("reorder_buffer", 0),
+        ("kept_for_consumers", 1),
+        ("suspects", 0),
+        ("client_credit", 0),
+    ]
     assert wire["progress"] == [
         {"epoch": 1, "run": run, "seqs_done": 1, "seqs_total": 2, "seqs_per_sec": None, "eta_s": None}
     ]

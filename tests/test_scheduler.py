@@ -36,6 +36,7 @@ from ppserver.scheduler import (
     ToWorker,
 )
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.dispatch import SeqQueues
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
 from ppserver.scheduler.streams import Partition, PartState
 from ppserver.scheduler.workers import Isolation
@@ -122,6 +123,13 @@ def newest(sim: Sim) -> RunStatus:
     run = status(sim).newest
     assert run is not None
     return run
+
+
+def suspects(sim: Sim) -> int:
+    """The newest run's seqs charged with a worker's death, as status says (a map_seq run's)."""
+    q = newest(sim).queues
+    assert isinstance(q, SeqQueues)
+    return q.suspects
 
 
 def in_flight(sim: Sim) -> Dict[str, int]:
@@ -265,7 +273,7 @@ def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
     assert in_flight(sim) == {"new": 2}
     assert status(sim).departures == {Departure.RECONNECTED: 1}
     assert sorted(tasks(out, b"new")) == [0, 1]  # both at once: not suspects (a reset is not a crash)
-    assert newest(sim).queues["suspects"] == 0
+    assert suspects(sim) == 0
 
 
 # ---- map_seq: credits, order, late results ------------------------------------------------------------
@@ -410,7 +418,7 @@ def test_crash_makes_seqs_suspect_and_suspects_run_alone():
     sim.feed(range(8))
     lost = tasks(sim.out, b"w1")
     out = sim(ev.LocalWorkerExited, 0, 1, -9)
-    assert newest(sim).queues["suspects"] == len(lost) == 4
+    assert suspects(sim) == len(lost) == 4
     assert out == []  # w2 is busy: suspects wait for an idle worker
     out = sim.results(b"w2", tasks(sim.out, b"w2"))
     expect(out, (b"w2", "tasks", lost[:1]))  # one suspect, alone; nothing delivered (0 is a suspect)
@@ -437,7 +445,7 @@ def test_departure_is_not_blamed():
     sim.start(2)
     sim.feed(range(2))
     sim(ev.WorkerLeft, b"w1")
-    assert newest(sim).state is RunState.RUNNING and newest(sim).queues["suspects"] == 0
+    assert newest(sim).state is RunState.RUNNING and suspects(sim) == 0
     expect(sim.join(b"w2"), (b"w2", "run_open"), (b"w2", "tasks", [0]))
 
 

@@ -138,7 +138,18 @@ def _newest(r: Optional[RunStatus]) -> Dict[str, Any]:
             "waiting_for": None,
             "queues": {},
         }
-    return _plain(r)
+    wire = _plain(r)
+    del wire["client_credit"]  # (it goes among the queues)
+    wire["queues"] = queue_counts(r)
+    return wire
+
+
+def queue_counts(r: RunStatus) -> Dict[str, int]:
+    """A run's `queues` as the wire and the metrics' labels name them: its dispatch's (while
+    live), then its clients' credit."""
+    counts: Dict[str, int] = _plain(r.queues) if r.queues is not None else {}
+    counts["client_credit"] = r.client_credit
+    return counts
 
 
 def _pool(p: PoolStatus) -> Dict[str, Any]:
