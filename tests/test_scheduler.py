@@ -9,6 +9,7 @@ order, with the bytes the mapper produced.
 
 from __future__ import annotations
 
+import logging
 from itertools import zip_longest
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type
 
@@ -547,7 +548,7 @@ def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
 
 
 def dropped(
-    sim: Sim, wid: bytes, what: str, carried: ev.Carried, run: Optional[int], reason: str, **kw
+    sim: Sim, wid: bytes, what: Optional[str], carried: ev.Carried, run: Optional[int], reason: str, **kw
 ) -> List[Instruction]:
     """`wid` dropped a message of kind `what` that carried `carried` (as the server tells it)."""
     return sim(ev.MessageDropped, wid, what, carried, run, reason=reason, **kw)
@@ -579,7 +580,7 @@ def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_nami
     assert failed.msg.message == f"seq {tag!r} (position 1): 3 workers could not take its input ({why})"
 
 
-def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without_work_nothing():
+def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without_work_nothing(caplog):
     sim = Sim(buf_size=2)
     sim.join(b"a")
     sim.start(4)
@@ -590,7 +591,9 @@ def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without
         assert dropped(sim, b"a", what, NOTHING, None, "junk") == []
     assert dropped(sim, b"a", "tasks", TASKS, sim.run + 7, "junk", positions=[0]) == []  # not a live run
     assert sim.out == before and status(sim).dropped_by_workers == 4
-    dropped(sim, b"a", "", UNKNOWN, None, "undecodable header")  # which? everything of "a"
+    with caplog.at_level(logging.WARNING, logger="ppserver.scheduler"):
+        dropped(sim, b"a", None, UNKNOWN, None, "undecodable header")  # which? everything of "a"
+    assert "worker a dropped a unreadable message from the server: undecodable header" in caplog.messages
     assert in_flight(sim)["a"] == 0
     out = sim.results(b"b", [2, 3])
     assert sorted(tasks(out, b"b")) == [0, 1]  # redone on "b"

@@ -374,7 +374,7 @@ class Scheduler:
         worker holds. Other messages (a route, say) carried no work: the worker goes on without."""
         w = self.state.workers[e.wid]
         self.state.dropped_by_workers += 1
-        kind = repr(e.what) if e.what else "unreadable"
+        kind = "unreadable" if e.what is None else repr(e.what)
         of_run = f" of run {e.run}" if e.run is not None else ""
         log.warning("worker %s dropped a %s message%s from the server: %s", w.name, kind, of_run, e.reason)
         if e.carried is ev.Carried.NOTHING:
