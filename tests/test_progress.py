@@ -261,7 +261,7 @@ def test_metric_families_name_every_stage_host_and_counter():
     changes = (("down", "trainer_holds_back", 1), ("up", "workers_hold_back", 2))
     pool = PoolStatus(True, 2, 3, 1, 4, 4, "the trainer", (), changes, ())
     progress = Progress(1.5, 2.0, 3.0, "trainer", None, {}, ())
-    st = ServerStatus(sched, "tcp://a", "tcp://b", "v", 1.0, 1, 6, 4, 5, "idle", pool, progress)
+    st = ServerStatus(sched, "tcp://a", "tcp://b", "v", 1.0, 1, 6, 4, 5, None, pool, progress)
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families(loop.clock, st) for s in f.samples}
     assert got[("ppserver_workers_wanted", ())] == 3
     assert got[("ppserver_pool_changes_total", (("direction", "up"), ("reason", "workers_hold_back")))] == 2
@@ -308,17 +308,18 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
         0,
         0,
         0,
-        "idle",
+        None,
         pool,
         Progress(0.0, 0.0, None, None, None, {}, ()),
     ).to_wire()
     assert sorted(idle) == sorted(WIRE_KEYS)
-    assert (idle["state"], idle["epoch"], idle["num_seqs"], idle["queues"], idle["job"]) == (
+    assert (idle["state"], idle["epoch"], idle["num_seqs"], idle["queues"], idle["job"], idle["dataset"]) == (
         "idle",
         None,
         None,
         {},
         None,
+        "idle",  # the reader is in no dataset call
     )
     assert idle["pool"]["changes_total"] == [["up", "workers_hold_back", 1]]
     run = started(loop, 2, credit=1)
@@ -327,7 +328,7 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
     sched = loop.sched.status(3.0)
     w = window(*(sample(t, 10 * t) for t in range(3)))
     wire = ServerStatus(
-        sched, "a", "b", "v", 3.0, 1, 0, 0, 0, "idle", pool, status_fields(sched, w, {run: 1})
+        sched, "a", "b", "v", 3.0, 1, 0, 0, 0, "get_seq(1) for 2.5 s", pool, status_fields(sched, w, {run: 1})
     ).to_wire()
     assert list(wire) == WIRE_KEYS  # the order the server has always sent
     assert (wire["state"], wire["run"], wire["num_seqs"], wire["seqs_delivered"]) == ("running", run, 2, 1)
@@ -348,7 +349,7 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
             "credit": 0,
         }
     ]
-    assert wire["waiting_for"] == "the trainer (no credit)"
+    assert wire["waiting_for"] == "the trainer (no credit)" and wire["dataset"] == "get_seq(1) for 2.5 s"
     assert list(wire["queues"].items()) == [
         ("fed", 2),
         ("waiting_for_worker", 0),

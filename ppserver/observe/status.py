@@ -62,7 +62,7 @@ class ServerStatus:
     local_worker_respawns: int
     malformed_messages: int
     refused_handshakes: int
-    dataset: str  # what the reader does in the dataset, or "idle"
+    dataset: Optional[str]  # what the reader does in the dataset (None: nothing, "idle" on the wire)
     pool: PoolStatus
     progress: Progress
 
@@ -92,7 +92,7 @@ class ServerStatus:
             "local_worker_respawns": self.local_worker_respawns,
             "malformed_messages": self.malformed_messages,
             "refused_handshakes": self.refused_handshakes,
-            "dataset": self.dataset,
+            "dataset": self.dataset if self.dataset is not None else "idle",
             "pool": _pool(self.pool),
             "rate_seqs_per_sec": p.rate_seqs_per_sec,
             "rate_window_s": p.rate_window_s,
