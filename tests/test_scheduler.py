@@ -38,6 +38,7 @@ from ppserver.scheduler import (
 )
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.dispatch import SeqQueues
+from ppserver.scheduler.jobs import ReadState
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
 from ppserver.scheduler.streams import Partition, PartState
 from ppserver.scheduler.workers import Isolation
@@ -291,6 +292,40 @@ def test_credit_caps_in_flight_per_worker_and_delivery_per_client():
     out = sim.results(b"w1", [3, 4, 5])  # the client granted 4
     expect(out, (b"w1", "tasks", [6]), (b"w1", "tasks", [7]), (b"w1", "tasks", [8]), (CONSUMER, "seqs", [3]))
     expect(sim(ev.CreditGranted, CONSUMER, 1, 10), (CONSUMER, "seqs", [4, 5]))
+
+
+def test_the_reader_side_of_a_run_is_asked_accepted_open_then_stopped_and_told_to_stop_once():
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    run, _ = sim.request()
+    assert run is not None
+    sim.run = run
+    r = sim.s.state.runs[run]
+    assert (r.reading, r.accepted) == (ReadState.ASKED, False)
+    sim(ev.RunChecked, run)
+    assert (r.reading, r.accepted) == (ReadState.ACCEPTED, True)
+    sim(ev.CreditGranted, CONSUMER, run, 100)
+    sim(ev.RunStarted, run, 1, 2)
+    assert r.reading is ReadState.OPEN
+    sim(ev.RunChecked, run)  # (a late word of the reader moves nothing back)
+    assert r.reading is ReadState.OPEN
+    out = sim.feed(range(2))  # every input read: the reader may move on
+    assert StopReading(run) in out and r.reading is ReadState.STOPPED
+    out = sim.results(b"w1", [0, 1])
+    assert newest(sim).state is RunState.DONE and StopReading(run) not in out
+    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
+    with pytest.raises(AssertionError, match="reading stopped -> open is not a move"):
+        r.open_reading()
+
+
+def test_a_run_refused_while_it_prepares_stops_its_reading_once():
+    sim = Sim()
+    run, _ = sim.request()
+    assert run is not None
+    out = sim(ev.RunRejected, run, "no such epoch")
+    assert StopReading(run) in out and newest(sim).state is RunState.FAILED
+    assert sim.s.state.last_run is not None and sim.s.state.last_run.reading is ReadState.STOPPED
+    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
 
 
 def test_results_leave_in_order_whatever_order_they_arrive_in():
