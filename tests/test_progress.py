@@ -26,9 +26,10 @@ from ppserver.observe.progress import (
     status_fields,
 )
 from ppserver.observe.stages import STAGES, StageClock
-from ppserver.observe.status import PoolStatus, ServerStatus
+from ppserver.observe.status import PoolStatus, ServerStatus, queue_counts
 from ppserver.scheduler import Departure, RunState, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.dispatch import StreamQueues
 from ppserver.scheduler.status import RankStatus, RunStatus, SchedulerStatus
 from ppserver.server.reader import DATASET_CALLS
 from ppserver.worker.clock import MapperClock, heartbeat_stats
@@ -362,3 +363,19 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
     assert wire["progress"] == [
         {"epoch": 1, "run": run, "seqs_done": 1, "seqs_total": 2, "seqs_per_sec": None, "eta_s": None}
     ]
+
+
+def test_a_stream_runs_queues_are_named_on_the_wire_by_their_fields_then_the_credit():
+    queues = StreamQueues(fed=5, waiting_for_worker=1, in_flight=2, reorder_buffer=3, partitions_done=1)
+    run = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, "the workers", queues, 4)
+    wire = [
+        ("fed", 5),
+        ("waiting_for_worker", 1),
+        ("in_flight", 2),
+        ("reorder_buffer", 3),
+        ("partitions_done", 1),
+        ("client_credit", 4),
+    ]
+    assert list(queue_counts(run).items()) == wire
+    ended = dataclasses.replace(run, state=RunState.DONE, waiting_for=None, queues=None, client_credit=0)
+    assert queue_counts(ended) == {"client_credit": 0}  # an ended run's dispatch is gone

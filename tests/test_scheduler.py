@@ -37,7 +37,7 @@ from ppserver.scheduler import (
     ToWorker,
 )
 from ppserver.scheduler import events as ev
-from ppserver.scheduler.dispatch import SeqQueues
+from ppserver.scheduler.dispatch import SeqQueues, StreamQueues
 from ppserver.scheduler.jobs import ReadState
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
 from ppserver.scheduler.streams import Partition, PartState
@@ -1094,6 +1094,9 @@ def test_stream_partitions_are_spread_and_fed_within_credit():
     out = sim.feed(range(6))
     expect(out, (b"w1", "stream_inputs", [0, 2]), (b"w2", "stream_inputs", [1, 3]))
     assert [i.msg.partition for i in out] == [0, 1]
+    assert newest(sim).queues == StreamQueues(
+        fed=6, waiting_for_worker=2, in_flight=2, reorder_buffer=0, partitions_done=0
+    )  # 4 and 5 wait for their partition's credit
     assert sim(ev.StreamAcked, b"w1", 1, 0, 7, 1) == []  # of another start of the partition: stale
     expect(sim(ev.StreamAcked, b"w1", 1, 0, 1, 1), (b"w1", "stream_inputs", [4]))
 
