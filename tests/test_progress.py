@@ -26,9 +26,10 @@ from ppserver.observe.progress import (
     status_fields,
 )
 from ppserver.observe.stages import STAGES, StageClock
-from ppserver.observe.status import PoolStatus, ServerStatus
+from ppserver.observe.status import PoolStatus, ServerStatus, queue_counts
 from ppserver.scheduler import Departure, RunState, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.dispatch import StreamQueues
 from ppserver.scheduler.status import RankStatus, RunStatus, SchedulerStatus
 from ppserver.server.reader import DATASET_CALLS
 from ppserver.worker.clock import MapperClock, heartbeat_stats
@@ -186,7 +187,7 @@ def rank(position: int, shard_size: Optional[int], done: bool = False) -> RankSt
 
 def sched_status(*ranks: RankStatus, waiting_for: Optional[str] = "the workers", idle: bool = False) -> SchedulerStatus:
     """A scheduler's status whose newest run is 7 (none if `idle`), with `ranks`."""
-    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, waiting_for, {})
+    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, waiting_for, None, 0)
     return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, None, ranks, None if idle else newest)
 
 
@@ -261,7 +262,7 @@ def test_metric_families_name_every_stage_host_and_counter():
     changes = (("down", "trainer_holds_back", 1), ("up", "workers_hold_back", 2))
     pool = PoolStatus(True, 2, 3, 1, 4, 4, "the trainer", (), changes, ())
     progress = Progress(1.5, 2.0, 3.0, "trainer", None, {}, ())
-    st = ServerStatus(sched, "tcp://a", "tcp://b", "v", 1.0, 1, 6, 4, 5, "idle", pool, progress)
+    st = ServerStatus(sched, "tcp://a", "tcp://b", "v", 1.0, 1, 6, 4, 5, None, pool, progress)
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families(loop.clock, st) for s in f.samples}
     assert got[("ppserver_workers_wanted", ())] == 3
     assert got[("ppserver_pool_changes_total", (("direction", "up"), ("reason", "workers_hold_back")))] == 2
@@ -308,17 +309,18 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
         0,
         0,
         0,
-        "idle",
+        None,
         pool,
         Progress(0.0, 0.0, None, None, None, {}, ()),
     ).to_wire()
     assert sorted(idle) == sorted(WIRE_KEYS)
-    assert (idle["state"], idle["epoch"], idle["num_seqs"], idle["queues"], idle["job"]) == (
+    assert (idle["state"], idle["epoch"], idle["num_seqs"], idle["queues"], idle["job"], idle["dataset"]) == (
         "idle",
         None,
         None,
         {},
         None,
+        "idle",  # the reader is in no dataset call
     )
     assert idle["pool"]["changes_total"] == [["up", "workers_hold_back", 1]]
     run = started(loop, 2, credit=1)
@@ -327,7 +329,7 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
     sched = loop.sched.status(3.0)
     w = window(*(sample(t, 10 * t) for t in range(3)))
     wire = ServerStatus(
-        sched, "a", "b", "v", 3.0, 1, 0, 0, 0, "idle", pool, status_fields(sched, w, {run: 1})
+        sched, "a", "b", "v", 3.0, 1, 0, 0, 0, "get_seq(1) for 2.5 s", pool, status_fields(sched, w, {run: 1})
     ).to_wire()
     assert list(wire) == WIRE_KEYS  # the order the server has always sent
     assert (wire["state"], wire["run"], wire["num_seqs"], wire["seqs_delivered"]) == ("running", run, 2, 1)
@@ -348,7 +350,16 @@ def test_the_status_reply_names_each_field_as_docs_and_clients_know_it():
             "credit": 0,
         }
     ]
-    assert wire["waiting_for"] == "the trainer (no credit)" and wire["queues"]["in_flight"] == 1
+    assert wire["waiting_for"] == "the trainer (no credit)" and wire["dataset"] == "get_seq(1) for 2.5 s"
+    assert list(wire["queues"].items()) == [
+        ("fed", 2),
+        ("waiting_for_worker", 0),
+        ("in_flight", 1),
+        ("reorder_buffer", 0),
+        ("kept_for_consumers", 1),
+        ("suspects", 0),
+        ("client_credit", 0),
+    ]
     assert wire["progress"] == [
         {"epoch": 1, "run": run, "seqs_done": 1, "seqs_total": 2, "seqs_per_sec": None, "eta_s": None}
     ]
@@ -385,3 +396,19 @@ def test_stage_times_stay_positive_when_direct_lanes_report_out_of_epoch_order()
     # they are Prometheus counters: a seq never takes time off a stage
     assert all(seconds[stage] >= before[stage] for stage in STAGES), (before, seconds)
     assert seconds["wait_trainer"] + seconds["reorder"] == pytest.approx(3 + 2.75 + 1 + 0.5)
+
+
+def test_a_stream_runs_queues_are_named_on_the_wire_by_their_fields_then_the_credit():
+    queues = StreamQueues(fed=5, waiting_for_worker=1, in_flight=2, reorder_buffer=3, partitions_done=1)
+    run = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, "the workers", queues, 4)
+    wire = [
+        ("fed", 5),
+        ("waiting_for_worker", 1),
+        ("in_flight", 2),
+        ("reorder_buffer", 3),
+        ("partitions_done", 1),
+        ("client_credit", 4),
+    ]
+    assert list(queue_counts(run).items()) == wire
+    ended = dataclasses.replace(run, state=RunState.DONE, waiting_for=None, queues=None, client_credit=0)
+    assert queue_counts(ended) == {"client_credit": 0}  # an ended run's dispatch is gone

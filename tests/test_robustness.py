@@ -45,8 +45,8 @@ from conftest import (
 import ppclient
 from ppclient import protocol
 from ppclient.protocol import Channel, Peer
-from ppserver.scheduler.events import Carried
-from ppserver.server.from_workers import carried
+from ppserver.scheduler.events import Carried, MessageDropped
+from ppserver.server.from_workers import EVENTS, carried
 
 # A corpus whose reads can be made slow or stuck, from a module next to the config.
 DATA_MODULE = """
@@ -604,7 +604,14 @@ def test_the_server_tells_what_a_dropped_message_carried_by_its_kind():
     ):
         assert carried(kind.kind) is Carried.NOTHING
     assert carried("stream_ack") is Carried.NOTHING  # a worker's own message: never sent to it
-    assert carried("") is Carried.UNKNOWN
+    assert carried(None) is Carried.UNKNOWN
+    # as the event is built from the report: a kind the worker could not read ("") is None
+    unreadable = EVENTS[protocol.Dropped](1.0, b"w", protocol.Dropped(reason="junk"), None)
+    assert isinstance(unreadable, MessageDropped)
+    assert (unreadable.what, unreadable.carried, unreadable.run) == (None, Carried.UNKNOWN, None)
+    tasks = EVENTS[protocol.Dropped](1.0, b"w", protocol.Dropped(what="tasks", run=3, pos=[1]), None)
+    assert isinstance(tasks, MessageDropped)
+    assert (tasks.what, tasks.carried, tasks.run, tasks.positions) == ("tasks", Carried.TASKS, 3, [1])
 
 
 # ---- 7. junk on the control socket -----------------------------------------------------------------

@@ -9,6 +9,7 @@ order, with the bytes the mapper produced.
 
 from __future__ import annotations
 
+import logging
 from itertools import zip_longest
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type
 
@@ -36,6 +37,8 @@ from ppserver.scheduler import (
     ToWorker,
 )
 from ppserver.scheduler import events as ev
+from ppserver.scheduler.dispatch import SeqQueues, StreamQueues
+from ppserver.scheduler.jobs import ReadState
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
 from ppserver.scheduler.streams import Partition, PartState
 from ppserver.scheduler.workers import Isolation
@@ -122,6 +125,13 @@ def newest(sim: Sim) -> RunStatus:
     run = status(sim).newest
     assert run is not None
     return run
+
+
+def suspects(sim: Sim) -> int:
+    """The newest run's seqs charged with a worker's death, as status says (a map_seq run's)."""
+    q = newest(sim).queues
+    assert isinstance(q, SeqQueues)
+    return q.suspects
 
 
 def in_flight(sim: Sim) -> Dict[str, int]:
@@ -265,7 +275,7 @@ def test_reconnect_replaces_the_old_identity_and_redoes_its_work_at_once():
     assert in_flight(sim) == {"new": 2}
     assert status(sim).departures == {Departure.RECONNECTED: 1}
     assert sorted(tasks(out, b"new")) == [0, 1]  # both at once: not suspects (a reset is not a crash)
-    assert newest(sim).queues["suspects"] == 0
+    assert suspects(sim) == 0
 
 
 # ---- map_seq: credits, order, late results ------------------------------------------------------------
@@ -282,6 +292,40 @@ def test_credit_caps_in_flight_per_worker_and_delivery_per_client():
     out = sim.results(b"w1", [3, 4, 5])  # the client granted 4
     expect(out, (b"w1", "tasks", [6]), (b"w1", "tasks", [7]), (b"w1", "tasks", [8]), (CONSUMER, "seqs", [3]))
     expect(sim(ev.CreditGranted, CONSUMER, 1, 10), (CONSUMER, "seqs", [4, 5]))
+
+
+def test_the_reader_side_of_a_run_is_asked_accepted_open_then_stopped_and_told_to_stop_once():
+    sim = Sim(buf_size=4)
+    sim.join(b"w1")
+    run, _ = sim.request()
+    assert run is not None
+    sim.run = run
+    r = sim.s.state.runs[run]
+    assert (r.reading, r.accepted) == (ReadState.ASKED, False)
+    sim(ev.RunChecked, run)
+    assert (r.reading, r.accepted) == (ReadState.ACCEPTED, True)
+    sim(ev.CreditGranted, CONSUMER, run, 100)
+    sim(ev.RunStarted, run, 1, 2)
+    assert r.reading is ReadState.OPEN
+    sim(ev.RunChecked, run)  # (a late word of the reader moves nothing back)
+    assert r.reading is ReadState.OPEN
+    out = sim.feed(range(2))  # every input read: the reader may move on
+    assert StopReading(run) in out and r.reading is ReadState.STOPPED
+    out = sim.results(b"w1", [0, 1])
+    assert newest(sim).state is RunState.DONE and StopReading(run) not in out
+    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
+    with pytest.raises(AssertionError, match="reading stopped -> open is not a move"):
+        r.open_reading()
+
+
+def test_a_run_refused_while_it_prepares_stops_its_reading_once():
+    sim = Sim()
+    run, _ = sim.request()
+    assert run is not None
+    out = sim(ev.RunRejected, run, "no such epoch")
+    assert StopReading(run) in out and newest(sim).state is RunState.FAILED
+    assert sim.s.state.last_run is not None and sim.s.state.last_run.reading is ReadState.STOPPED
+    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
 
 
 def test_results_leave_in_order_whatever_order_they_arrive_in():
@@ -410,7 +454,7 @@ def test_crash_makes_seqs_suspect_and_suspects_run_alone():
     sim.feed(range(8))
     lost = tasks(sim.out, b"w1")
     out = sim(ev.LocalWorkerExited, 0, 1, -9)
-    assert newest(sim).queues["suspects"] == len(lost) == 4
+    assert suspects(sim) == len(lost) == 4
     assert out == []  # w2 is busy: suspects wait for an idle worker
     out = sim.results(b"w2", tasks(sim.out, b"w2"))
     expect(out, (b"w2", "tasks", lost[:1]))  # one suspect, alone; nothing delivered (0 is a suspect)
@@ -437,7 +481,7 @@ def test_departure_is_not_blamed():
     sim.start(2)
     sim.feed(range(2))
     sim(ev.WorkerLeft, b"w1")
-    assert newest(sim).state is RunState.RUNNING and newest(sim).queues["suspects"] == 0
+    assert newest(sim).state is RunState.RUNNING and suspects(sim) == 0
     expect(sim.join(b"w2"), (b"w2", "run_open"), (b"w2", "tasks", [0]))
 
 
@@ -539,7 +583,7 @@ def test_undecodable_messages_fail_the_seq_after_retries_naming_it():
 
 
 def dropped(
-    sim: Sim, wid: bytes, what: str, carried: ev.Carried, run: Optional[int], reason: str, **kw
+    sim: Sim, wid: bytes, what: Optional[str], carried: ev.Carried, run: Optional[int], reason: str, **kw
 ) -> List[Instruction]:
     """`wid` dropped a message of kind `what` that carried `carried` (as the server tells it)."""
     return sim(ev.MessageDropped, wid, what, carried, run, reason=reason, **kw)
@@ -571,7 +615,7 @@ def test_tasks_a_worker_dropped_go_elsewhere_and_fail_the_seq_after_retries_nami
     assert failed.msg.message == f"seq {tag!r} (position 1): 3 workers could not take its input ({why})"
 
 
-def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without_work_nothing():
+def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without_work_nothing(caplog):
     sim = Sim(buf_size=2)
     sim.join(b"a")
     sim.start(4)
@@ -582,7 +626,9 @@ def test_a_message_a_worker_could_not_read_charges_what_it_holds_and_one_without
         assert dropped(sim, b"a", what, NOTHING, None, "junk") == []
     assert dropped(sim, b"a", "tasks", TASKS, sim.run + 7, "junk", positions=[0]) == []  # not a live run
     assert sim.out == before and status(sim).dropped_by_workers == 4
-    dropped(sim, b"a", "", UNKNOWN, None, "undecodable header")  # which? everything of "a"
+    with caplog.at_level(logging.WARNING, logger="ppserver.scheduler"):
+        dropped(sim, b"a", None, UNKNOWN, None, "undecodable header")  # which? everything of "a"
+    assert "worker a dropped a unreadable message from the server: undecodable header" in caplog.messages
     assert in_flight(sim)["a"] == 0
     out = sim.results(b"b", [2, 3])
     assert sorted(tasks(out, b"b")) == [0, 1]  # redone on "b"
@@ -1048,6 +1094,9 @@ def test_stream_partitions_are_spread_and_fed_within_credit():
     out = sim.feed(range(6))
     expect(out, (b"w1", "stream_inputs", [0, 2]), (b"w2", "stream_inputs", [1, 3]))
     assert [i.msg.partition for i in out] == [0, 1]
+    assert newest(sim).queues == StreamQueues(
+        fed=6, waiting_for_worker=2, in_flight=2, reorder_buffer=0, partitions_done=0
+    )  # 4 and 5 wait for their partition's credit
     assert sim(ev.StreamAcked, b"w1", 1, 0, 7, 1) == []  # of another start of the partition: stale
     expect(sim(ev.StreamAcked, b"w1", 1, 0, 1, 1), (b"w1", "stream_inputs", [4]))
 

@@ -31,7 +31,7 @@ from ppclient.throttle import Throttled
 from ppserver.errors import ConfigError
 from ppserver.observe.progress import SIDES
 from ppserver.observe.stages import MAX_SERIES, StageClock
-from ppserver.observe.status import ServerStatus
+from ppserver.observe.status import ServerStatus, queue_counts
 
 log = logging.getLogger("ppserver.metrics")
 
@@ -422,7 +422,7 @@ def families(clock: StageClock, st: ServerStatus) -> List[Any]:
             "ppserver_queue_seqs",
             "seqs in each queue of the newest run",
             ("queue",),
-            [((q,), n) for q, n in sorted(newest.queues.items() if newest is not None else ())],
+            [((q,), n) for q, n in sorted(queue_counts(newest).items() if newest is not None else ())],
         ),
         _family(
             "gauge",

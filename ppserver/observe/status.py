@@ -62,7 +62,7 @@ class ServerStatus:
     local_worker_respawns: int
     malformed_messages: int
     refused_handshakes: int
-    dataset: str  # what the reader does in the dataset, or "idle"
+    dataset: Optional[str]  # what the reader does in the dataset (None: nothing, "idle" on the wire)
     pool: PoolStatus
     progress: Progress
 
@@ -92,7 +92,7 @@ class ServerStatus:
             "local_worker_respawns": self.local_worker_respawns,
             "malformed_messages": self.malformed_messages,
             "refused_handshakes": self.refused_handshakes,
-            "dataset": self.dataset,
+            "dataset": self.dataset if self.dataset is not None else "idle",
             "pool": _pool(self.pool),
             "rate_seqs_per_sec": p.rate_seqs_per_sec,
             "rate_window_s": p.rate_window_s,
@@ -138,7 +138,18 @@ def _newest(r: Optional[RunStatus]) -> Dict[str, Any]:
             "waiting_for": None,
             "queues": {},
         }
-    return _plain(r)
+    wire = _plain(r)
+    del wire["client_credit"]  # (it goes among the queues)
+    wire["queues"] = queue_counts(r)
+    return wire
+
+
+def queue_counts(r: RunStatus) -> Dict[str, int]:
+    """A run's `queues` as the wire and the metrics' labels name them: its dispatch's (while
+    live), then its clients' credit."""
+    counts: Dict[str, int] = _plain(r.queues) if r.queues is not None else {}
+    counts["client_credit"] = r.client_credit
+    return counts
 
 
 def _pool(p: PoolStatus) -> Dict[str, Any]:

@@ -27,7 +27,7 @@ from ppserver.scheduler import invariants, status
 from ppserver.scheduler.delivery import Delivery
 from ppserver.scheduler.dispatch import Dispatch, Drop, SeqWork, StreamWork
 from ppserver.scheduler.instructions import Instruction, Read, StopReading, ToWorker
-from ppserver.scheduler.jobs import Run
+from ppserver.scheduler.jobs import ReadState, Run
 from ppserver.scheduler.requests import MAX_READERS, Requests
 from ppserver.scheduler.runs import Lifecycle, run_open
 from ppserver.scheduler.settings import Failure, Settings
@@ -38,6 +38,7 @@ from ppserver.scheduler.story import WORKER, Entry, parse_key
 from ppserver.scheduler.workers import RETIRING, SERVING, TOLD, Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
+_STOPPED = ReadState.STOPPED  # (the enum's own lookup is slow on the hot path)
 
 __all__ = ["MAX_READERS", "Scheduler"]
 
@@ -163,13 +164,12 @@ class Scheduler:
             assert d is not None
             d.dispatch(workers, out)
             self.delivery.deliver(run, out)
-            if not run.live or run.reading_stopped:
+            if not run.live or run.reading is _STOPPED:
                 continue
             positions = d.requests(capacity)
             if positions:
                 out.append(Read(run.run, positions))
-            if d.reading_done():
-                run.reading_stopped = True
+            if d.reading_done() and run.stop_reading():
                 out.append(StopReading(run.run))
         if retiring:
             for w in workers.values():
@@ -381,7 +381,7 @@ class Scheduler:
         worker holds. Other messages (a route, say) carried no work: the worker goes on without."""
         w = self.state.workers[e.wid]
         self.state.dropped_by_workers += 1
-        kind = repr(e.what) if e.what else "unreadable"
+        kind = "unreadable" if e.what is None else repr(e.what)
         of_run = f" of run {e.run}" if e.run is not None else ""
         log.warning("worker %s dropped a %s message%s from the server: %s", w.name, kind, of_run, e.reason)
         if e.carried is ev.Carried.NOTHING:

@@ -42,6 +42,32 @@ class Drop:
     reason: str
 
 
+@dataclass(frozen=True)
+class Queues:
+    """What waits where in a run's dispatch, for status (observe/status.py makes it the wire's
+    `queues`, a key per field); each style adds its own."""
+
+    fed: int  # inputs the reader gave it
+    waiting_for_worker: int  # inputs no worker holds yet
+    in_flight: int  # work workers hold: tasks, or stream partitions
+    reorder_buffer: int  # outputs waiting for the ones before them
+
+
+@dataclass(frozen=True)
+class SeqQueues(Queues):
+    """A map_seq run's."""
+
+    kept_for_consumers: int  # results sent directly, kept until their consumer took them
+    suspects: int  # seqs charged with a worker's death
+
+
+@dataclass(frozen=True)
+class StreamQueues(Queues):
+    """A map_seq_stream run's."""
+
+    partitions_done: int
+
+
 class Dispatch(abc.ABC):
     """What every run's dispatch does, whichever the mapper style."""
 
@@ -110,7 +136,7 @@ class Dispatch(abc.ABC):
         """The run ended: forget everything (the inputs a worker may still read go to its `retained`)."""
 
     @abc.abstractmethod
-    def queues(self) -> Dict[str, int]:
+    def queues(self) -> Queues:
         """What waits where, for status."""
 
     @abc.abstractmethod

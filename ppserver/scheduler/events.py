@@ -161,7 +161,7 @@ class MessageDropped(WorkerEvent, RunEvent):
     """The worker dropped a message of the server's unread (see protocol.Dropped): what it carried
     is redone elsewhere, charged, or the run fails naming the seq."""
 
-    what: str  # its kind, as the worker read it ("": unreadable)
+    what: Optional[str]  # its kind, as the worker read it (None: it could not read it)
     carried: Carried
     run: Optional[int] = None
     partition: Optional[int] = None

@@ -18,7 +18,7 @@ connected.
 from __future__ import annotations
 
 from ppserver.scheduler.delivery import MAX_GRANT_AHEAD
-from ppserver.scheduler.jobs import DONE, GONE, READING, Lane, Run, RunState
+from ppserver.scheduler.jobs import DONE, GONE, READ_STATES_OF, READING, Lane, Run, RunState
 from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.workers import NORMAL, RETIRING, TOLD
 
@@ -43,6 +43,7 @@ def validate(s: SchedulerState) -> None:
         if not run.live:
             assert run.dispatch is None or not run.dispatch.holds(), f"run {run.run} ended, yet holds inputs"
             assert all(not lane.ready for lane in run.lanes.values()), f"run {run.run} ended, yet releases outputs"
+            assert run.reading in READ_STATES_OF[run.state], f"run {run.run} ended, yet reading {run.reading.value}"
     for (run_id, consumer), (run, lane) in s.unheard.items():
         assert run.run == run_id and lane.consumer == consumer, f"run {run_id}: unheard lane of another"
         assert not run.live and lane.held and not lane.connected, f"run {run_id}: unheard, yet live or heard"
@@ -72,6 +73,7 @@ def _run(s: SchedulerState, run: Run) -> None:
     assert (run.dispatch is None) == (run.state is RunState.PREPARING), (
         f"{where}: {run.state.value}, dispatch {run.dispatch}"
     )
+    assert run.reading in READ_STATES_OF[run.state], f"{where}: {run.state.value}, yet reading {run.reading.value}"
     assert len(run.group) < run.job.world or not run.group, f"{where}: a complete group of ranks not released"
     for index, lane in run.lanes.items():
         assert lane.index == index and 0 <= index < run.width, f"{where}: lane {lane.index} under {index}"

@@ -74,6 +74,37 @@ RUN_MOVES: Dict[RunState, Tuple[RunState, ...]] = {
 _LIVE = (RunState.PREPARING, RunState.RUNNING)  # (the enum's own lookup is slow on the hot path)
 
 
+class ReadState(enum.Enum):
+    """Where the reader is with a run: a sub-state of its RunState (asked and accepted while it
+    prepares, open and stopped while it runs; stopped once it ended). The Run's methods make
+    the moves:
+
+        asked ─accept (RunChecked)─► accepted ─open (RunStarted)─► open ─stop─► stopped
+        asked ─open─► open;   asked, accepted ─stop (the run ended)─► stopped"""
+
+    ASKED = "asked"  # Prepare was sent: the reader checks the request
+    ACCEPTED = "accepted"  # the reader accepted it (its readers leave their other runs) and sets the epoch up
+    OPEN = "open"  # the epoch is set up: positions are read as there is room
+    STOPPED = "stopped"  # StopReading was sent: every input was read, or the run ended
+
+
+# The moves a run's ReadState may make.
+READ_MOVES: Dict[ReadState, Tuple[ReadState, ...]] = {
+    ReadState.ASKED: (ReadState.ACCEPTED, ReadState.OPEN, ReadState.STOPPED),
+    ReadState.ACCEPTED: (ReadState.OPEN, ReadState.STOPPED),
+    ReadState.OPEN: (ReadState.STOPPED,),
+    ReadState.STOPPED: (),
+}
+# The ReadStates of each RunState (validate checks that the two agree).
+READ_STATES_OF: Dict[RunState, Tuple[ReadState, ...]] = {
+    RunState.PREPARING: (ReadState.ASKED, ReadState.ACCEPTED),
+    RunState.RUNNING: (ReadState.OPEN, ReadState.STOPPED),
+    RunState.DONE: (ReadState.STOPPED,),
+    RunState.FAILED: (ReadState.STOPPED,),
+    RunState.SUPERSEDED: (ReadState.STOPPED,),
+}
+
+
 class LaneState(enum.Enum):
     """A lane's life in a run (its value is the word `Scheduler.lanes` gives); the Lane's
     methods make the moves:
@@ -109,13 +140,17 @@ class Lane:
     more than it was sent (`delivered`), which is no more than it granted nor than was released
     from `start` on; between events nothing waits in `ready`. `state` moves only through
     attach, end and leave (LANE_MOVES); `consumer` is set while it is reading or done (and kept
-    once it left, so its client's late words still find it)."""
+    once it left, so its client's late words still find it). `ended` is a flag, not a state: it
+    is what the lane did (End went out since its client attached), which a lane that left after
+    it keeps, so a run whose lanes all settled knows it is done rather than superseded; `end`
+    sets it, `attach` clears it, and it is true exactly while done unless the lane is gone
+    (validate). A state for it would split gone in two for that one question."""
 
     index: int
     start: int = 0  # index in the lane of the first seq delivered (the ones before are dropped)
     state: LaneState = AWAITED
     consumer: Optional[bytes] = None  # the client's data socket; None: the rank has not come
-    ended: bool = False  # End was sent to its consumer (kept if it leaves after: the run counts as done)
+    ended: bool = False  # End was sent to its consumer (kept if it leaves after: the run counts as done); end, attach
     connected: bool = False  # a credit arrived, so the data socket reaches us
     held: List[ToClient] = field(default_factory=list)  # waiting for the data socket
     granted: int = 0  # cumulative, from the current consumer
@@ -183,7 +218,8 @@ class Lane:
 @dataclass
 class Run:
     """One epoch of a job (or, `solo`, one rank's resume of it behind the job's main run). It has a
-    dispatch once the reader set the epoch up (RUNNING), and holds nothing once it ended."""
+    dispatch once the reader set the epoch up (RUNNING), and holds nothing once it ended; `reading`
+    (ReadState) is where the reader is with it, a sub-state of `state`."""
 
     run: int
     job: Job
@@ -196,12 +232,11 @@ class Run:
     base: int = 0  # where a lane without state of its own is expected to start
     dispatch: Optional[Dispatch] = None  # None while the reader prepares the epoch
     num_seqs: Optional[int] = None  # inputs of the epoch
-    checked: bool = False  # the reader accepted the request
     started: Optional[float] = None
     ended: Optional[float] = None
     state: RunState = RunState.PREPARING
     error: Optional[str] = None
-    reading_stopped: bool = False
+    reading: ReadState = ReadState.ASKED  # where the reader is with it (moved by accept, open_reading, stop_reading)
     group: List[Union[Item, Batch]] = field(default_factory=list)  # stream, drop_last: a group of W not complete
     cutting: Optional[StreamCut] = None  # stream mode, batching: the merged outputs cut into batches
     total: Optional[int] = None  # outputs of the whole epoch, once known
@@ -225,6 +260,34 @@ class Run:
         if state not in RUN_MOVES[self.state]:
             raise AssertionError(f"run {self.run}: {self.state.value} -> {state.value} is not a move of a run")
         self.state = state
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the reader accepted the request (so its readers have left their other runs)."""
+        return self.reading is not ReadState.ASKED
+
+    def accept(self) -> None:
+        """The reader accepted the request (RunChecked; once it opened, it had)."""
+        if self.reading is ReadState.ASKED:
+            self._read(ReadState.ACCEPTED)
+
+    def open_reading(self) -> None:
+        """The reader set the epoch up (RunStarted): positions are read as there is room."""
+        self._read(ReadState.OPEN)
+
+    def stop_reading(self) -> bool:
+        """Whether StopReading is to be sent now (every input was read, or the run ended): only
+        the first time."""
+        if self.reading is ReadState.STOPPED:
+            return False
+        self._read(ReadState.STOPPED)
+        return True
+
+    def _read(self, reading: ReadState) -> None:
+        """Move the run's ReadState (only along READ_MOVES)."""
+        if reading not in READ_MOVES[self.reading]:
+            raise AssertionError(f"run {self.run}: reading {self.reading.value} -> {reading.value} is not a move")
+        self.reading = reading
 
     @property
     def absent_gone(self) -> bool:

@@ -102,7 +102,7 @@ class Requests:
             run.job.unit,
             e.start,
         )
-        if run.checked:
+        if run.accepted:
             self._leave_others(run, e.lane, out)
         if run.dispatch is not None:
             to_lane(lane, started_message(run, lane, self.state.settings.fingerprint), out)
@@ -151,7 +151,7 @@ class Requests:
         run = self.state.runs.get(e.run)
         if run is None:
             return
-        run.checked = True
+        run.accept()
         for lane in list(run.lanes.values()):
             if lane.consumer is not None and not lane.gone:
                 self._leave_others(run, lane.index, out)

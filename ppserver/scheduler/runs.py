@@ -48,7 +48,7 @@ class Lifecycle:
             out.append(StopReading(e.run))  # it ended meanwhile
             return
         s = self.state.settings
-        run.checked = True
+        run.open_reading()
         run.num_seqs = e.num_seqs
         run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.num_seqs
         run.started = e.now
@@ -191,8 +191,7 @@ class Lifecycle:
             lane.ready.clear()
         while len(unheard) > UNHEARD_MAX:
             unheard.pop(next(iter(unheard)))
-        if not run.reading_stopped:
-            run.reading_stopped = True
+        if run.stop_reading():
             out.append(StopReading(run.run))
         if run.dispatch is not None:
             for w in self.state.workers.values():

@@ -31,10 +31,10 @@ without them), and the accepted ones are listed in `skips` for the scheduler to 
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks, short_tag
-from ppserver.scheduler.dispatch import Drop, Room, SeqWork, Workers
+from ppserver.scheduler.dispatch import Drop, Room, SeqQueues, SeqWork, Workers
 from ppserver.scheduler.events import CompletedReceived
 from ppserver.scheduler.instructions import Instruction, ToWorker
 from ppserver.scheduler.placement import Limits, Send, Wait, choose, joins, may_send
@@ -349,16 +349,16 @@ class SeqDispatch(SeqWork):
         self.table.close(workers)
         self.late.clear()
 
-    def queues(self) -> Dict[str, int]:
+    def queues(self) -> SeqQueues:
         t = self.table
-        return {
-            "fed": self.fed,
-            "waiting_for_worker": len(t.todo),
-            "in_flight": len(t.worker),
-            "reorder_buffer": len(t.results),
-            "kept_for_consumers": len(t.kept),
-            "suspects": sum(1 for c in t.charges.values() if c.deaths),
-        }
+        return SeqQueues(
+            fed=self.fed,
+            waiting_for_worker=len(t.todo),
+            in_flight=len(t.worker),
+            reorder_buffer=len(t.results),
+            kept_for_consumers=len(t.kept),
+            suspects=sum(1 for c in t.charges.values() if c.deaths),
+        )
 
     def holds(self) -> List[int]:
         return self.table.holds()

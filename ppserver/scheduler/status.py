@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ppclient.batching import Batching
 from ppclient.protocol import Keepalive
+from ppserver.scheduler.dispatch import Queues
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import Lane, Run, RunState
 from ppserver.scheduler.state import SchedulerState
@@ -76,7 +77,8 @@ class RunStatus:
     mb_delivered: float
     error: Optional[str]
     waiting_for: Optional[str]  # what it waits for (holdup), while live
-    queues: Dict[str, int]  # what waits where (its dispatch's, while live), and the lanes' credit
+    queues: Optional[Queues]  # what waits where in its dispatch, while live (each style's own)
+    client_credit: int  # what its live lanes' clients granted and were not sent yet
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,9 @@ def holdup(s: SchedulerState, run: Run, lane: Optional[Lane] = None) -> Tuple[st
     missing = run.awaited(8)
     if missing:
         return f"rank(s) {', '.join(map(str, missing))} of job {run.job.name!r} to connect", False
-    q = run.dispatch.queues()
-    if q["in_flight"]:
-        return f"the workers ({q['in_flight']} in flight)", False
+    in_flight = run.dispatch.queues().in_flight
+    if in_flight:
+        return f"the workers ({in_flight} in flight)", False
     if s.reader_busy is not None:
         return f"the dataset ({s.reader_busy})", False
     return "the dataset", False
@@ -204,10 +206,8 @@ def _newest(s: SchedulerState, last: Run, now: float) -> RunStatus:
         mb_delivered=round(sum(lane.delivered_bytes for lane in last.lanes.values()) / 1e6, 3),
         error=last.error,
         waiting_for=holdup(s, last)[0] if last.live else None,
-        queues={
-            **(last.dispatch.queues() if last.dispatch is not None and last.live else {}),
-            "client_credit": sum(max(lane.credit, 0) for lane in last.lanes.values() if lane.live),
-        },
+        queues=last.dispatch.queues() if last.dispatch is not None and last.live else None,
+        client_credit=sum(max(lane.credit, 0) for lane in last.lanes.values() if lane.live),
     )
 
 

@@ -30,7 +30,7 @@ from ppclient.protocol import (
     StreamOpen,
     short_tag,
 )
-from ppserver.scheduler.dispatch import Drop, Room, StreamWork, Workers
+from ppserver.scheduler.dispatch import Drop, Room, StreamQueues, StreamWork, Workers
 from ppserver.scheduler.instructions import Instruction, Replay, ToWorker
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.story import PARTITION, Story
@@ -463,14 +463,14 @@ class StreamDispatch(StreamWork):
             part.outputs.clear()
             part.replay.clear()
 
-    def queues(self) -> Dict[str, int]:
-        return {
-            "fed": self.fed,
-            "waiting_for_worker": sum(len(p.queue) + len(p.replay) for p in self.parts),
-            "in_flight": sum(1 for p in self.parts if p.state is OWNED),
-            "reorder_buffer": sum(len(p.outputs) for p in self.parts),
-            "partitions_done": sum(1 for p in self.parts if p.state is DONE),
-        }
+    def queues(self) -> StreamQueues:
+        return StreamQueues(
+            fed=self.fed,
+            waiting_for_worker=sum(len(p.queue) + len(p.replay) for p in self.parts),
+            in_flight=sum(1 for p in self.parts if p.state is OWNED),
+            reorder_buffer=sum(len(p.outputs) for p in self.parts),
+            partitions_done=sum(1 for p in self.parts if p.state is DONE),
+        )
 
     def holds(self) -> List[int]:
         return sorted(item.pos for part in self.parts for item in (*part.queue, *part.replay))

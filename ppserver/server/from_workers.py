@@ -41,9 +41,9 @@ CARRIES: Dict[str, ev.Carried] = {
 }
 
 
-def carried(what: str) -> ev.Carried:
-    """What a message of kind `what` a worker dropped carried ("": unreadable, so not known)."""
-    return CARRIES.get(what, ev.Carried.NOTHING) if what else ev.Carried.UNKNOWN
+def carried(what: Optional[str]) -> ev.Carried:
+    """What a message of kind `what` a worker dropped carried (None: unreadable, so not known)."""
+    return ev.Carried.UNKNOWN if what is None else CARRIES.get(what, ev.Carried.NOTHING)
 
 
 EVENTS: Dict[type, Builder] = {
@@ -52,9 +52,7 @@ EVENTS: Dict[type, Builder] = {
         now, wid, m.run, m.pos, m.nbytes, m.skipped, m.skipped_tags
     ),
     protocol.RunDropped: lambda now, wid, m, d: ev.RunDropped(now, wid, m.run),
-    protocol.Dropped: lambda now, wid, m, d: ev.MessageDropped(
-        now, wid, m.what, carried(m.what), m.run, m.partition, m.pos, m.reason[:MAX_REASON]
-    ),
+    protocol.Dropped: lambda now, wid, m, d: _dropped(now, wid, m),
     protocol.StreamOutputs: lambda now, wid, m, d: ev.StreamOutputsReceived(
         now, wid, m.run, m.partition, m.incarnation, d.items, d.bad
     ),
@@ -70,6 +68,12 @@ EVENTS: Dict[type, Builder] = {
     protocol.Bye: lambda now, wid, m, d: ev.WorkerLeft(now, wid),
     protocol.Heartbeat: lambda now, wid, m, d: ev.HeartbeatReceived(now, wid, _mapping(m)),
 }
+
+
+def _dropped(now: float, wid: bytes, m: protocol.Dropped) -> ev.MessageDropped:
+    """A worker's report of a message it dropped; a kind it could not read ("" on the wire) is None."""
+    what = m.what or None
+    return ev.MessageDropped(now, wid, what, carried(what), m.run, m.partition, m.pos, m.reason[:MAX_REASON])
 
 
 def _mapping(beat: protocol.Heartbeat) -> Optional[Tuple[int, int, int]]:

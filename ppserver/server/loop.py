@@ -399,7 +399,6 @@ class Server:
     def status(self) -> ServerStatus:
         now = time.monotonic()
         st = self.sched.status(now)
-        busy = self.reader.describe_busy(now)
         return ServerStatus(
             scheduler=st,
             address=self.address,
@@ -410,7 +409,7 @@ class Server:
             local_worker_respawns=self.pool.respawns if self.pool else 0,
             malformed_messages=self.malformed.count,
             refused_handshakes=self.refused.count,
-            dataset=busy if busy is not None else "idle",
+            dataset=self.reader.describe_busy(now),
             pool=self.sizer.status(now),
             progress=self.monitor.status(st),
         )
