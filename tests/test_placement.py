@@ -1,7 +1,7 @@
-"""Placement as one pure decision (scheduler/placement.py): `choose` takes plain views of the
+"""Placement as pure decisions (scheduler/placement.py): `choose` takes plain views of the
 workers, the charges of the seq at the head of the queue and the limits of a message, and says
-where it goes and how many go with it, or why it waits. Each case is a row: the workers, the
-head's charges, the decision."""
+where it goes and how many go with it, or why it waits; `choose_owner` says which worker a stream
+partition without an owner goes to. Each case is a row: the workers, the charges, the decision."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import FrozenSet, List, Optional, Tuple
 
 import pytest
 
-from ppserver.scheduler.placement import Decision, Limits, Send, Wait, choose, joins, may_send
+from ppserver.scheduler.placement import Decision, Limits, Send, Wait, choose, choose_owner, joins, may_send
 from ppserver.scheduler.settings import Settings
 from ppserver.scheduler.workers import ISOLATING, NORMAL, InputPath, Isolation
 
@@ -24,7 +24,8 @@ MSG = 1000.0  # a message's input bytes when they travel in it (LIMITS.dispatch_
 
 @dataclass(frozen=True)
 class View:
-    """A worker as placement sees it: its credit, the tasks it holds, whether it retires or isolates."""
+    """A worker as placement sees it: its credit, the tasks it holds, whether it retires or isolates,
+    the stream partitions it runs and when it joined."""
 
     wid: bytes
     capacity: int = 4
@@ -32,6 +33,12 @@ class View:
     retiring: bool = False
     isolation: Isolation = NORMAL
     inputs: InputPath = field(default_factory=InputPath.message)
+    streams: int = 0
+    joined: float = 0.0
+
+    @property
+    def partitions(self) -> FrozenSet[Tuple[int, int]]:
+        return frozenset((1, p) for p in range(self.streams))
 
     @property
     def tasks(self) -> FrozenSet[Tuple[int, int]]:
@@ -105,3 +112,35 @@ def test_a_worker_may_take_a_task_when_it_has_credit_and_neither_retires_nor_iso
     assert may_send([w("a", 4), w("b", 3)])
     assert not may_send([w("a", 4), w("b", 0, retiring=True), w("c", 0, isolation=ISOLATING)])
     assert not may_send([])
+
+
+def s(name: str, streams: int = 0, joined: float = 0.0, **kw) -> View:
+    return View(name.encode(), streams=streams, joined=joined, **kw)
+
+
+OWNER_CASES = [
+    # (what, workers, avoid, owner)
+    ("the fewest streams", [s("a", 2), s("b", 1), s("c", 3)], None, b"b"),
+    ("of equals, the earliest joined", [s("a", 1, joined=5.0), s("b", 1, joined=2.0)], None, b"b"),
+    ("of equals joined together, the first", [s("a", 1), s("b", 1)], None, b"a"),
+    ("a retiring worker gets none", [s("a", 0, retiring=True), s("b", 4)], None, b"b"),
+    ("only retiring workers", [s("a", 0, retiring=True)], None, None),
+    ("no workers", [], None, None),
+    ("not the worker it let down", [s("a", 0), s("b", 5)], b"a", b"b"),
+    ("of the others, the fewest streams", [s("a", 0), s("b", 5), s("c", 2)], b"a", b"c"),
+    ("back to it if no other may take it", [s("a", 3), s("b", 0, retiring=True)], b"a", b"a"),
+    ("nor if it retires", [s("a", 0, retiring=True)], b"a", None),
+    (
+        "a credit-full or isolating worker may run a stream",
+        [s("a", 1, held=4, isolation=ISOLATING), s("b", 2)],
+        None,
+        b"a",
+    ),
+]
+
+
+@pytest.mark.parametrize("what, workers, avoid, owner", OWNER_CASES, ids=[c[0] for c in OWNER_CASES])
+def test_choose_owner(what: str, workers: List[View], avoid: Optional[bytes], owner: Optional[bytes]):
+    before = copy.deepcopy(workers)
+    assert choose_owner(workers, avoid) == owner
+    assert workers == before  # a decision only: nothing moved

@@ -40,8 +40,9 @@ from ppserver.scheduler import events as ev
 from ppserver.scheduler.dispatch import SeqQueues, StreamQueues
 from ppserver.scheduler.jobs import ReadState
 from ppserver.scheduler.status import RunStatus, SchedulerStatus
+from ppserver.scheduler.story import Story
 from ppserver.scheduler.streams import Partition, PartState
-from ppserver.scheduler.workers import Isolation
+from ppserver.scheduler.workers import Isolation, WorkerState
 
 pytestmark = pytest.mark.unit
 
@@ -693,30 +694,43 @@ def test_a_message_of_the_other_mapper_style_is_nothing_to_a_run():
     expect(outputs(sim, b"a", 0, [0]), (b"a", "stream_credit"), (CONSUMER, "seqs", [0]))
 
 
-def test_a_stream_partition_moves_only_along_its_table_and_is_charged_per_progress():
-    part = Partition(0)
+def test_a_stream_partition_moves_only_along_its_table_keeping_its_owners_set_and_its_story():
+    story = Story(20)
+    part = Partition(0, 1, story)
+    w, v = (WorkerState(wid, "host", 1, None, 2, 0.0, 0.0) for wid in (b"w", b"v"))
     with pytest.raises(AssertionError, match="stream partition 0: unowned -> done is not a move"):
-        part.finish()
-    part.open(b"w", 2)
-    assert (part.state, part.wid, part.incarnation) == (PartState.OWNED, b"w", 1)
+        part.finish(w)
+    part.open(w, 2)
+    assert (part.state, part.wid, part.incarnation, w.partitions) == (PartState.OWNED, b"w", 1, {(1, 0)})
     with pytest.raises(AssertionError, match="owned -> owned is not a move"):
-        part.open(b"v", 2)
+        part.open(v, 2)
+    assert v.partitions == set()
     assert [part.charge(), part.charge()] == [1, 2]  # no output in between: its fault
     part.received += 1
     assert part.charge() == 1  # progress since: the count starts again
-    part.disown()
-    assert (part.state, part.wid) == (PartState.UNOWNED, None)
+    with pytest.raises(AssertionError, match="owned by b'w', not b'v'"):
+        part.disown(v, let_down=False)
+    part.disown(w, let_down=True)
+    assert (part.state, part.wid, part.avoid, w.partitions) == (PartState.UNOWNED, None, b"w", set())
     part.wid = b"w"
     with pytest.raises(AssertionError, match="unowned, owner b'w'"):
-        part.validate(1, {})
+        part.validate({})
     part.wid = None
-    part.open(b"v", 2)
-    part.finish()
-    assert (part.state, part.wid, part.incarnation) == (PartState.DONE, None, 2)
-    part.validate(1, {})
-    for move in (part.disown, lambda: part.open(b"w", 2)):
+    part.open(v, 2)
+    assert (part.avoid, v.partitions) == (None, {(1, 0)})
+    part.finish(v)
+    assert (part.state, part.wid, part.incarnation, v.partitions) == (PartState.DONE, None, 2, set())
+    part.validate({})
+    for move in (lambda: part.disown(v, let_down=False), lambda: part.open(w, 2)):
         with pytest.raises(AssertionError, match="done -> "):
             move()
+    assert w.partitions == v.partitions == set()
+    assert [(e.key, e.run, e.from_, e.to, e.worker, e.note) for e in story.select([("partition", 0)])[0]] == [
+        (0, 1, "unowned", "owned", "w", "start 1"),
+        (0, 1, "owned", "unowned", "w", ""),
+        (0, 1, "unowned", "owned", "v", "start 2"),
+        (0, 1, "owned", "done", "v", ""),
+    ]
 
 
 # ---- runs: preparing, superseding, refusing -----------------------------------------------------
@@ -1167,6 +1181,19 @@ def test_stream_malformed_output_restarts_the_partition_elsewhere():
     out = sim(ev.StreamOutputsReceived, b"bad", 1, 0, 1, [], [BadItem(0, "meta is not a map")])
     expect(out, (b"bad", "stream_close"), (b"good", "stream_open"), ("replay", 1, 0, [0, 1]))
     assert out[0].msg == protocol.StreamClose(run=1, partition=0)
+
+
+def test_a_partition_let_down_by_the_only_worker_restarts_there_after_it_is_told_to_close():
+    sim = stream_sim(buf_size=2, partitions=1)
+    sim.join(b"w")
+    sim.start(2)
+    sim.feed(range(2))
+    out = sim(ev.StreamOutputsReceived, b"w", 1, 0, 1, [], [BadItem(0, "meta is not a map")])
+    expect(out, (b"w", "stream_close"), (b"w", "stream_open"), ("replay", 1, 0, [0, 1]))
+    assert out[1].msg == protocol.StreamOpen(run=1, partition=0, skip=0, credit=2, incarnation=2)
+    sim.join(b"v")  # a worker that came later is no reason to move it again
+    out = sim(ev.StreamOutputsReceived, b"w", 1, 0, 2, [item(0)], [])
+    assert sent(out, protocol.StreamOpen) == [] and sent(out, protocol.StreamClose) == []
 
 
 def test_stream_undecodable_message_restarts_the_workers_partitions_elsewhere():

@@ -254,7 +254,7 @@ class Scheduler:
         handed = f"{len(w.tasks)} tasks, {len(w.partitions)} partitions handed back"
         for run in self._running():
             assert run.dispatch is not None
-            self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed, state.workers, out), out)
+            self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed), out)
         # last, after its work went back (and with it any isolation): a departed worker's story ends here
         state.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
 
@@ -373,7 +373,7 @@ class Scheduler:
             len(w.partitions),
         )
         for run_id in held:  # (an earlier run's failure may have ended a later one)
-            self._route(run_id, Dispatch.of, lambda d: d.malformed_message(w, e.reason, self.state.workers, out), out)
+            self._route(run_id, Dispatch.of, lambda d: d.malformed_message(w, e.reason), out)
 
     def _dropped(self, e: ev.MessageDropped, out: List[Instruction]) -> None:
         """A message the worker could not take: the tasks or stream partition it carried are redone
@@ -392,7 +392,7 @@ class Scheduler:
             targets, drop = self._holding(w), Drop(e.carried, (), None, e.reason)
         style = _CARRIED_TO[drop.carried]
         for run_id in targets:  # (a run that ended has nothing to redo)
-            self._route(run_id, style, lambda d: d.dropped(w, drop, self.state.workers, out), out)
+            self._route(run_id, style, lambda d: d.dropped(w, drop), out)
 
     def _completed(self, e: ev.CompletedReceived, out: List[Instruction]) -> None:
         w = self.state.workers[e.wid]
@@ -425,10 +425,7 @@ class Scheduler:
             self._malformed(len(e.bad), "stream outputs", e.wid, e.bad[0].reason)
         w = self.state.workers[e.wid]
         self._route(
-            e.run,
-            StreamWork.of,
-            lambda d: d.stream_outputs(w, e.partition, e.incarnation, e.items, e.bad, self.state.workers, out),
-            out,
+            e.run, StreamWork.of, lambda d: d.stream_outputs(w, e.partition, e.incarnation, e.items, e.bad), out
         )
 
     def _stream_finished(self, e: ev.StreamFinished, out: List[Instruction]) -> None:

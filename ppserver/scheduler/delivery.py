@@ -26,7 +26,7 @@ from ppclient.collate import BatchError
 from ppclient.protocol import Batch, End, FailureKind, Item, Message, Seqs, Started
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.cut import Cutter
-from ppserver.scheduler.dispatch import Room, SeqWork
+from ppserver.scheduler.dispatch import Dispatch, Room, SeqWork, StreamWork
 from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import GONE, READING, Job, Lane, Run
 from ppserver.scheduler.settings import Failure
@@ -114,7 +114,7 @@ class Delivery:
             if run.cutting is not None:
                 item = self._pop_batch(run, out, room)
             else:
-                item = d.pop_next(out, room)
+                item = d.pop_next(room)
             if item is None:
                 break
             if hold:
@@ -125,6 +125,7 @@ class Delivery:
                     run.group.clear()
             else:
                 _to_ready(run, item, end)
+        _credits(d, out)
         if run.total is None and run.cutting is None:
             run.total = d.total()
         if run.total is not None and run.group:
@@ -142,7 +143,7 @@ class Delivery:
         assert d is not None and cutting is not None
         try:
             while not cutting.cut:
-                item = d.pop_next(out, lambda pos: True)
+                item = d.pop_next(lambda pos: True)
                 if item is None:
                     if run.total is None and d.total() is not None:  # every output is out: cut the rest
                         run.total = cutting.finish()
@@ -150,6 +151,7 @@ class Delivery:
                     return None
                 cutting.add(item)
         except BatchError as exc:  # the mapper's outputs cannot be padded together: as a map_seq batch would fail
+            _credits(d, out)  # (for what it took before: sent before the run closes)
             self.lifecycle.fail(run, Failure(FailureKind.MAPPER, f"batch {cutting.count}: {exc}", exc.seq_tag), out)
             return None
         if not room(cutting.cut[0].pos):
@@ -270,6 +272,13 @@ def flush(run: int, lane: Lane, batch: int, out: List[Instruction]) -> int:
         if sent:
             out.append(ToClient(lane.consumer, Seqs(run=run), sent))  # type: ignore[arg-type]
     return seqs
+
+
+def _credits(d: Dispatch, out: List[Instruction]) -> None:
+    """Send the credit a stream run's merge returned to the partitions' owners as it took outputs."""
+    if isinstance(d, StreamWork) and d.credits:
+        out.extend(d.credits)
+        d.credits.clear()
 
 
 def _to_ready(run: Run, item: Union[Item, Batch], end: Optional[int]) -> None:

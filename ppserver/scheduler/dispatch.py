@@ -101,24 +101,24 @@ class Dispatch(abc.ABC):
     def dispatch(self, workers: Workers, out: List[Instruction]) -> None:
         """Hand out the work the workers' credit allows."""
 
+    # What a worker's departure or message takes back is handed out again by the next `dispatch`
+    # (the step after every event), so these only change state.
     @abc.abstractmethod
-    def worker_lost(self, w: WorkerState, crashed: bool, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
-        """`w` is gone (`workers` no longer holds it): its work goes to others; `crashed` charges it."""
+    def worker_lost(self, w: WorkerState, crashed: bool) -> Optional[Failure]:
+        """`w` is gone (the scheduler no longer holds it): its work goes to others; `crashed` charges it."""
 
     @abc.abstractmethod
-    def malformed_message(
-        self, w: WorkerState, reason: str, workers: Workers, out: List[Instruction]
-    ) -> Optional[Failure]:
+    def malformed_message(self, w: WorkerState, reason: str) -> Optional[Failure]:
         """A message from `w` did not decode: everything of this run it holds is charged and redone."""
 
     @abc.abstractmethod
-    def dropped(self, w: WorkerState, drop: Drop, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
+    def dropped(self, w: WorkerState, drop: Drop) -> Optional[Failure]:
         """`w` dropped a message of this run's style (or one it could not read) unread: what it
         carried is redone, charged."""
 
     # ---- delivery ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def pop_next(self, out: List[Instruction], room: Room) -> Optional[Item]:
+    def pop_next(self, room: Room) -> Optional[Item]:
         """The next output in epoch order, if it is there and `room` lets it go."""
 
     @abc.abstractmethod
@@ -188,6 +188,10 @@ class SeqWork(Dispatch):
 class StreamWork(Dispatch):
     """A map_seq_stream run's dispatch: partitions, each one stream on one worker."""
 
+    # The credit the merge returned to the partitions' owners as `pop_next` took their outputs
+    # (StreamCredit), for the scheduler to send right after the release and empty.
+    credits: List[Instruction]
+
     @abc.abstractmethod
     def replay_read(self, partition: int, ticket: int, items: List[Item]) -> None:
         """Inputs read again for a partition that restarts."""
@@ -198,14 +202,7 @@ class StreamWork(Dispatch):
 
     @abc.abstractmethod
     def stream_outputs(
-        self,
-        w: WorkerState,
-        partition: int,
-        incarnation: int,
-        items: List[Item],
-        bad: List[BadItem],
-        workers: Workers,
-        out: List[Instruction],
+        self, w: WorkerState, partition: int, incarnation: int, items: List[Item], bad: List[BadItem]
     ) -> Optional[Failure]:
         """Outputs of a partition."""
 

@@ -1,4 +1,5 @@
-"""Which worker the next map_seq task goes to, and how many go with it: one pure decision.
+"""Which worker the next map_seq task goes to, and how many go with it; which worker runs a stream
+partition: pure decisions, the policy of where work goes in one module.
 
 `choose` reads the workers (through `Candidate`: a WorkerState is one), the charges of the seq
 at the head of the queue and the limits of a message, and returns a `Send` or a `Wait`; it
@@ -15,13 +16,17 @@ changes nothing, the dispatch (seqs.py) performs it. The rules, in order:
   worker's takes (`InputPath.message_bytes`), at least one task whatever its size.
 - A seq behind the head rides in the same message unless it needs a decision of its own
   (`joins`): a suspect, or one that avoids this worker.
+
+`choose_owner` says which worker a stream partition without an owner goes to (streams.py opens
+it there): not a retiring one; of the others the one running the fewest streams (the earliest
+joined of equals), and not the worker the partition let it down on if there is another.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Collection, Optional, Protocol, Union
+from typing import Collection, Optional, Protocol, Tuple, Union
 
 from ppserver.scheduler.settings import Settings
 from ppserver.scheduler.workers import ISOLATING, InputPath, Isolation
@@ -122,3 +127,39 @@ def joins(send: Send, deaths: int, avoid: Optional[bytes]) -> bool:
 def may_send(workers: Collection[Candidate]) -> bool:
     """Whether any worker may take a task now (an idle one may: room for a suspect)."""
     return any(not w.retiring and w.isolation is not ISOLATING and w.free() > 0 for w in workers)
+
+
+class Owner(Protocol):
+    """What placement reads of a worker to choose a stream partition's owner."""
+
+    @property
+    def wid(self) -> bytes: ...
+
+    @property
+    def retiring(self) -> bool: ...
+
+    @property
+    def partitions(self) -> Collection[object]: ...  # the stream partitions it runs
+
+    @property
+    def joined(self) -> float: ...
+
+
+def choose_owner(workers: Collection[Owner], avoid: Optional[bytes] = None) -> Optional[bytes]:
+    """The worker a partition without an owner goes to; `avoid`, the worker it let down (it goes
+    back there only if no other may take it). None: no worker may (all retire, or there are none)."""
+    best: Optional[Owner] = None
+    fallback: Optional[Owner] = None
+    for w in workers:
+        if w.retiring:
+            continue
+        if w.wid == avoid:
+            fallback = w
+        elif best is None or _load(w) < _load(best):
+            best = w
+    owner = best or fallback
+    return None if owner is None else owner.wid
+
+
+def _load(w: Owner) -> Tuple[int, float]:
+    return (len(w.partitions), w.joined)

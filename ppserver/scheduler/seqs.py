@@ -139,7 +139,7 @@ class SeqDispatch(SeqWork):
         return self.table.reading_done()
 
     # ---- workers --------------------------------------------------------------------------
-    def worker_lost(self, w: WorkerState, crashed: bool, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
+    def worker_lost(self, w: WorkerState, crashed: bool) -> Optional[Failure]:
         t = self.table
         for run, pos in sorted(w.tasks):
             if run == self.run:
@@ -180,9 +180,7 @@ class SeqDispatch(SeqWork):
                 return Failure(FailureKind.MAPPER, what, seq_tag=_tag(pos, task))
         return None
 
-    def malformed_message(
-        self, w: WorkerState, reason: str, workers: Workers, out: List[Instruction]
-    ) -> Optional[Failure]:
+    def malformed_message(self, w: WorkerState, reason: str) -> Optional[Failure]:
         return self.results_received(w, [], [BadItem(None, reason)])
 
     def completed(self, w: WorkerState, done: CompletedReceived) -> None:
@@ -224,7 +222,7 @@ class SeqDispatch(SeqWork):
             redone += 1
         return redone, None
 
-    def dropped(self, w: WorkerState, drop: Drop, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
+    def dropped(self, w: WorkerState, drop: Drop) -> Optional[Failure]:
         """Tasks `w` dropped unread (their message did not decode, say; none named: every one of this
         run it holds): each goes to another worker if there is one. A seq whose task `max_seq_retries`
         workers dropped fails the run naming it: its input is what they cannot take."""
@@ -311,7 +309,7 @@ class SeqDispatch(SeqWork):
             out.append(ToWorker(w.wid, Tasks(run=self.run, to=to if direct else [], probe=probe), items))
 
     # ---- delivery -------------------------------------------------------------------------
-    def pop_next(self, out: List[Instruction], room: Room) -> Optional[Item]:
+    def pop_next(self, room: Room) -> Optional[Item]:
         """The next output in epoch order, if it is there and its rank has room; positions no one
         wants are passed over (and what was read of them dropped)."""
         t = self.table

@@ -32,6 +32,7 @@ from ppclient.protocol import (
 )
 from ppserver.scheduler.dispatch import Drop, Room, StreamQueues, StreamWork, Workers
 from ppserver.scheduler.instructions import Instruction, Replay, ToWorker
+from ppserver.scheduler.placement import choose_owner
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.story import PARTITION, Story
 from ppserver.scheduler.workers import WorkerState
@@ -57,11 +58,16 @@ PART_MOVES: Dict[PartState, Tuple[PartState, ...]] = {
 
 @dataclass
 class Partition:
-    """One stream, in one state (PartState): it has an owner (`wid`) while owned, and only then."""
+    """One stream of run `run`, in one state (PartState): it has an owner (`wid`) while owned, and
+    only then. Its moves are the only writers of its state and owner: each is told to `story` and
+    keeps the owner's set of partitions (WorkerState.partitions) in step."""
 
     index: int
+    run: int
+    story: Story = field(repr=False, compare=False)
     state: PartState = UNOWNED
     wid: Optional[bytes] = None  # the owner
+    avoid: Optional[bytes] = None  # unowned: the worker it let down, its next owner if no other may be
     queue: Deque[Item] = field(default_factory=deque)  # new inputs not yet sent
     fed: int = 0  # inputs of this partition received from the reader
     sent: int = 0  # inputs sent to the current owner (from the partition's first)
@@ -80,16 +86,25 @@ class Partition:
     def replaying(self) -> bool:
         return self.sent < self.replay_until
 
-    def to(self, state: PartState) -> None:
-        """Move to `state` (only along PART_MOVES)."""
+    def _to(self, state: PartState, w: WorkerState, note: str = "") -> None:
+        """Move to `state` (only along PART_MOVES), told to the story with the worker `w` it leaves
+        or goes to, whose set of partitions gains or loses it."""
         if state not in PART_MOVES[self.state]:
             raise AssertionError(f"stream partition {self.index}: {self.state.value} -> {state.value} is not a move")
+        if state is OWNED:
+            w.partitions.add((self.run, self.index))
+        else:
+            if w.wid != self.wid:
+                raise AssertionError(f"stream partition {self.index}: owned by {self.wid!r}, not {w.wid!r}")
+            w.partitions.discard((self.run, self.index))
+        self.story.move(PARTITION, self.index, self.run, self.state, state, w.wid, note)
         self.state = state
 
-    def open(self, wid: bytes, credit: int) -> None:
-        """Start (again) on `wid`, from the partition's first input."""
-        self.to(OWNED)
-        self.wid = wid
+    def open(self, w: WorkerState, credit: int) -> None:
+        """UNOWNED -> OWNED: start (again) on `w`, from the partition's first input."""
+        self._to(OWNED, w, f"start {self.incarnation + 1}")
+        self.wid = w.wid
+        self.avoid = None
         self.incarnation += 1
         self.in_credit = credit
 
@@ -102,10 +117,12 @@ class Partition:
         self.received_at_death = self.received
         return self.deaths
 
-    def disown(self) -> None:
-        """Its owner is gone or let it down: unowned, to replay what was sent once it runs again."""
-        self.to(UNOWNED)
+    def disown(self, w: WorkerState, let_down: bool) -> None:
+        """OWNED -> UNOWNED: its owner `w` is gone, or let it down (`let_down`: its next owner is
+        another if one may be); what was sent is replayed once it runs again."""
+        self._to(UNOWNED, w)
         self.wid = None
+        self.avoid = w.wid if let_down else None
         self.replay_until = self.fed - len(self.queue)
         self.replay.clear()
         self.replay_ticket = None
@@ -113,8 +130,9 @@ class Partition:
         self.in_credit = 0
         self.eof_sent = False
 
-    def finish(self) -> None:
-        self.to(DONE)
+    def finish(self, w: WorkerState) -> None:
+        """OWNED -> DONE: its stream on `w` ended."""
+        self._to(DONE, w)
         self.wid = None
         self.queue.clear()
         self.replay.clear()
@@ -166,23 +184,36 @@ class Partition:
             self.in_credit -= 1
         return batch
 
-    def validate(self, run: int, workers: Dict[bytes, WorkerState]) -> None:
-        """An owner while owned, and only then. Done: nothing queued. Unowned: fed nothing. Owned:
-        in its owner's set, sent no more than it was fed."""
-        where = f"run {run}, stream partition {self.index}"
+    def forget(self, workers: Dict[bytes, WorkerState]) -> None:
+        """The run ended: its owner forgets it (it keeps its last state: the run will not run again)."""
+        w = workers.get(self.wid) if self.wid is not None else None
+        if w is not None:
+            w.partitions.discard((self.run, self.index))
+        self.queue.clear()
+        self.outputs.clear()
+        self.replay.clear()
+
+    def validate(self, workers: Dict[bytes, WorkerState]) -> None:
+        """An owner while owned, and only then; a worker to avoid only while unowned. Done: nothing
+        queued. Unowned: fed nothing. Owned: in its owner's set, sent no more than it was fed."""
+        where = f"run {self.run}, stream partition {self.index}"
         assert (self.wid is not None) == (self.state is OWNED), f"{where}: {self.state.value}, owner {self.wid!r}"
+        assert self.avoid is None or self.state is UNOWNED, f"{where}: {self.state.value}, avoids {self.avoid!r}"
         if self.state is DONE:
             assert not self.queue and not self.replay, f"{where}: done, yet fed"
         elif self.state is UNOWNED:
             assert self.replay_ticket is None and self.in_credit == 0, f"{where}: unowned, yet fed"
         else:
             w = workers.get(self.wid) if self.wid is not None else None
-            assert w is not None and (run, self.index) in w.partitions, f"{where}: not in its owner's set"
+            assert w is not None and (self.run, self.index) in w.partitions, f"{where}: not in its owner's set"
             assert self.sent <= self.fed and self.in_credit >= 0, f"{where}: {self.sent} of {self.fed} sent"
 
 
 class StreamDispatch(StreamWork):
-    """A partition's moves (unowned -> owned -> done, owned -> unowned) are told to `story`."""
+    """A partition's moves (unowned -> owned -> done, owned -> unowned) are told to `story` (by the
+    partition). A partition taken from its owner gets a new one in `dispatch` (placement's
+    choose_owner), after the old owner is told to close it (`closes`); the credit the merge
+    returns waits in `credits` for the scheduler."""
 
     def __init__(
         self, run: int, epoch: int, num_seqs: Optional[int], settings: Settings, story: Optional[Story] = None
@@ -192,7 +223,9 @@ class StreamDispatch(StreamWork):
         self.epoch = epoch
         self.num_seqs = num_seqs  # inputs
         self.settings = settings
-        self.parts = [Partition(p) for p in range(settings.partitions)]
+        self.parts = [Partition(p, run, self.story) for p in range(settings.partitions)]
+        self.closes: List[Instruction] = []  # StreamClose to owners that let a partition down, sent first
+        self.credits: List[Instruction] = []
         self.fed = 0
         self.feed_done = num_seqs == 0
         self.rr = 0  # the partition whose output the merge takes next
@@ -253,50 +286,50 @@ class StreamDispatch(StreamWork):
         self.parts[partition].replayed(ticket, items)
 
     # ---- workers --------------------------------------------------------------------------
-    def worker_lost(self, w: WorkerState, crashed: bool, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
-        """`workers` no longer holds `w`; its partitions restart elsewhere."""
+    def worker_lost(self, w: WorkerState, crashed: bool) -> Optional[Failure]:
+        """`w` is gone: its partitions restart elsewhere (at the next `dispatch`)."""
         for run, p in sorted(w.partitions):
-            if run != self.run or self.parts[p].wid != w.wid:
-                continue
-            failure = self._restart(self.parts[p], "killed {n} workers", counts=crashed)
-            if failure is not None:
-                return failure
-        w.partitions = {(run, p) for run, p in w.partitions if run != self.run}
-        self._assign(workers, out)
+            if run == self.run and self.parts[p].wid == w.wid:
+                failure = self._restart(w, self.parts[p], "killed {n} workers", counts=crashed, let_down=False)
+                if failure is not None:
+                    return failure
         return None
 
     def _restart(
-        self, part: Partition, what: str, *, counts: bool, kind: FailureKind = FailureKind.MAPPER
+        self,
+        w: WorkerState,
+        part: Partition,
+        what: str,
+        *,
+        counts: bool,
+        let_down: bool,
+        kind: FailureKind = FailureKind.MAPPER,
     ) -> Optional[Failure]:
-        """Take the partition from its owner; `counts`: charge it (a crash, a malformed output, an
-        input the worker could not take), failing the run as `kind` once it has cost too many;
-        `what` says what it cost, "{n}" standing for how many times."""
+        """Take the partition from its owner `w`; `counts`: charge it (a crash, a malformed output,
+        an input the worker could not take), failing the run as `kind` once it has cost too many;
+        `what` says what it cost, "{n}" standing for how many times; `let_down`: its next owner is
+        another worker if one may be."""
         if counts:
             n = part.charge()
             if n >= self.settings.max_seq_retries:
                 tag = short_tag(part.last_tag) or f"partition {part.index}"
                 cost = what.replace("{n}", str(n))
                 return Failure(kind, f"stream partition {part.index} (last input {tag!r}) {cost}", seq_tag=tag)
-        self.story.move(PARTITION, part.index, self.run, OWNED, UNOWNED, part.wid)
-        part.disown()
+        part.disown(w, let_down)
         return None
 
-    def _assign(self, workers: Workers, out: List[Instruction], avoid: Optional[bytes] = None) -> None:
-        """Partitions without an owner go to the workers running the fewest streams."""
-        serving = [w for w in workers.values() if not w.retiring]
-        if not serving:
-            return
+    def _assign(self, workers: Workers, out: List[Instruction]) -> None:
+        """Partitions without an owner go where placement.choose_owner says."""
         for part in self.parts:
             if part.state is not UNOWNED:
                 continue
-            choices = [w for w in serving if w.wid != avoid] or serving
-            w = min(choices, key=lambda w: (len(w.partitions), w.joined))
-            part.open(w.wid, self.settings.buf_size)
-            self.story.move(PARTITION, part.index, self.run, UNOWNED, OWNED, w.wid, f"start {part.incarnation}")
-            w.partitions.add((self.run, part.index))
+            wid = choose_owner(workers.values(), part.avoid)
+            if wid is None:
+                return  # no worker may run a stream now
+            part.open(workers[wid], self.settings.buf_size)
             out.append(
                 ToWorker(
-                    w.wid,
+                    wid,
                     StreamOpen(
                         run=self.run,
                         partition=part.index,
@@ -320,14 +353,7 @@ class StreamDispatch(StreamWork):
             part.in_credit += n
 
     def stream_outputs(
-        self,
-        w: WorkerState,
-        partition: int,
-        incarnation: int,
-        items: List[Item],
-        bad: List[BadItem],
-        workers: Workers,
-        out: List[Instruction],
+        self, w: WorkerState, partition: int, incarnation: int, items: List[Item], bad: List[BadItem]
     ) -> Optional[Failure]:
         """Outputs arrive in stream order; a malformed one (or a gap) restarts the partition elsewhere."""
         part = self.owned(w, partition, incarnation)
@@ -338,27 +364,19 @@ class StreamDispatch(StreamWork):
             w.done += taken
             if not gap:
                 return None
-        return self._take_back(w, part, "sent malformed outputs from {n} workers", workers, out)
+        return self._take_back(w, part, "sent malformed outputs from {n} workers")
 
     def _take_back(
-        self,
-        w: WorkerState,
-        part: Partition,
-        what: str,
-        workers: Workers,
-        out: List[Instruction],
-        kind: FailureKind = FailureKind.MAPPER,
+        self, w: WorkerState, part: Partition, what: str, kind: FailureKind = FailureKind.MAPPER
     ) -> Optional[Failure]:
-        """`w` let the partition down: it restarts on another worker, charged."""
-        failure = self._restart(part, what, counts=True, kind=kind)
+        """`w` let the partition down: it is told to close it, and it restarts on another worker, charged."""
+        failure = self._restart(w, part, what, counts=True, let_down=True, kind=kind)
         if failure is not None:
             return failure
-        w.partitions.discard((self.run, part.index))
-        out.append(ToWorker(w.wid, StreamClose(run=self.run, partition=part.index)))
-        self._assign(workers, out, avoid=w.wid)
+        self.closes.append(ToWorker(w.wid, StreamClose(run=self.run, partition=part.index)))
         return None
 
-    def dropped(self, w: WorkerState, drop: Drop, workers: Workers, out: List[Instruction]) -> Optional[Failure]:
+    def dropped(self, w: WorkerState, drop: Drop) -> Optional[Failure]:
         """`w` dropped a message of the partition unread (None: of a partition of this run it runs):
         its stream misses what it carried, so it restarts elsewhere, charged; `max_seq_retries`
         such restarts without progress fail the run naming its last input."""
@@ -368,19 +386,17 @@ class StreamDispatch(StreamWork):
             if part is None or part.wid != w.wid:
                 continue  # not (or no longer) its partition
             cost = f"could not be taken by {{n}} workers ({drop.reason})"
-            failure = self._take_back(w, part, cost, workers, out, FailureKind.DATASET)
+            failure = self._take_back(w, part, cost, FailureKind.DATASET)
             if failure is not None:
                 return failure
         return None
 
-    def malformed_message(
-        self, w: WorkerState, reason: str, workers: Workers, out: List[Instruction]
-    ) -> Optional[Failure]:
+    def malformed_message(self, w: WorkerState, reason: str) -> Optional[Failure]:
         """A message from `w` did not decode: every partition it runs restarts elsewhere, charged."""
         for run, p in sorted(w.partitions):
             part = self.parts[p] if run == self.run else None
             if part is not None and part.wid == w.wid:
-                failure = self.stream_outputs(w, p, part.incarnation, [], [BadItem(None, reason)], workers, out)
+                failure = self.stream_outputs(w, p, part.incarnation, [], [BadItem(None, reason)])
                 if failure is not None:
                     return failure
         return None
@@ -388,9 +404,7 @@ class StreamDispatch(StreamWork):
     def stream_finished(self, w: WorkerState, partition: int, incarnation: int) -> None:
         part = self.owned(w, partition, incarnation)
         if part is not None:
-            self.story.move(PARTITION, partition, self.run, OWNED, DONE, w.wid)
-            part.finish()
-            w.partitions.discard((self.run, partition))
+            part.finish(w)
 
     def stream_failed(self, w: WorkerState, partition: int, incarnation: int) -> bool:
         """A mapper failure fails the run if it comes from the partition's current start."""
@@ -398,8 +412,12 @@ class StreamDispatch(StreamWork):
 
     # ---- dispatch -------------------------------------------------------------------------
     def dispatch(self, workers: Workers, out: List[Instruction]) -> None:
-        """Partitions without an owner get one; owners get the inputs their credit allows, replayed
-        ones first (asked of the reader in chunks), and the end of their stream once all is sent."""
+        """Owners that let a partition down are told to close it; partitions without an owner get
+        one; owners get the inputs their credit allows, replayed ones first (asked of the reader in
+        chunks), and the end of their stream once all is sent."""
+        if self.closes:
+            out.extend(self.closes)
+            self.closes.clear()
         self._assign(workers, out)
         n = len(self.parts)
         buf = self.settings.buf_size
@@ -419,9 +437,10 @@ class StreamDispatch(StreamWork):
                 out.append(ToWorker(part.wid, StreamEnd(run=self.run, partition=part.index)))
 
     # ---- delivery -------------------------------------------------------------------------
-    def pop_next(self, out: List[Instruction], room: Room) -> Optional[Item]:
+    def pop_next(self, room: Room) -> Optional[Item]:
         """The next output of the round-robin merge, once it is known and its rank has room;
-        `item.pos` becomes its position in the epoch, and its complete_frac never goes back."""
+        `item.pos` becomes its position in the epoch, and its complete_frac never goes back. Its
+        producer gets the credit back (in `credits`) if it still owns the partition."""
         n = len(self.parts)
         for _ in range(n):
             part = self.parts[self.rr]
@@ -432,7 +451,7 @@ class StreamDispatch(StreamWork):
                 item.pos = self.released
                 self._clamp(item)
                 if part.wid is not None and producer == part.wid:  # credit only for the owner's outputs
-                    out.append(ToWorker(part.wid, StreamCredit(run=self.run, partition=part.index, n=1)))
+                    self.credits.append(ToWorker(part.wid, StreamCredit(run=self.run, partition=part.index, n=1)))
                 self.rr = (self.rr + 1) % n
                 self.released += 1
                 return item
@@ -457,11 +476,9 @@ class StreamDispatch(StreamWork):
     def close(self, workers: Workers) -> None:
         """Its owners forget its partitions (which keep their last state: the run will not run again)."""
         for part in self.parts:
-            if part.wid is not None and part.wid in workers:
-                workers[part.wid].partitions.discard((self.run, part.index))
-            part.queue.clear()
-            part.outputs.clear()
-            part.replay.clear()
+            part.forget(workers)
+        self.closes.clear()
+        self.credits.clear()
 
     def queues(self) -> StreamQueues:
         return StreamQueues(
@@ -479,7 +496,7 @@ class StreamDispatch(StreamWork):
         """Each partition by itself (Partition.validate); a worker's set holds only partitions of
         this run it owns."""
         for part in self.parts:
-            part.validate(self.run, workers)
+            part.validate(workers)
         for w in workers.values():
             for run, p in w.partitions:
                 owner = self.parts[p].wid
