@@ -1009,6 +1009,7 @@ def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
     assert StopReading(1) in sim.out  # epoch 1 is read: the reader may set up epoch 2
     _, out = sim.request(4, consumer=b"r1", job="train", rank=1, world_size=2)
     assert "at most one epoch apart" in refusal(out)
+    assert [i.msg.reason for i in out] == ["epoch"]  # not a conflict with other clients: refused at once
     _, out = sim.request(0, consumer=b"r1", job="train", rank=1, world_size=2)
     assert "epoch 0 is over" in refusal(out)
     sim(ev.CreditGranted, b"r1", 1, 10)

@@ -12,7 +12,7 @@ once it closed, or after its timeout without a keepalive or credit.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ppclient.batching import describe as describe_batching
 from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorReply, Superseded
@@ -43,11 +43,11 @@ class Requests:
 
     def request(self, e: ev.EpochRequested, out: List[Instruction]) -> None:
         malformed = form_error(e)
-        refused = malformed or refusal(self.state.job, e)
+        refused = ("request", malformed) if malformed is not None else refusal(self.state.job, e)
         if refused is not None:
-            log.warning("refused epoch %d for rank %d of job %r: %s", e.epoch, e.rank, e.job, refused)
-            reason = "request" if malformed else "job"  # "job": it may pass once the job's clients are gone
-            out.append(Reply(e.requester, ErrorReply(error=refused, reason=reason)))
+            reason, why = refused
+            log.warning("refused epoch %d for rank %d of job %r: %s", e.epoch, e.rank, e.job, why)
+            out.append(Reply(e.requester, ErrorReply(error=why, reason=reason)))
             return
         job = self._job_for(e, out)
         main = main_run(job, e.epoch)
@@ -232,13 +232,22 @@ def form_error(e: ev.EpochRequested) -> Optional[str]:
     return None
 
 
-def refusal(job: Optional[Job], e: ev.EpochRequested) -> Optional[str]:
-    """Why the request cannot be served while the job's other clients live (one line), or None."""
+def refusal(job: Optional[Job], e: ev.EpochRequested) -> Optional[Tuple[str, str]]:
+    """Why the request cannot be served while the job's other clients live, or None: the error
+    reply's reason and one line. "job": another job, or this one with other settings (it may pass
+    once those clients are gone: a client asks again for a moment, see client.py); "epoch": an
+    epoch the job's ranks do not read together (another seq selection, too far apart)."""
     others = [client for consumer, client in job.clients.items() if consumer != e.consumer] if job else []
     if job is None or not others:
         return None  # no job, or one whose clients are all gone: this request starts a new one
     if e.job_key != job.key:
-        return _conflict(job, e, others)
+        return "job", _conflict(job, e, others)
+    why = _epoch_refusal(job, e)
+    return None if why is None else ("epoch", why)
+
+
+def _epoch_refusal(job: Job, e: ev.EpochRequested) -> Optional[str]:
+    """Why this job cannot serve the epoch `e` asks for now, or None."""
     main = main_run(job, e.epoch)
     if main is not None:
         if (main.seq_list, main.seq_order) != (e.seq_list, e.seq_order):
