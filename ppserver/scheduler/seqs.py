@@ -38,7 +38,7 @@ from ppserver.scheduler.dispatch import Drop, Room, SeqWork, Workers
 from ppserver.scheduler.events import CompletedReceived
 from ppserver.scheduler.instructions import Instruction, ToWorker
 from ppserver.scheduler.placement import Limits, Send, Wait, choose, joins, may_send
-from ppserver.scheduler.seqstates import ASKED, OPEN, ORPHAN, QUEUED, REDOING, RUNNING, Input, SeqTable
+from ppserver.scheduler.seqstates import OPEN, ORPHAN, QUEUED, REDOING, RUNNING, Charge, Input, SeqTable
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.story import BATCH, POS, Story
 from ppserver.scheduler.workers import WorkerState
@@ -91,16 +91,9 @@ class SeqDispatch(SeqWork):
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: Sequence[Union[Item, Batch]]) -> None:
-        t = self.table
-        state, queue = t.state, t.queue
-        t.awaiting -= len(items)
-        for item in items:
-            pos = item.pos
-            if state.get(pos) is not ASKED:
-                continue  # dropped meanwhile (its rank left)
-            if pos >= self.fed:
-                self.fed = pos + 1
-            queue(pos, item)
+        after = self.table.received(items)
+        if after > self.fed:
+            self.fed = after
 
     def requests(self, capacity: int) -> List[int]:
         """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
@@ -115,25 +108,18 @@ class SeqDispatch(SeqWork):
             pos = t.read_next if self.wanted(t.read_next) else self.next_wanted(t.read_next)
             if pos is None or (end is not None and pos >= end):
                 if end is not None:
-                    t.read_next = end  # no one wants the rest
+                    t.skip_rest()
                 break
             ask(pos)
             out.append(pos)
-        t.awaiting += len(out)
         return out
 
     def inputs_ended(self, count: int, end: Optional[int]) -> None:
         """The dataset has `count` seqs (it could not say so in advance); `end`: the first position
         no rank gets (drop_last)."""
         assert end is not None  # a map_seq run has an output for each input
-        t = self.table
         self.num_seqs = count
-        for pos in [p for p, state in t.state.items() if p >= count and state is ASKED]:
-            t.awaiting -= 1  # asked for, but they do not exist
-            t.drop(pos)
-        t.end = end
-        for pos in [p for p, state in t.state.items() if p >= end and state in OPEN]:
-            t.drop(pos)
+        self.table.set_end(count, end)
 
     def reading_done(self) -> bool:
         return self.table.reading_done()
@@ -143,14 +129,14 @@ class SeqDispatch(SeqWork):
         t = self.table
         for run, pos in sorted(w.tasks):
             if run == self.run:
-                n = t.take_back(w, pos, "deaths" if crashed else None)
+                n = t.take_back(w, pos, Charge.DEATH if crashed else None)
                 if n is not None and n >= self.settings.max_seq_retries:
                     return _killed(self.run, pos, t.inputs.get(pos), n, w)
         return None
 
     def results_received(self, w: WorkerState, items: List[Item], bad: List[BadItem]) -> Optional[Failure]:
         t = self.table
-        worker, states, ready, wid = t.worker, t.state, t.ready, w.wid
+        worker, states, ready, wid, keep = t.worker, t.state, t.ready, w.wid, self.route is not None
         for item in items:
             pos = item.pos
             if worker.get(pos) != wid:
@@ -158,11 +144,9 @@ class SeqDispatch(SeqWork):
             w.done += 1
             state = states[pos]
             if state is RUNNING:
-                mapped = ready(pos, w, item)
+                ready(pos, w, item, keep)  # (kept: a relayed seq may be lost too, by a reset connection)
                 if item.skipped:
                     self.skips.append((pos, item.skipped, item.skipped_tags))
-                if self.route is not None:
-                    t.kept.keep(pos, mapped)  # a relayed seq may be lost too (a reset connection)
             else:
                 t.move(pos, None, w)
                 if state is REDOING:
@@ -173,7 +157,7 @@ class SeqDispatch(SeqWork):
             reason = next(b.reason for b in bad if b.pos is None)
             blamed += [(pos, reason) for run, pos in sorted(w.tasks) if run == self.run]
         for pos, reason in blamed:
-            n = t.take_back(w, pos, "malformed", avoid=True)
+            n = t.take_back(w, pos, Charge.MALFORMED, avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
                 task = t.inputs.get(pos)
                 what = f"{_what(pos, task)}: {n} malformed results ({reason})"
@@ -190,7 +174,7 @@ class SeqDispatch(SeqWork):
         delivery order, and the input is kept until the consumer has taken the seq. `done.skipped[k]`:
         the seqs of result k the mapper skipped (empty: none), `done.skipped_tags[k]` a few of their tags."""
         t = self.table
-        worker, state, inputs, ready, wid, keep = t.worker, t.state, t.inputs, t.ready, w.wid, t.kept.keep
+        worker, state, inputs, ready, wid = t.worker, t.state, t.inputs, t.ready, w.wid
         positions, skipped, skipped_tags = done.positions, done.skipped, done.skipped_tags
         skips = len(skipped) == len(positions) and len(skipped_tags) == len(positions)
         for k, (pos, size) in enumerate(zip(positions, done.nbytes)):
@@ -203,10 +187,9 @@ class SeqDispatch(SeqWork):
             item = inputs[pos]
             n = min(max(skipped[k], 0), item.seqs) if skips else 0
             seqs = None if item.seqs == 1 else item.seqs - n
-            ready(pos, w, Item(pos, {}, [], [], size, direct=True, size=seqs, skipped=n))
+            ready(pos, w, Item(pos, {}, [], [], size, direct=True, size=seqs, skipped=n), True)
             if n:
                 self.skips.append((pos, n, skipped_tags[k]))
-            keep(pos, item)
 
     def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:
         """Tasks the worker could not read the inputs of: its slots are freed and the seqs still
@@ -215,7 +198,7 @@ class SeqDispatch(SeqWork):
         t = self.table
         redone = 0
         for pos in positions:
-            n = t.take_back(w, pos, "unreadable")
+            n = t.take_back(w, pos, Charge.UNREADABLE)
             if n is None:
                 continue  # late, duplicate, or no rank wants it any more
             if n >= self.settings.max_seq_retries:
@@ -230,7 +213,7 @@ class SeqDispatch(SeqWork):
         workers dropped fails the run naming it: its input is what they cannot take."""
         t = self.table
         for pos in drop.positions or [p for run, p in sorted(w.tasks) if run == self.run]:
-            n = t.take_back(w, pos, "refused", avoid=True)
+            n = t.take_back(w, pos, Charge.REFUSED, avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
                 tag = _tag(pos, t.inputs.get(pos))
                 message = f"seq {tag!r} (position {pos}): {n} workers could not take its input ({drop.reason})"
@@ -322,13 +305,10 @@ class SeqDispatch(SeqWork):
                 return None  # not asked for yet
             item = results.get(pos)  # (a result is there: READY, open)
             if item is None and state.get(pos) not in OPEN:
-                # no one wanted it when it came up: never read (nor anything up to the next one read)
-                asked = (p for p, st in state.items() if st in OPEN)
-                t.next_out = max(pos + 1, min(asked, default=t.read_next))
+                t.pass_over()  # no one wanted it when it came up: never read
                 continue
             if not self.wanted(pos):
-                t.drop(pos)  # its rank left after it was read
-                t.next_out += 1
+                t.drop_next()  # its rank left after it was read
                 continue
             if item is None or not room(pos):
                 return None

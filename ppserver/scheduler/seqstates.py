@@ -24,7 +24,7 @@ import enum
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, FrozenSet, List, Literal, Optional, Set, Union
+from typing import Deque, Dict, FrozenSet, List, Optional, Sequence, Set, Union
 
 from ppclient.protocol import Batch, Item
 from ppserver.scheduler.story import DELIVERED, POS, Story
@@ -66,7 +66,13 @@ TO_SEND = frozenset({QUEUED, REDO})
 CHARGEABLE = frozenset({QUEUED, RUNNING, REDO, REDOING})  # to be done still
 
 
-Charge = Literal["deaths", "malformed", "unreadable", "refused"]  # a field of Charges
+class Charge(enum.Enum):
+    """What a task that comes back charges its seq with (each counted in Charges)."""
+
+    DEATH = "the worker that held it crashed"
+    MALFORMED = "its result was malformed"
+    UNREADABLE = "its worker could not read its input"
+    REFUSED = "its worker dropped its task unread"
 
 
 @dataclass
@@ -80,6 +86,20 @@ class Charges:
     unreadable: int = 0
     refused: int = 0
     avoid: Optional[bytes] = None
+
+    def add(self, charge: Charge) -> int:
+        """One more `charge`; returns how many of it the seq has now."""
+        if charge is Charge.DEATH:
+            self.deaths += 1
+            return self.deaths
+        if charge is Charge.MALFORMED:
+            self.malformed += 1
+            return self.malformed
+        if charge is Charge.UNREADABLE:
+            self.unreadable += 1
+            return self.unreadable
+        self.refused += 1
+        return self.refused
 
 
 class KeptInputs:
@@ -114,10 +134,12 @@ class KeptInputs:
 
 class SeqTable:
     """The positions a map_seq run holds: each one's state, and what goes with it, and the window
-    they lie in. It alone writes them: `move` moves a state and what goes with it; `ask`, `take`,
-    `ready` and `release` are the moves every seq makes, written out for the hot path. Every move
-    is told to the story; with `strict`, every move is checked against MOVES. A worker's task
-    leaving it ends the worker's isolation when it was its last (workers.Isolation)."""
+    they lie in. It alone writes them: `move` moves a state and what goes with it; `ask`,
+    `received`, `take`, `ready` and `release` are the moves every seq makes, written out for the
+    hot path; the window's bounds move with them and with `skip_rest`, `set_end`, `pass_over`
+    and `drop_next`. Every move is told to the story; with `strict`, every move is checked
+    against MOVES. A worker's task leaving it ends the worker's isolation when it was its last
+    (workers.Isolation)."""
 
     def __init__(
         self, run: int, width: int, strict: bool, first: int, end: Optional[int], story: Story, subject: str = POS
@@ -125,8 +147,7 @@ class SeqTable:
         self.run = run
         self.strict = strict
         # the window: positions from next_out (the next to release) up to read_next (the next to
-        # consider reading) may be open; none from `end` on (drop_last; None: not known yet). The
-        # dispatch moves these bounds; the moves of positions move `open`.
+        # consider reading) may be open; none from `end` on (drop_last; None: not known yet).
         self.next_out = first
         self.read_next = first
         self.end = end
@@ -173,22 +194,35 @@ class SeqTable:
 
     # ---- the moves every seq makes --------------------------------------------------------
     def ask(self, pos: int) -> None:
-        """(none) -> ASKED: the reader is asked for the input at `pos`, the next to consider."""
+        """(none) -> ASKED: the reader is asked for the input at `pos`, the next to consider (those
+        before it no rank wants); the reader owes it."""
         if self.strict:
             self._check_move(pos, ASKED, None)
         self.state[pos] = ASKED  # (nothing goes with it)
         self.story.move(self.subject, pos, self.run, None, ASKED)
         self.read_next = pos + 1
         self.open += 1
+        self.awaiting += 1
 
-    def queue(self, pos: int, item: Input) -> None:
-        """ASKED -> QUEUED: its input came."""
-        if self.strict:
-            self._check_move(pos, QUEUED, None)
-        self.story.move(self.subject, pos, self.run, ASKED, QUEUED)
-        self.state[pos] = QUEUED
-        self.inputs[pos] = item
-        heapq.heappush(self.todo, pos)
+    def received(self, items: Sequence[Input]) -> int:
+        """ASKED -> QUEUED for each input the reader sent (one no rank wants any more, dropped
+        meanwhile, is forgotten). Returns the position after the last one queued (0: none)."""
+        self.awaiting -= len(items)
+        state, inputs, todo, strict, move = self.state, self.inputs, self.todo, self.strict, self.story.move
+        subject, run = self.subject, self.run
+        after = 0
+        for item in items:
+            pos = item.pos
+            if state.get(pos) is not ASKED:
+                continue
+            if strict:
+                self._check_move(pos, QUEUED, None)
+            move(subject, pos, run, ASKED, QUEUED)
+            state[pos] = QUEUED
+            inputs[pos] = item
+            heapq.heappush(todo, pos)
+            after = pos + 1
+        return after
 
     def take(self, pos: int, w: WorkerState) -> Optional[Seq]:
         """The head of the queue, `pos`, leaves it for worker `w`: QUEUED -> RUNNING, REDO ->
@@ -208,8 +242,9 @@ class SeqTable:
         w.tasks.add((self.run, pos))
         return old
 
-    def ready(self, pos: int, w: WorkerState, result: Item) -> Input:
-        """RUNNING -> READY off `w`: its result came; returns the input it held."""
+    def ready(self, pos: int, w: WorkerState, result: Item, keep: bool = False) -> Input:
+        """RUNNING -> READY off `w`: its result came; returns the input it held, which is kept
+        for the consumer (KeptInputs) with `keep`."""
         if self.strict:
             self._check_move(pos, READY, w)
         self.story.move(self.subject, pos, self.run, RUNNING, READY, w.wid)
@@ -221,7 +256,10 @@ class SeqTable:
         self.state[pos] = READY
         self.results[pos] = result
         self.charges.pop(pos, None)
-        return self.inputs.pop(pos)
+        item = self.inputs.pop(pos)
+        if keep:
+            self.kept.keep(pos, item)
+        return item
 
     def release(self, pos: int) -> None:
         """READY -> (none), told as delivered: the result at `pos`, the next out, goes to its rank."""
@@ -230,6 +268,36 @@ class SeqTable:
         del self.state[pos], self.results[pos]  # (a READY seq holds nothing else)
         self.story.move(self.subject, pos, self.run, READY, DELIVERED)
         self.open -= 1
+        self.next_out += 1
+
+    # ---- the window -----------------------------------------------------------------------
+    def skip_rest(self) -> None:
+        """No rank wants a position from read_next up to the end: none of them is read."""
+        assert self.end is not None
+        self.read_next = self.end
+
+    def set_end(self, count: int, end: int) -> None:
+        """The dataset has `count` seqs, and no rank gets a position from `end` on (drop_last):
+        positions asked for beyond the dataset never come (the reader owes them no more), and
+        open ones from `end` on are dropped."""
+        for pos in [p for p, state in self.state.items() if p >= count and state is ASKED]:
+            self.awaiting -= 1
+            self.drop(pos)
+        self.end = end
+        for pos in [p for p, state in self.state.items() if p >= end and state in OPEN]:
+            self.drop(pos)
+
+    def pass_over(self) -> None:
+        """The next out was never read (no rank wanted it when it came up): delivery moves on to
+        the lowest position still open, or, with none, to the next to consider reading."""
+        pos = self.next_out
+        asked = (p for p, state in self.state.items() if state in OPEN)
+        self.next_out = max(pos + 1, min(asked, default=self.read_next))
+
+    def drop_next(self) -> None:
+        """The next out was read, but no rank wants it any more (its rank left): dropped, and
+        delivery moves past it."""
+        self.drop(self.next_out)
         self.next_out += 1
 
     # ---- the queue ------------------------------------------------------------------------
@@ -272,7 +340,7 @@ class SeqTable:
     ) -> Optional[int]:
         """Take the task at `pos` back from `w`, which maps it now (else its word is late): to the
         queue if the seq is still wanted (a redo of a lost result stays one), charged with
-        `charge` (a field of Charges) and, `avoid`, to go to another worker if there is one.
+        `charge` and, `avoid`, to go to another worker if there is one.
         Returns how many such charges the seq has (0: none counted), or None if nothing went back."""
         if not self.mine(w, pos):
             return None
@@ -285,8 +353,7 @@ class SeqTable:
         charges = self.charges.get(pos)
         if charges is None:
             charges = self.charges[pos] = Charges()
-        n = getattr(charges, charge) + 1
-        setattr(charges, charge, n)
+        n = charges.add(charge)
         if avoid:
             charges.avoid = w.wid
         return n
