@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Collection, Optional, Protocol, Union
+from typing import Collection, NamedTuple, Optional, Protocol, Union
 
 from ppserver.scheduler.settings import Settings
 from ppserver.scheduler.workers import ISOLATING, InputPath, Isolation
@@ -61,10 +61,10 @@ class Limits:
         return cls(max(1, min(settings.buf_size // 2, settings.max_dispatch_batch)), settings.dispatch_bytes)
 
 
-@dataclass(frozen=True)
-class Send:
+class Send(NamedTuple):
     """Send the head of the queue to `wid`, with up to `tasks` tasks in the message (all of them)
-    and input bytes until `max_bytes` is reached; `isolate`: the worker runs it alone."""
+    and input bytes until `max_bytes` is reached; `isolate`: the worker runs it alone. (A
+    NamedTuple: one is made for each message, and a tuple is made fastest.)"""
 
     wid: bytes
     tasks: int
