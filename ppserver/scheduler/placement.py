@@ -120,5 +120,9 @@ def joins(send: Send, deaths: int, avoid: Optional[bytes]) -> bool:
 
 
 def may_send(workers: Collection[Candidate]) -> bool:
-    """Whether any worker may take a task now (an idle one may: room for a suspect)."""
-    return any(not w.retiring and w.isolation is not ISOLATING and w.free() > 0 for w in workers)
+    """Whether any worker may take a task now (an idle one may: room for a suspect). (A loop: this
+    runs after every event, and a generator would cost more than the test.)"""
+    for w in workers:
+        if not w.retiring and w.isolation is not ISOLATING and w.free() > 0:
+            return True
+    return False

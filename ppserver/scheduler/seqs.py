@@ -103,15 +103,23 @@ class SeqDispatch(SeqWork):
         if window - t.open < self.step and len(t.todo) >= self.slack // 2:
             return []  # enough inputs wait to be sent: ask for a step at a time (fewer wake-ups)
         out: List[int] = []
-        ask, end = t.ask, t.end
-        while (end is None or t.read_next < end) and t.open < window:
-            pos = t.read_next if self.wanted(t.read_next) else self.next_wanted(t.read_next)
-            if pos is None or (end is not None and pos >= end):
-                if end is not None:
-                    t.skip_rest()
-                break
-            ask(pos)
+        wanted, next_wanted, end = self.wanted, self.next_wanted, t.end
+        pos = t.read_next
+        room = window - t.open
+        rest_unwanted = False
+        while room > 0 and (end is None or pos < end):
+            if not wanted(pos):
+                later = next_wanted(pos)
+                if later is None or (end is not None and later >= end):
+                    rest_unwanted = end is not None
+                    break
+                pos = later
             out.append(pos)
+            pos += 1
+            room -= 1
+        t.ask(out)
+        if rest_unwanted:  # no rank wants a position up to the end
+            t.skip_rest()
         return out
 
     def inputs_ended(self, count: int, end: Optional[int]) -> None:
@@ -258,7 +266,8 @@ class SeqDispatch(SeqWork):
             if decision.isolate:
                 w.isolate(t.story, f"{t.subject} {head} of run {self.run}")
             self._send(w, decision, out)
-        t.restore()
+        if t.aside:
+            t.restore()
 
     def _send(self, w: WorkerState, send: Send, out: List[Instruction]) -> None:
         """One message to `w` of the tasks `send` allows from the head of the queue."""

@@ -193,16 +193,22 @@ class SeqTable:
             self.charges.pop(pos, None)
 
     # ---- the moves every seq makes --------------------------------------------------------
-    def ask(self, pos: int) -> None:
-        """(none) -> ASKED: the reader is asked for the input at `pos`, the next to consider (those
-        before it no rank wants); the reader owes it."""
-        if self.strict:
-            self._check_move(pos, ASKED, None)
-        self.state[pos] = ASKED  # (nothing goes with it)
-        self.story.move(self.subject, pos, self.run, None, ASKED)
-        self.read_next = pos + 1
-        self.open += 1
-        self.awaiting += 1
+    def ask(self, positions: List[int]) -> None:
+        """(none) -> ASKED for each of `positions`, ascending from read_next on (no rank wants
+        those between them): the reader is asked for their inputs and owes them."""
+        if not positions:
+            return
+        if self.strict and positions[0] < self.read_next:
+            raise AssertionError(f"run {self.run}: seq {positions[0]} asked for, {self.read_next} the next to read")
+        state, move, subject, run, strict = self.state, self.story.move, self.subject, self.run, self.strict
+        for pos in positions:
+            if strict:
+                self._check_move(pos, ASKED, None)
+            state[pos] = ASKED  # (nothing goes with it)
+            move(subject, pos, run, None, ASKED)
+        self.read_next = positions[-1] + 1
+        self.open += len(positions)
+        self.awaiting += len(positions)
 
     def received(self, items: Sequence[Input]) -> int:
         """ASKED -> QUEUED for each input the reader sent (one no rank wants any more, dropped
