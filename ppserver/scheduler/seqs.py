@@ -37,8 +37,8 @@ from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks, short_ta
 from ppserver.scheduler.dispatch import Drop, Room, SeqWork, Workers
 from ppserver.scheduler.events import CompletedReceived
 from ppserver.scheduler.instructions import Instruction, ToWorker
-from ppserver.scheduler.placement import Limits, Send, Wait, choose, joins, may_send
-from ppserver.scheduler.seqstates import OPEN, ORPHAN, QUEUED, REDOING, RUNNING, Charge, Input, SeqTable
+from ppserver.scheduler.placement import Limits, Send, Wait, choose, may_send
+from ppserver.scheduler.seqstates import OPEN, ORPHAN, REDOING, RUNNING, Charge, Input, SeqTable
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.story import BATCH, POS, Story
 from ppserver.scheduler.workers import WorkerState
@@ -272,33 +272,31 @@ class SeqDispatch(SeqWork):
     def _send(self, w: WorkerState, send: Send, out: List[Instruction]) -> None:
         """One message to `w` of the tasks `send` allows from the head of the queue."""
         t = self.table
-        todo, charges, inputs, take, route = t.todo, t.charges, t.inputs, t.take, self.route
+        inputs, state, charges, route = t.inputs, t.state, t.charges, self.route
         items: List[Item] = []  # the tasks' seqs (a batch's travel one after the other)
         to: List[bytes] = []  # on the wire, b"" means through the server
         direct = False
-        tasks = 0
-        nbytes = 0
         probe = False
-        limit, max_bytes = send.tasks, send.max_bytes
-        while todo and tasks < limit and (nbytes < max_bytes or not tasks):
-            pos = todo[0]
-            charged = charges.get(pos)
-            if tasks and charged is not None and not joins(send, charged.deaths, charged.avoid):
-                break
-            old = take(pos, w)
-            if old is None:
-                continue  # stale entry
+        for pos in t.take_for(w, send):
             item = inputs[pos]
-            tasks += 1
-            seqs = item.items if isinstance(item, Batch) else [item]
-            items += seqs
-            probe = probe or (charged is not None and charged.deaths > 0 and isinstance(item, Batch))
+            if isinstance(item, Batch):
+                n = len(item.items)
+                items += item.items
+                charged = charges.get(pos)
+                probe = probe or (charged is not None and charged.deaths > 0)
+            else:
+                n = 1
+                items.append(item)
             if route is not None:
-                consumer = route(pos) if old is QUEUED else None  # a redo goes through the server
-                if consumer is not None:
+                consumer = route(pos) if state[pos] is RUNNING else None  # a redo goes through the server
+                if consumer is None:
+                    consumer = b""
+                else:
                     direct = True
-                to += [b"" if consumer is None else consumer] * len(seqs)
-            nbytes += item.nbytes
+                if n == 1:
+                    to.append(consumer)
+                else:
+                    to += [consumer] * n
         if items:
             out.append(ToWorker(w.wid, Tasks(run=self.run, to=to if direct else [], probe=probe), items))
 

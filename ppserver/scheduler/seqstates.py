@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Deque, Dict, FrozenSet, List, Optional, Sequence, Set, Union
 
 from ppclient.protocol import Batch, Item
+from ppserver.scheduler.placement import Send, joins
 from ppserver.scheduler.story import DELIVERED, POS, Story
 from ppserver.scheduler.workers import ISOLATING, WorkerState
 
@@ -135,11 +136,11 @@ class KeptInputs:
 class SeqTable:
     """The positions a map_seq run holds: each one's state, and what goes with it, and the window
     they lie in. It alone writes them: `move` moves a state and what goes with it; `ask`,
-    `received`, `take`, `ready` and `release` are the moves every seq makes, written out for the
-    hot path; the window's bounds move with them and with `skip_rest`, `set_end`, `pass_over`
-    and `drop_next`. Every move is told to the story; with `strict`, every move is checked
-    against MOVES. A worker's task leaving it ends the worker's isolation when it was its last
-    (workers.Isolation)."""
+    `received`, `take_for`, `ready` and `release` are the moves every seq makes, written out for
+    the hot path (the first three a list of positions at a time); the window's bounds move with
+    them and with `skip_rest`, `set_end`, `pass_over` and `drop_next`. Every move is told to the
+    story; with `strict`, every move is checked against MOVES. A worker's task leaving it ends
+    the worker's isolation when it was its last (workers.Isolation)."""
 
     def __init__(
         self, run: int, width: int, strict: bool, first: int, end: Optional[int], story: Story, subject: str = POS
@@ -230,23 +231,40 @@ class SeqTable:
             after = pos + 1
         return after
 
-    def take(self, pos: int, w: WorkerState) -> Optional[Seq]:
-        """The head of the queue, `pos`, leaves it for worker `w`: QUEUED -> RUNNING, REDO ->
-        REDOING. Returns the state it left, or None if the entry was stale (nothing moved)."""
-        if self.strict and self.todo[0] != pos:
-            raise AssertionError(f"run {self.run}: seq {pos} taken, yet {self.todo[0]} heads the queue")
-        heapq.heappop(self.todo)
-        old = self.state.get(pos)
-        if old is not QUEUED and old is not REDO:
-            return None
-        new = RUNNING if old is QUEUED else REDOING
-        if self.strict:
-            self._check_move(pos, new, None)
-        self.state[pos] = new
-        self.story.move(self.subject, pos, self.run, old, new, w.wid)
-        self.worker[pos] = w.wid
-        w.tasks.add((self.run, pos))
-        return old
+    def take_for(self, w: WorkerState, send: Send) -> List[int]:
+        """The tasks of one message to `w` (placement's `send`) leave the head of the queue:
+        QUEUED -> RUNNING, REDO -> REDOING; up to `send.tasks`, with inputs until `send.max_bytes`
+        (at least one), each behind the head only if it joins the message (placement.joins).
+        Returns their positions, in order."""
+        todo, state, charges, inputs, worker = self.todo, self.state, self.charges, self.inputs, self.worker
+        held = w.tasks
+        move, subject, run, wid, strict = self.story.move, self.subject, self.run, w.wid, self.strict
+        limit, max_bytes = send.tasks, send.max_bytes
+        taken: List[int] = []
+        nbytes = 0
+        while todo and len(taken) < limit and (nbytes < max_bytes or not taken):
+            pos = todo[0]
+            if taken:
+                charged = charges.get(pos)
+                if charged is not None and not joins(send, charged.deaths, charged.avoid):
+                    break
+            heapq.heappop(todo)
+            old = state.get(pos)
+            if old is QUEUED:
+                new = RUNNING
+            elif old is REDO:
+                new = REDOING
+            else:
+                continue  # a stale entry
+            if strict:
+                self._check_move(pos, new, None)
+            state[pos] = new
+            move(subject, pos, run, old, new, wid)
+            worker[pos] = wid
+            held.add((run, pos))
+            nbytes += inputs[pos].nbytes
+            taken.append(pos)
+        return taken
 
     def ready(self, pos: int, w: WorkerState, result: Item, keep: bool = False) -> Input:
         """RUNNING -> READY off `w`: its result came; returns the input it held, which is kept
