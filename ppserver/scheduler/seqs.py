@@ -6,8 +6,9 @@ Positions no one wants are passed over at once (`next_wanted`), not one by one: 
 serves one of many lanes would otherwise pass over all the others' positions for each of its own.
 
 Each position the run holds is in one state (seqstates.py: the run's SeqTable alone moves
-them). An input stays until its result arrives, so the tasks of a worker that dies are sent
-again elsewhere; which worker a task goes to is one decision (placement.py). Every task lost in
+them, and the window they lie in; this module decides, the table moves). An input stays until
+its result arrives, so the tasks of a worker that dies are sent again elsewhere; which worker a
+task goes to is one decision (placement.py). Every task lost in
 a crash becomes suspect; a suspect later runs alone on an idle worker, so once a seq has been
 charged `max_seq_retries` crashes it really is the one that kills workers, and the run fails
 naming it. A malformed result is dropped and its seq redone on another worker when there is
