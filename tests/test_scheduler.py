@@ -1779,6 +1779,21 @@ def test_a_seq_whose_input_cannot_be_read_fails_after_max_seq_retries():
     assert out[0].msg.message == "the input of seq 's0' could not be read by 3 workers"
 
 
+def test_each_kind_of_charge_counts_on_its_own():
+    """An unreadable input, a malformed result and a task dropped unread are three charges:
+    the seq fails only when one of them reaches max_seq_retries, and names that one."""
+    sim = Sim(buf_size=1, max_seq_retries=2)
+    sim.join(b"only")
+    sim.start(2)
+    sim.feed(range(2))
+    expect(sim(ev.InputsLost, b"only", sim.run, [0], "gone"), (b"only", "tasks", [0]))
+    expect(sim(ev.WorkerMessageMalformed, b"only", "junk"), (b"only", "tasks", [0]))
+    expect(dropped(sim, b"only", "tasks", TASKS, sim.run, "too big", positions=[0]), (b"only", "tasks", [0]))
+    out = sim(ev.InputsLost, b"only", sim.run, [0], "gone")
+    expect(out, (CONSUMER, "run_failed"), (b"only", "run_close"))
+    assert out[0].msg.message == "the input of seq 's0' could not be read by 2 workers"
+
+
 def test_how_a_worker_gets_its_inputs_caps_its_batches():
     """In the messages: dispatch_bytes; in shared memory: what the segment holds well; read in
     the server's memory: no cap but the credit."""

@@ -6,8 +6,9 @@ Positions no one wants are passed over at once (`next_wanted`), not one by one: 
 serves one of many lanes would otherwise pass over all the others' positions for each of its own.
 
 Each position the run holds is in one state (seqstates.py: the run's SeqTable alone moves
-them). An input stays until its result arrives, so the tasks of a worker that dies are sent
-again elsewhere; which worker a task goes to is one decision (placement.py). Every task lost in
+them, and the window they lie in; this module decides, the table moves). An input stays until
+its result arrives, so the tasks of a worker that dies are sent again elsewhere; which worker a
+task goes to is one decision (placement.py). Every task lost in
 a crash becomes suspect; a suspect later runs alone on an idle worker, so once a seq has been
 charged `max_seq_retries` crashes it really is the one that kills workers, and the run fails
 naming it. A malformed result is dropped and its seq redone on another worker when there is
@@ -37,8 +38,8 @@ from ppclient.protocol import BadItem, Batch, FailureKind, Item, Tasks, short_ta
 from ppserver.scheduler.dispatch import Drop, Room, SeqQueues, SeqWork, Workers
 from ppserver.scheduler.events import CompletedReceived
 from ppserver.scheduler.instructions import Instruction, ToWorker
-from ppserver.scheduler.placement import Limits, Send, Wait, choose, joins, may_send
-from ppserver.scheduler.seqstates import ASKED, OPEN, ORPHAN, QUEUED, REDOING, RUNNING, Input, SeqTable
+from ppserver.scheduler.placement import Limits, Send, Wait, choose, may_send
+from ppserver.scheduler.seqstates import OPEN, ORPHAN, REDOING, RUNNING, Charge, Input, SeqTable
 from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.story import BATCH, POS, Story
 from ppserver.scheduler.workers import WorkerState
@@ -91,16 +92,9 @@ class SeqDispatch(SeqWork):
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_inputs(self, items: Sequence[Union[Item, Batch]]) -> None:
-        t = self.table
-        state, queue = t.state, t.queue
-        t.awaiting -= len(items)
-        for item in items:
-            pos = item.pos
-            if state.get(pos) is not ASKED:
-                continue  # dropped meanwhile (its rank left)
-            if pos >= self.fed:
-                self.fed = pos + 1
-            queue(pos, item)
+        after = self.table.received(items)
+        if after > self.fed:
+            self.fed = after
 
     def requests(self, capacity: int) -> List[int]:
         """Positions to read now: the wanted ones, at most the workers' credit plus a little slack
@@ -110,30 +104,31 @@ class SeqDispatch(SeqWork):
         if window - t.open < self.step and len(t.todo) >= self.slack // 2:
             return []  # enough inputs wait to be sent: ask for a step at a time (fewer wake-ups)
         out: List[int] = []
-        ask, end = t.ask, t.end
-        while (end is None or t.read_next < end) and t.open < window:
-            pos = t.read_next if self.wanted(t.read_next) else self.next_wanted(t.read_next)
-            if pos is None or (end is not None and pos >= end):
-                if end is not None:
-                    t.read_next = end  # no one wants the rest
-                break
-            ask(pos)
+        wanted, next_wanted, end = self.wanted, self.next_wanted, t.end
+        pos = t.read_next
+        room = window - t.open
+        rest_unwanted = False
+        while room > 0 and (end is None or pos < end):
+            if not wanted(pos):
+                later = next_wanted(pos)
+                if later is None or (end is not None and later >= end):
+                    rest_unwanted = end is not None
+                    break
+                pos = later
             out.append(pos)
-        t.awaiting += len(out)
+            pos += 1
+            room -= 1
+        t.ask(out)
+        if rest_unwanted:  # no rank wants a position up to the end
+            t.skip_rest()
         return out
 
     def inputs_ended(self, count: int, end: Optional[int]) -> None:
         """The dataset has `count` seqs (it could not say so in advance); `end`: the first position
         no rank gets (drop_last)."""
         assert end is not None  # a map_seq run has an output for each input
-        t = self.table
         self.num_seqs = count
-        for pos in [p for p, state in t.state.items() if p >= count and state is ASKED]:
-            t.awaiting -= 1  # asked for, but they do not exist
-            t.drop(pos)
-        t.end = end
-        for pos in [p for p, state in t.state.items() if p >= end and state in OPEN]:
-            t.drop(pos)
+        self.table.set_end(count, end)
 
     def reading_done(self) -> bool:
         return self.table.reading_done()
@@ -143,14 +138,14 @@ class SeqDispatch(SeqWork):
         t = self.table
         for run, pos in sorted(w.tasks):
             if run == self.run:
-                n = t.take_back(w, pos, "deaths" if crashed else None)
+                n = t.take_back(w, pos, Charge.DEATH if crashed else None)
                 if n is not None and n >= self.settings.max_seq_retries:
                     return _killed(self.run, pos, t.inputs.get(pos), n, w)
         return None
 
     def results_received(self, w: WorkerState, items: List[Item], bad: List[BadItem]) -> Optional[Failure]:
         t = self.table
-        worker, states, ready, wid = t.worker, t.state, t.ready, w.wid
+        worker, states, ready, wid, keep = t.worker, t.state, t.ready, w.wid, self.route is not None
         for item in items:
             pos = item.pos
             if worker.get(pos) != wid:
@@ -158,11 +153,9 @@ class SeqDispatch(SeqWork):
             w.done += 1
             state = states[pos]
             if state is RUNNING:
-                mapped = ready(pos, w, item)
+                ready(pos, w, item, keep)  # (kept: a relayed seq may be lost too, by a reset connection)
                 if item.skipped:
                     self.skips.append((pos, item.skipped, item.skipped_tags))
-                if self.route is not None:
-                    t.kept.keep(pos, mapped)  # a relayed seq may be lost too (a reset connection)
             else:
                 t.move(pos, None, w)
                 if state is REDOING:
@@ -173,7 +166,7 @@ class SeqDispatch(SeqWork):
             reason = next(b.reason for b in bad if b.pos is None)
             blamed += [(pos, reason) for run, pos in sorted(w.tasks) if run == self.run]
         for pos, reason in blamed:
-            n = t.take_back(w, pos, "malformed", avoid=True)
+            n = t.take_back(w, pos, Charge.MALFORMED, avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
                 task = t.inputs.get(pos)
                 what = f"{_what(pos, task)}: {n} malformed results ({reason})"
@@ -188,7 +181,7 @@ class SeqDispatch(SeqWork):
         delivery order, and the input is kept until the consumer has taken the seq. `done.skipped[k]`:
         the seqs of result k the mapper skipped (empty: none), `done.skipped_tags[k]` a few of their tags."""
         t = self.table
-        worker, state, inputs, ready, wid, keep = t.worker, t.state, t.inputs, t.ready, w.wid, t.kept.keep
+        worker, state, inputs, ready, wid = t.worker, t.state, t.inputs, t.ready, w.wid
         positions, skipped, skipped_tags = done.positions, done.skipped, done.skipped_tags
         skips = len(skipped) == len(positions) and len(skipped_tags) == len(positions)
         for k, (pos, size) in enumerate(zip(positions, done.nbytes)):
@@ -201,10 +194,9 @@ class SeqDispatch(SeqWork):
             item = inputs[pos]
             n = min(max(skipped[k], 0), item.seqs) if skips else 0
             seqs = None if item.seqs == 1 else item.seqs - n
-            ready(pos, w, Item(pos, {}, [], [], size, direct=True, size=seqs, skipped=n))
+            ready(pos, w, Item(pos, {}, [], [], size, direct=True, size=seqs, skipped=n), True)
             if n:
                 self.skips.append((pos, n, skipped_tags[k]))
-            keep(pos, item)
 
     def inputs_lost(self, w: WorkerState, positions: List[int]) -> Tuple[int, Optional[Failure]]:
         """Tasks the worker could not read the inputs of: its slots are freed and the seqs still
@@ -213,7 +205,7 @@ class SeqDispatch(SeqWork):
         t = self.table
         redone = 0
         for pos in positions:
-            n = t.take_back(w, pos, "unreadable")
+            n = t.take_back(w, pos, Charge.UNREADABLE)
             if n is None:
                 continue  # late, duplicate, or no rank wants it any more
             if n >= self.settings.max_seq_retries:
@@ -228,7 +220,7 @@ class SeqDispatch(SeqWork):
         workers dropped fails the run naming it: its input is what they cannot take."""
         t = self.table
         for pos in drop.positions or [p for run, p in sorted(w.tasks) if run == self.run]:
-            n = t.take_back(w, pos, "refused", avoid=True)
+            n = t.take_back(w, pos, Charge.REFUSED, avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
                 tag = _tag(pos, t.inputs.get(pos))
                 message = f"seq {tag!r} (position {pos}): {n} workers could not take its input ({drop.reason})"
@@ -273,38 +265,37 @@ class SeqDispatch(SeqWork):
             if decision.isolate:
                 w.isolate(t.story, f"{t.subject} {head} of run {self.run}")
             self._send(w, decision, out)
-        t.restore()
+        if t.aside:
+            t.restore()
 
     def _send(self, w: WorkerState, send: Send, out: List[Instruction]) -> None:
         """One message to `w` of the tasks `send` allows from the head of the queue."""
         t = self.table
-        todo, charges, inputs, take, route = t.todo, t.charges, t.inputs, t.take, self.route
+        inputs, state, charges, route = t.inputs, t.state, t.charges, self.route
         items: List[Item] = []  # the tasks' seqs (a batch's travel one after the other)
         to: List[bytes] = []  # on the wire, b"" means through the server
         direct = False
-        tasks = 0
-        nbytes = 0
         probe = False
-        limit, max_bytes = send.tasks, send.max_bytes
-        while todo and tasks < limit and (nbytes < max_bytes or not tasks):
-            pos = todo[0]
-            charged = charges.get(pos)
-            if tasks and charged is not None and not joins(send, charged.deaths, charged.avoid):
-                break
-            old = take(pos, w)
-            if old is None:
-                continue  # stale entry
+        for pos in t.take_for(w, send):
             item = inputs[pos]
-            tasks += 1
-            seqs = item.items if isinstance(item, Batch) else [item]
-            items += seqs
-            probe = probe or (charged is not None and charged.deaths > 0 and isinstance(item, Batch))
+            if isinstance(item, Batch):
+                n = len(item.items)
+                items += item.items
+                charged = charges.get(pos)
+                probe = probe or (charged is not None and charged.deaths > 0)
+            else:
+                n = 1
+                items.append(item)
             if route is not None:
-                consumer = route(pos) if old is QUEUED else None  # a redo goes through the server
-                if consumer is not None:
+                consumer = route(pos) if state[pos] is RUNNING else None  # a redo goes through the server
+                if consumer is None:
+                    consumer = b""
+                else:
                     direct = True
-                to += [b"" if consumer is None else consumer] * len(seqs)
-            nbytes += item.nbytes
+                if n == 1:
+                    to.append(consumer)
+                else:
+                    to += [consumer] * n
         if items:
             out.append(ToWorker(w.wid, Tasks(run=self.run, to=to if direct else [], probe=probe), items))
 
@@ -320,13 +311,10 @@ class SeqDispatch(SeqWork):
                 return None  # not asked for yet
             item = results.get(pos)  # (a result is there: READY, open)
             if item is None and state.get(pos) not in OPEN:
-                # no one wanted it when it came up: never read (nor anything up to the next one read)
-                asked = (p for p, st in state.items() if st in OPEN)
-                t.next_out = max(pos + 1, min(asked, default=t.read_next))
+                t.pass_over()  # no one wanted it when it came up: never read
                 continue
             if not self.wanted(pos):
-                t.drop(pos)  # its rank left after it was read
-                t.next_out += 1
+                t.drop_next()  # its rank left after it was read
                 continue
             if item is None or not room(pos):
                 return None

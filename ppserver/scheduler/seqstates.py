@@ -24,9 +24,10 @@ import enum
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, FrozenSet, List, Literal, Optional, Set, Union
+from typing import Deque, Dict, FrozenSet, List, Optional, Sequence, Set, Union
 
 from ppclient.protocol import Batch, Item
+from ppserver.scheduler.placement import Send, joins
 from ppserver.scheduler.story import DELIVERED, POS, Story
 from ppserver.scheduler.workers import ISOLATING, WorkerState
 
@@ -66,7 +67,13 @@ TO_SEND = frozenset({QUEUED, REDO})
 CHARGEABLE = frozenset({QUEUED, RUNNING, REDO, REDOING})  # to be done still
 
 
-Charge = Literal["deaths", "malformed", "unreadable", "refused"]  # a field of Charges
+class Charge(enum.Enum):
+    """What a task that comes back charges its seq with (each counted in Charges)."""
+
+    DEATH = "the worker that held it crashed"
+    MALFORMED = "its result was malformed"
+    UNREADABLE = "its worker could not read its input"
+    REFUSED = "its worker dropped its task unread"
 
 
 @dataclass
@@ -80,6 +87,20 @@ class Charges:
     unreadable: int = 0
     refused: int = 0
     avoid: Optional[bytes] = None
+
+    def add(self, charge: Charge) -> int:
+        """One more `charge`; returns how many of it the seq has now."""
+        if charge is Charge.DEATH:
+            self.deaths += 1
+            return self.deaths
+        if charge is Charge.MALFORMED:
+            self.malformed += 1
+            return self.malformed
+        if charge is Charge.UNREADABLE:
+            self.unreadable += 1
+            return self.unreadable
+        self.refused += 1
+        return self.refused
 
 
 class KeptInputs:
@@ -114,10 +135,12 @@ class KeptInputs:
 
 class SeqTable:
     """The positions a map_seq run holds: each one's state, and what goes with it, and the window
-    they lie in. It alone writes them: `move` moves a state and what goes with it; `ask`, `take`,
-    `ready` and `release` are the moves every seq makes, written out for the hot path. Every move
-    is told to the story; with `strict`, every move is checked against MOVES. A worker's task
-    leaving it ends the worker's isolation when it was its last (workers.Isolation)."""
+    they lie in. It alone writes them: `move` moves a state and what goes with it; `ask`,
+    `received`, `take_for`, `ready` and `release` are the moves every seq makes, written out for
+    the hot path (the first three a list of positions at a time); the window's bounds move with
+    them and with `skip_rest`, `set_end`, `pass_over` and `drop_next`. Every move is told to the
+    story; with `strict`, every move is checked against MOVES. A worker's task leaving it ends
+    the worker's isolation when it was its last (workers.Isolation)."""
 
     def __init__(
         self, run: int, width: int, strict: bool, first: int, end: Optional[int], story: Story, subject: str = POS
@@ -125,8 +148,7 @@ class SeqTable:
         self.run = run
         self.strict = strict
         # the window: positions from next_out (the next to release) up to read_next (the next to
-        # consider reading) may be open; none from `end` on (drop_last; None: not known yet). The
-        # dispatch moves these bounds; the moves of positions move `open`.
+        # consider reading) may be open; none from `end` on (drop_last; None: not known yet).
         self.next_out = first
         self.read_next = first
         self.end = end
@@ -172,44 +194,81 @@ class SeqTable:
             self.charges.pop(pos, None)
 
     # ---- the moves every seq makes --------------------------------------------------------
-    def ask(self, pos: int) -> None:
-        """(none) -> ASKED: the reader is asked for the input at `pos`, the next to consider."""
-        if self.strict:
-            self._check_move(pos, ASKED, None)
-        self.state[pos] = ASKED  # (nothing goes with it)
-        self.story.move(self.subject, pos, self.run, None, ASKED)
-        self.read_next = pos + 1
-        self.open += 1
+    def ask(self, positions: List[int]) -> None:
+        """(none) -> ASKED for each of `positions`, ascending from read_next on (no rank wants
+        those between them): the reader is asked for their inputs and owes them."""
+        if not positions:
+            return
+        if self.strict and positions[0] < self.read_next:
+            raise AssertionError(f"run {self.run}: seq {positions[0]} asked for, {self.read_next} the next to read")
+        state, move, subject, run, strict = self.state, self.story.move, self.subject, self.run, self.strict
+        for pos in positions:
+            if strict:
+                self._check_move(pos, ASKED, None)
+            state[pos] = ASKED  # (nothing goes with it)
+            move(subject, pos, run, None, ASKED)
+        self.read_next = positions[-1] + 1
+        self.open += len(positions)
+        self.awaiting += len(positions)
 
-    def queue(self, pos: int, item: Input) -> None:
-        """ASKED -> QUEUED: its input came."""
-        if self.strict:
-            self._check_move(pos, QUEUED, None)
-        self.story.move(self.subject, pos, self.run, ASKED, QUEUED)
-        self.state[pos] = QUEUED
-        self.inputs[pos] = item
-        heapq.heappush(self.todo, pos)
+    def received(self, items: Sequence[Input]) -> int:
+        """ASKED -> QUEUED for each input the reader sent (one no rank wants any more, dropped
+        meanwhile, is forgotten). Returns the position after the last one queued (0: none)."""
+        self.awaiting -= len(items)
+        state, inputs, todo, strict, move = self.state, self.inputs, self.todo, self.strict, self.story.move
+        subject, run = self.subject, self.run
+        after = 0
+        for item in items:
+            pos = item.pos
+            if state.get(pos) is not ASKED:
+                continue
+            if strict:
+                self._check_move(pos, QUEUED, None)
+            move(subject, pos, run, ASKED, QUEUED)
+            state[pos] = QUEUED
+            inputs[pos] = item
+            heapq.heappush(todo, pos)
+            after = pos + 1
+        return after
 
-    def take(self, pos: int, w: WorkerState) -> Optional[Seq]:
-        """The head of the queue, `pos`, leaves it for worker `w`: QUEUED -> RUNNING, REDO ->
-        REDOING. Returns the state it left, or None if the entry was stale (nothing moved)."""
-        if self.strict and self.todo[0] != pos:
-            raise AssertionError(f"run {self.run}: seq {pos} taken, yet {self.todo[0]} heads the queue")
-        heapq.heappop(self.todo)
-        old = self.state.get(pos)
-        if old is not QUEUED and old is not REDO:
-            return None
-        new = RUNNING if old is QUEUED else REDOING
-        if self.strict:
-            self._check_move(pos, new, None)
-        self.state[pos] = new
-        self.story.move(self.subject, pos, self.run, old, new, w.wid)
-        self.worker[pos] = w.wid
-        w.tasks.add((self.run, pos))
-        return old
+    def take_for(self, w: WorkerState, send: Send) -> List[int]:
+        """The tasks of one message to `w` (placement's `send`) leave the head of the queue:
+        QUEUED -> RUNNING, REDO -> REDOING; up to `send.tasks`, with inputs until `send.max_bytes`
+        (at least one), each behind the head only if it joins the message (placement.joins).
+        Returns their positions, in order."""
+        todo, state, charges, inputs, worker = self.todo, self.state, self.charges, self.inputs, self.worker
+        held = w.tasks
+        move, subject, run, wid, strict = self.story.move, self.subject, self.run, w.wid, self.strict
+        limit, max_bytes = send.tasks, send.max_bytes
+        taken: List[int] = []
+        nbytes = 0
+        while todo and len(taken) < limit and (nbytes < max_bytes or not taken):
+            pos = todo[0]
+            if taken:
+                charged = charges.get(pos)
+                if charged is not None and not joins(send, charged.deaths, charged.avoid):
+                    break
+            heapq.heappop(todo)
+            old = state.get(pos)
+            if old is QUEUED:
+                new = RUNNING
+            elif old is REDO:
+                new = REDOING
+            else:
+                continue  # a stale entry
+            if strict:
+                self._check_move(pos, new, None)
+            state[pos] = new
+            move(subject, pos, run, old, new, wid)
+            worker[pos] = wid
+            held.add((run, pos))
+            nbytes += inputs[pos].nbytes
+            taken.append(pos)
+        return taken
 
-    def ready(self, pos: int, w: WorkerState, result: Item) -> Input:
-        """RUNNING -> READY off `w`: its result came; returns the input it held."""
+    def ready(self, pos: int, w: WorkerState, result: Item, keep: bool = False) -> Input:
+        """RUNNING -> READY off `w`: its result came; returns the input it held, which is kept
+        for the consumer (KeptInputs) with `keep`."""
         if self.strict:
             self._check_move(pos, READY, w)
         self.story.move(self.subject, pos, self.run, RUNNING, READY, w.wid)
@@ -221,7 +280,10 @@ class SeqTable:
         self.state[pos] = READY
         self.results[pos] = result
         self.charges.pop(pos, None)
-        return self.inputs.pop(pos)
+        item = self.inputs.pop(pos)
+        if keep:
+            self.kept.keep(pos, item)
+        return item
 
     def release(self, pos: int) -> None:
         """READY -> (none), told as delivered: the result at `pos`, the next out, goes to its rank."""
@@ -230,6 +292,36 @@ class SeqTable:
         del self.state[pos], self.results[pos]  # (a READY seq holds nothing else)
         self.story.move(self.subject, pos, self.run, READY, DELIVERED)
         self.open -= 1
+        self.next_out += 1
+
+    # ---- the window -----------------------------------------------------------------------
+    def skip_rest(self) -> None:
+        """No rank wants a position from read_next up to the end: none of them is read."""
+        assert self.end is not None
+        self.read_next = self.end
+
+    def set_end(self, count: int, end: int) -> None:
+        """The dataset has `count` seqs, and no rank gets a position from `end` on (drop_last):
+        positions asked for beyond the dataset never come (the reader owes them no more), and
+        open ones from `end` on are dropped."""
+        for pos in [p for p, state in self.state.items() if p >= count and state is ASKED]:
+            self.awaiting -= 1
+            self.drop(pos)
+        self.end = end
+        for pos in [p for p, state in self.state.items() if p >= end and state in OPEN]:
+            self.drop(pos)
+
+    def pass_over(self) -> None:
+        """The next out was never read (no rank wanted it when it came up): delivery moves on to
+        the lowest position still open, or, with none, to the next to consider reading."""
+        pos = self.next_out
+        asked = (p for p, state in self.state.items() if state in OPEN)
+        self.next_out = max(pos + 1, min(asked, default=self.read_next))
+
+    def drop_next(self) -> None:
+        """The next out was read, but no rank wants it any more (its rank left): dropped, and
+        delivery moves past it."""
+        self.drop(self.next_out)
         self.next_out += 1
 
     # ---- the queue ------------------------------------------------------------------------
@@ -272,7 +364,7 @@ class SeqTable:
     ) -> Optional[int]:
         """Take the task at `pos` back from `w`, which maps it now (else its word is late): to the
         queue if the seq is still wanted (a redo of a lost result stays one), charged with
-        `charge` (a field of Charges) and, `avoid`, to go to another worker if there is one.
+        `charge` and, `avoid`, to go to another worker if there is one.
         Returns how many such charges the seq has (0: none counted), or None if nothing went back."""
         if not self.mine(w, pos):
             return None
@@ -285,8 +377,7 @@ class SeqTable:
         charges = self.charges.get(pos)
         if charges is None:
             charges = self.charges[pos] = Charges()
-        n = getattr(charges, charge) + 1
-        setattr(charges, charge, n)
+        n = charges.add(charge)
         if avoid:
             charges.avoid = w.wid
         return n
