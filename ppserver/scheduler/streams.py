@@ -288,8 +288,8 @@ class StreamDispatch(StreamWork):
     # ---- workers --------------------------------------------------------------------------
     def worker_lost(self, w: WorkerState, crashed: bool) -> Optional[Failure]:
         """`w` is gone: its partitions restart elsewhere (at the next `dispatch`)."""
-        for run, p in sorted(w.partitions):
-            if run == self.run and self.parts[p].wid == w.wid:
+        for p in w.held_of(self.run):
+            if self.parts[p].wid == w.wid:
                 failure = self._restart(w, self.parts[p], "killed {n} workers", counts=crashed, let_down=False)
                 if failure is not None:
                     return failure
@@ -380,8 +380,7 @@ class StreamDispatch(StreamWork):
         """`w` dropped a message of the partition unread (None: of a partition of this run it runs):
         its stream misses what it carried, so it restarts elsewhere, charged; `max_seq_retries`
         such restarts without progress fail the run naming its last input."""
-        mine = [p for run, p in sorted(w.partitions) if run == self.run]
-        for p in mine if drop.partition is None else [drop.partition]:
+        for p in w.held_of(self.run) if drop.partition is None else [drop.partition]:
             part = self.parts[p] if 0 <= p < len(self.parts) else None
             if part is None or part.wid != w.wid:
                 continue  # not (or no longer) its partition
@@ -393,9 +392,9 @@ class StreamDispatch(StreamWork):
 
     def malformed_message(self, w: WorkerState, reason: str) -> Optional[Failure]:
         """A message from `w` did not decode: every partition it runs restarts elsewhere, charged."""
-        for run, p in sorted(w.partitions):
-            part = self.parts[p] if run == self.run else None
-            if part is not None and part.wid == w.wid:
+        for p in w.held_of(self.run):
+            part = self.parts[p]
+            if part.wid == w.wid:
                 failure = self.stream_outputs(w, p, part.incarnation, [], [BadItem(None, reason)])
                 if failure is not None:
                     return failure
