@@ -135,7 +135,7 @@ class Scheduler:
                 log.exception("failing run %d after an internal error failed too", run)
 
     def story(self, *keys: Union[int, str]) -> List[Entry]:
-        """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "worker:NAME"),
+        """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "lane:R/I", "worker:NAME"),
         oldest first, each with its stimulus id (story.py). ValueError names a key that is none."""
         return self.state.story_log.select([parse_key(k) for k in keys])[0]
 
