@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 
 class RunState(enum.Enum):
-    """A run's life (docs/protocol.md, run states); runs.py makes the moves:
+    """A run's life (docs/protocol.md, run states); runs.py decides the moves, `Run.to` makes
+    them and tells them to the story (from the Run's making on):
 
         preparing ─started─► running ─every lane settled, one having ended─► done
         preparing ─the request refused, a dataset or server failure─► failed

@@ -1,6 +1,7 @@
 """A run's life: the reader's answers while it prepares, its dispatch while it runs, and how it
 ends. Its states and their moves are `jobs.RunState`'s, beside the Run that holds one
-(docs/protocol.md, run states); this module makes the moves, each told to the story. An ended
+(docs/protocol.md, run states); this module decides the moves, which `Run.to` makes and tells
+to the story. An ended
 run is forgotten at once: its workers drop it (`run_close`), the reader stops reading it, and
 only a client that has not connected yet still hears its last words (`unheard`, briefly).
 """
