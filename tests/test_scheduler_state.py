@@ -16,7 +16,7 @@ from ppserver.scheduler.invariants import validate
 from ppserver.scheduler.requests import Requests
 from ppserver.scheduler.runs import Lifecycle
 from ppserver.scheduler.skips import Skips
-from ppserver.scheduler.workers import RETIRING, SERVING, TOLD, WorkerState
+from ppserver.scheduler.workers import RETIRING, SERVING, TOLD, Departure, WorkerState
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +93,31 @@ def test_a_workers_retirement_moves_once_each_way_and_validate_holds_it_to_what_
         validate(state)
     rows = [(e.from_, e.to, e.note) for e in story.select([("worker", "w")])[0]]
     assert rows == [("serving", "retiring", "1 tasks, 0 partitions to finish"), ("retiring", "told to retire", "")]
+
+
+def test_a_worker_drops_its_tasks_one_by_one_and_rejoins_when_its_suspect_leaves():
+    """held_of lists one run's tasks (or partitions), ascending; drop_task frees a slot, and an
+    isolating worker whose last task left rejoins, told to the story between its joining and leaving."""
+    state = SchedulerState(Settings(), strict=True)
+    story = state.story_log
+    w = WorkerState(wid=b"w", host="h", pid=7, local_index=None, capacity=3, joined=0, last_seen=0)
+    w.join(story)
+    w.tasks.update({(2, 9), (1, 4), (2, 3)})
+    w.partitions.add((5, 1))
+    assert w.held_of(2) == [3, 9] and w.held_of(1) == [4] and w.held_of(5) == [1] and w.held_of(6) == []
+    w.drop_task(2, 9, story)
+    w.drop_task(2, 3, story)
+    assert w.held_of(2) == [] and w.free() == 2
+    w.drop_task(1, 4, story)  # its last task, not a suspect: nothing to rejoin
+    w.isolate(story, "seq 8 of run 2")
+    w.tasks.add((2, 8))
+    w.drop_task(2, 8, story)
+    assert w.isolation.value == "normal" and not w.tasks
+    w.leave(story, Departure.LOST, "0 tasks, 1 partitions handed back")
+    rows = [(e.from_, e.to, e.note) for e in story.select([("worker", "w")])[0]]
+    assert rows == [
+        ("-", "joined", "host h pid 7"),
+        ("normal", "isolating", "seq 8 of run 2"),
+        ("isolating", "normal", ""),
+        ("joined", "lost", "0 tasks, 1 partitions handed back"),
+    ]

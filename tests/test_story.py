@@ -88,7 +88,15 @@ def test_a_seqs_story_tells_each_move_with_the_event_that_caused_it():
         ("ready", "delivered", "", "results-4"),
     ]
     assert [(e.run, e.time) for e in sim.s.story(1)] == [(run, 0.0)] * 3 + [(run, 1.0), (run, 2.0)]
-    assert moves(sim, f"run:{run}") == [("-", "preparing", "", "epoch-c0"), ("preparing", "running", "", "started")]
+    assert [(e.from_, e.to, e.stimulus, e.note) for e in sim.s.story(f"run:{run}")] == [
+        ("-", "preparing", "epoch-c0", "epoch 1"),
+        ("asked", "accepted", "checked", "reader"),  # the reader's side of the run
+        ("accepted", "open", "started", "reader"),
+        ("preparing", "running", "started", ""),
+    ]
+    assert [(e.key, e.from_, e.to, e.stimulus) for e in sim.s.story(f"lane:{run}/0")] == [
+        (f"{run}/0", "awaited", "reading", "epoch-c0")
+    ]
     assert [e.key for e in sim.s.story(0, 1)] == [0, 1, 0, 1, 0, 1, 1, 0, 0, 1]  # oldest first
     worker = sim.s.story("worker:w1")
     assert (worker[0].to, worker[0].stimulus, worker[0].note) == ("joined", "hello-1", "host host pid 11")
@@ -145,6 +153,24 @@ def test_a_stream_partitions_story_tells_its_owners():
     ]
 
 
+def test_a_stream_runs_close_lets_its_owned_partitions_go_through_their_move():
+    """A run that ends with partitions owned: each moves owned -> unowned ("run closed"), so no
+    worker's set keeps a partition of it, also when its owner's loss is what failed the run."""
+    sim = Sim(stream=True, partitions=2, preserves_num_seqs=False, max_seq_retries=1)
+    sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    sim("hello-2", ev.WorkerJoined, b"w2", "host", 12)
+    run = sim.start(10)
+    sim.now = 10.0
+    sim("tick-3", ev.Tick)  # both lost: w1's partition's loss fails the run, w2 still owns the other
+    assert sim.s.state.runs == {} and sim.s.state.workers == {}
+    for p, wid in ((0, "w1"), (1, "w2")):  # w1's loss failed the run: it was forgotten before the close
+        assert moves(sim, f"partition:{p}") == [
+            ("unowned", "owned", wid, "started"),
+            ("owned", "unowned", wid, "tick-3"),
+        ]
+        assert sim.s.story(f"partition:{p}")[-1].note == "run closed" and sim.s.story(f"partition:{p}")[-1].run == run
+
+
 def test_the_story_keeps_only_its_length():
     sim = Sim(story_length=7)
     sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
@@ -156,7 +182,7 @@ def test_the_story_keeps_only_its_length():
     kept = sim.s.story(0, 1)
     assert total == len(kept) > 2 and entries == kept[-2:]
     assert [(e.key, e.to) for e in entries] == [(0, "delivered"), (1, "delivered")]
-    assert sim.s.story(f"run:{run}") == []  # its moves came first: forgotten
+    assert [e.to for e in sim.s.story(f"run:{run}")] == ["stopped"]  # its earlier moves came first: forgotten
     assert moves(sim, 1)[-1] == ("ready", "delivered", "", "results-3")
     none = Sim(story_length=0)
     none("hello-1", ev.WorkerJoined, b"w1", "host", 11)
@@ -166,15 +192,16 @@ def test_the_story_keeps_only_its_length():
 
 
 def test_story_keys_as_users_write_them():
-    assert [parse_key(k) for k in (3, "3", "batch:4", "run:77", "worker:vm:1:ab", "partition:2")] == [
+    assert [parse_key(k) for k in (3, "3", "batch:4", "run:77", "worker:vm:1:ab", "partition:2", "lane:77/03")] == [
         ("pos", 3),
         ("pos", 3),
         ("batch", 4),
         ("run", 77),
         ("worker", "vm:1:ab"),
         ("partition", 2),
+        ("lane", "77/3"),
     ]
-    for bad in ("seq:3", "run:x", "worker:", "x"):
+    for bad in ("seq:3", "run:x", "worker:", "x", "lane:3", "lane:3/x", "run:3/1"):
         with pytest.raises(ValueError, match="is not"):
             parse_key(bad)
 
@@ -206,8 +233,8 @@ def test_a_handler_that_raises_halfway_fails_its_run_and_keeps_what_it_built():
     assert isinstance(out[4].msg, protocol.RunClose) and out[4].wid == b"w1"
     assert {i.stimulus for i in out} == {"read-9"}
     assert sim.s.state.runs == {} and sim.s.state.internal_errors == 1
-    assert moves(sim, f"run:{run}")[-1] == ("running", "failed", "", "read-9")
-    assert sim.s.story(f"run:{run}")[-1].note == failed.message
+    assert moves(sim, f"run:{run}")[-2:] == [("running", "failed", "", "read-9"), ("open", "stopped", "", "read-9")]
+    assert sim.s.story(f"run:{run}")[-2].note == failed.message
     sim.s.validate()
 
 
@@ -268,7 +295,10 @@ def test_a_handler_that_raises_on_an_event_about_one_run_fails_that_run_alone():
     sim.s._handlers[ev.MissingReported] = explode
     assert sim("missing-3", ev.MissingReported, b"c0", second, 0) == [StopReading(second)]  # it was preparing
     assert set(sim.s.state.runs) == {first}
-    assert moves(sim, f"run:{second}")[-1] == ("preparing", "failed", "", "missing-3")
+    assert moves(sim, f"run:{second}")[-2:] == [
+        ("preparing", "failed", "", "missing-3"),
+        ("asked", "stopped", "", "missing-3"),
+    ]
     sim.s._handlers[ev.ConsumerAlive] = explode
     out = sim("alive-4", ev.ConsumerAlive, b"c0")
     failed = protocol.RunFailed(
@@ -317,4 +347,29 @@ def test_a_retired_worker_tells_its_retirement_in_its_story():
         ("serving", "retiring", "retire-4", "2 tasks, 0 partitions to finish"),
         ("retiring", "told to retire", "results-6", ""),
         ("joined", "retired", "bye-7", "0 tasks, 0 partitions handed back"),
+    ]
+
+
+def test_a_lanes_story_tells_its_reader_coming_ending_and_leaving():
+    """lane:RUN/INDEX keeps the moves of one reader's lane: a rank that never came has none, so a
+    run waiting on it shows which rank it waits for."""
+    sim = Sim()
+    sim("hello-1", ev.WorkerJoined, b"w1", "host", 11)
+    run = sim.start(2, world_size=2)
+    sim("read-2", ev.InputsRead, run, [item(p) for p in range(2)])
+    sim("results-3", ev.ResultsReceived, b"w1", run, [item(0, 0.0), item(1, 1.0)])
+    lane = [(e.key, e.from_, e.to, e.stimulus, e.note) for e in sim.s.story(f"lane:{run}/0")]
+    assert lane == [
+        (f"{run}/0", "awaited", "reading", "epoch-c0", "from index 0"),
+        (f"{run}/0", "reading", "done", "results-3", "1 sent"),
+    ]
+    assert sim.s.story(f"lane:{run}/1") == []  # rank 1 has not come: the run waits for it
+    solo = Sim()
+    first = solo.start(4)
+    out = solo("epoch-5", ev.EpochRequested, b"req-c0", b"c0", 2)  # the reader moves on to epoch 2
+    (reply,) = [i.msg for i in out if isinstance(i, Reply)]
+    solo("checked-6", ev.RunChecked, reply.run)  # accepted: its reader leaves the first run
+    assert moves(solo, f"lane:{first}/0") == [
+        ("awaited", "reading", "", "epoch-c0"),
+        ("reading", "gone", "", "checked-6"),
     ]

@@ -205,7 +205,7 @@ class Client:
 
     def story(self, *keys: str, limit: int = 1000) -> Dict[str, Any]:
         """What the server's scheduler did with `keys` (positions, "batch:K", "partition:P",
-        "run:R", "worker:NAME"): {"entries": the last `limit` moves, oldest first, each with the
+        "run:R", "lane:R/I", "worker:NAME"): {"entries": the last `limit` moves, oldest first, each with the
         stimulus id of the event that caused it; "total": how many matched; "now": the server's
         clock}. What `ppserver status --story` prints."""
         request = protocol.StoryRequest(keys=list(keys), limit=limit)

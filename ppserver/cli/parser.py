@@ -102,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         metavar="KEY",
         help="instead, the moves the scheduler kept about KEY, each with the event that caused it: "
-        "POS (a seq or batch position), batch:K, partition:P, run:R or worker:NAME (repeatable)",
+        "POS (a seq or batch position), batch:K, partition:P, run:R, lane:R/I or worker:NAME (repeatable)",
     )
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default %(default)s)")
     st.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys")

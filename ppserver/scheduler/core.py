@@ -34,7 +34,7 @@ from ppserver.scheduler.settings import Failure, Settings
 from ppserver.scheduler.skips import Skips
 from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.status import SchedulerStatus
-from ppserver.scheduler.story import WORKER, Entry, parse_key
+from ppserver.scheduler.story import Entry, parse_key
 from ppserver.scheduler.workers import RETIRING, SERVING, TOLD, Departure, WorkerState
 
 log = logging.getLogger("ppserver.scheduler")
@@ -135,7 +135,7 @@ class Scheduler:
                 log.exception("failing run %d after an internal error failed too", run)
 
     def story(self, *keys: Union[int, str]) -> List[Entry]:
-        """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "worker:NAME"),
+        """The moves kept about `keys` (positions; "batch:K", "partition:P", "run:R", "lane:R/I", "worker:NAME"),
         oldest first, each with its stimulus id (story.py). ValueError names a key that is none."""
         return self.state.story_log.select([parse_key(k) for k in keys])[0]
 
@@ -230,7 +230,7 @@ class Scheduler:
         )
         state = self.state
         state.workers[e.wid] = w
-        state.story_log.move(WORKER, w.name, None, None, "joined", w.wid, f"host {w.host} pid {w.pid}")
+        w.join(state.story_log)
         log.info("worker %s joined (host %s pid %d); %d workers", w.name, w.host, w.pid, len(state.workers))
         if state.job is not None:
             for client in state.job.clients.values():
@@ -256,7 +256,7 @@ class Scheduler:
             assert run.dispatch is not None
             self.lifecycle.fail_id(run.run, run.dispatch.worker_lost(w, why.crashed), out)
         # last, after its work went back (and with it any isolation): a departed worker's story ends here
-        state.story_log.move(WORKER, w.name, None, "joined", why.value, w.wid, handed)
+        w.leave(state.story_log, why, handed)
 
     def _left(self, e: ev.WorkerLeft, out: List[Instruction]) -> None:
         w = self.state.workers[e.wid]

@@ -39,13 +39,18 @@ from ppclient.protocol import Batch, ConsumerRoute, Item
 from ppclient.shards import CONTIGUOUS, STRIDED, reader_of
 from ppserver.scheduler.dispatch import Dispatch
 from ppserver.scheduler.instructions import ToClient
+from ppserver.scheduler.story import LANE, RUN, Story
+
+# the story of a run or lane made without one (a test's): told nowhere
+UNTOLD = Story(0)
 
 if TYPE_CHECKING:
     from ppserver.scheduler.delivery import StreamCut
 
 
 class RunState(enum.Enum):
-    """A run's life (docs/protocol.md, run states); runs.py makes the moves:
+    """A run's life (docs/protocol.md, run states); runs.py decides the moves, `Run.to` makes
+    them and tells them to the story (from the Run's making on):
 
         preparing ─started─► running ─every lane settled, one having ended─► done
         preparing ─the request refused, a dataset or server failure─► failed
@@ -87,6 +92,8 @@ class ReadState(enum.Enum):
     OPEN = "open"  # the epoch is set up: positions are read as there is room
     STOPPED = "stopped"  # StopReading was sent: every input was read, or the run ended
 
+
+READER = "reader"  # the note of a ReadState's move in the run's story
 
 # The moves a run's ReadState may make.
 READ_MOVES: Dict[ReadState, Tuple[ReadState, ...]] = {
@@ -161,6 +168,8 @@ class Lane:
     attached_at: float = 0.0
     direct: bool = False  # the consumer takes results straight from workers
     consumed: int = 0  # seqs the consumer has taken (from `start`)
+    run: int = 0  # the run it is a lane of
+    story: Story = field(default=UNTOLD, repr=False, compare=False)  # where its moves are told (its run's)
 
     @property
     def credit(self) -> int:
@@ -187,16 +196,17 @@ class Lane:
         state = self.state
         return state is GONE or (state is DONE and (not self.direct or self.consumed >= self.delivered))
 
-    def _to(self, state: LaneState) -> None:
-        """Move the lane to `state` (only along LANE_MOVES)."""
+    def _to(self, state: LaneState, note: str = "") -> None:
+        """Move the lane to `state` (only along LANE_MOVES), told to the story as lane RUN/INDEX."""
         if state not in LANE_MOVES[self.state]:
             raise AssertionError(f"lane {self.index}: {self.state.value} -> {state.value} is not a move of a lane")
+        self.story.move(LANE, f"{self.run}/{self.index}", self.run, self.state, state, None, note)
         self.state = state
 
     def attach(self, consumer: bytes, start: int, now: float, lanes: int) -> None:
         """A (new) client takes the lane over from index `start` (>= released): what was released
         for it and not yet delivered is kept, the rest before `start` is dropped."""
-        self._to(READING)
+        self._to(READING, f"from index {start}")
         self.consumer = consumer
         self.start = start
         self.attached_at = now
@@ -207,7 +217,7 @@ class Lane:
 
     def end(self) -> None:
         """Its whole shard went out: End is sent to its consumer."""
-        self._to(DONE)
+        self._to(DONE, f"{self.delivered} sent")
         self.ended = True
 
     def leave(self) -> None:
@@ -245,6 +255,11 @@ class Run:
     seqs: Optional[int] = None  # seqs of the epoch (not batches), once known: max_skipped is a part of them
     skipped: int = 0  # seqs map_seq skipped in this run (skips.py)
     skipped_tags: List[str] = field(default_factory=list)  # the first few of their tags
+    story: Story = field(default=UNTOLD, repr=False, compare=False)  # where its and its lanes' moves are told
+
+    def __post_init__(self) -> None:
+        """Its story begins: (none) -> preparing."""
+        self.story.move(RUN, self.run, self.run, None, self.state, note=f"epoch {self.epoch}")
 
     @property
     def width(self) -> int:
@@ -255,10 +270,11 @@ class Run:
     def live(self) -> bool:
         return self.state in _LIVE
 
-    def to(self, state: RunState) -> None:
-        """Move the run to `state` (only along RUN_MOVES: an ended run stays ended)."""
+    def to(self, state: RunState, note: str = "") -> None:
+        """Move the run to `state` (only along RUN_MOVES: an ended run stays ended), told to the story."""
         if state not in RUN_MOVES[self.state]:
             raise AssertionError(f"run {self.run}: {self.state.value} -> {state.value} is not a move of a run")
+        self.story.move(RUN, self.run, self.run, self.state, state, note=note)
         self.state = state
 
     @property
@@ -284,9 +300,11 @@ class Run:
         return True
 
     def _read(self, reading: ReadState) -> None:
-        """Move the run's ReadState (only along READ_MOVES)."""
+        """Move the run's ReadState (only along READ_MOVES), told to the story as the run's
+        (noted "reader": the reader's side of it)."""
         if reading not in READ_MOVES[self.reading]:
             raise AssertionError(f"run {self.run}: reading {self.reading.value} -> {reading.value} is not a move")
+        self.story.move(RUN, self.run, self.run, self.reading, reading, note=READER)
         self.reading = reading
 
     @property
@@ -298,7 +316,7 @@ class Run:
         """The lane's state; for a lane without state of its own, made up and not kept."""
         lane = self.lanes.get(index)
         if lane is None:
-            lane = Lane(index=index, start=self.base, state=GONE if self.absent_gone else AWAITED)
+            lane = Lane(index, self.base, GONE if self.absent_gone else AWAITED, run=self.run, story=self.story)
         return lane
 
     def lane(self, index: int) -> Lane:

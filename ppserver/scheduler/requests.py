@@ -19,10 +19,9 @@ from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorR
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.delivery import heard, started_message, to_lane
 from ppserver.scheduler.instructions import Instruction, Prepare, Reply, ToWorker
-from ppserver.scheduler.jobs import Client, Job, Lane, LaneState, Run
+from ppserver.scheduler.jobs import Client, Job, Run
 from ppserver.scheduler.runs import Lifecycle
 from ppserver.scheduler.state import SchedulerState
-from ppserver.scheduler.story import RUN
 
 log = logging.getLogger("ppserver.scheduler")
 
@@ -118,6 +117,7 @@ class Requests:
             seq_order=e.seq_order,
             solo=solo,
             base=e.start,
+            story=state.story_log,
         )
         state.next_run += 1
         # Ranks that have not come yet are expected where this one starts (DDP ranks resume
@@ -125,11 +125,10 @@ class Requests:
         # state of its own only when its reader comes, or here if it is not expected.
         if solo is None:
             for index in job.unexpected(e.epoch) - {e.lane}:
-                run.lanes[index] = Lane(index=index, start=e.start, state=LaneState.GONE)
+                run.lane(index).leave()
         job.runs[run.run] = run
         state.runs[run.run] = run
         state.last_run = run
-        state.story_log.move(RUN, run.run, run.run, None, run.state, note=f"epoch {run.epoch}")
         self._attach(run, e, out)
         batching = None if state.settings.stream else job.batching
         out.append(Prepare(run.run, e.epoch, e.seq_list, e.seq_order, batching, job.contiguous))

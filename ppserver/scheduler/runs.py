@@ -1,6 +1,7 @@
 """A run's life: the reader's answers while it prepares, its dispatch while it runs, and how it
 ends. Its states and their moves are `jobs.RunState`'s, beside the Run that holds one
-(docs/protocol.md, run states); this module makes the moves, each told to the story. An ended
+(docs/protocol.md, run states); this module decides the moves, which `Run.to` makes and tells
+to the story. An ended
 run is forgotten at once: its workers drop it (`run_close`), the reader stops reading it, and
 only a client that has not connected yet still hears its last words (`unheard`, briefly).
 """
@@ -21,7 +22,6 @@ from ppserver.scheduler.seqs import SeqDispatch
 from ppserver.scheduler.settings import Failure
 from ppserver.scheduler.skips import Skips
 from ppserver.scheduler.state import SchedulerState
-from ppserver.scheduler.story import RUN
 from ppserver.scheduler.streams import StreamDispatch
 
 log = logging.getLogger("ppserver.scheduler")
@@ -52,7 +52,7 @@ class Lifecycle:
         run.num_seqs = e.num_seqs
         run.seqs = e.seqs if e.seqs is not None or run.job.batching is not None else e.num_seqs
         run.started = e.now
-        self.move(run, RunState.RUNNING)
+        run.to(RunState.RUNNING)
         dispatch = run.dispatch = self._dispatch(run, e.num_seqs)
         if s.stream and run.job.batching is not None:
             run.cutting = StreamCut(Cutter(run.job.batching), run.job.batching.length_key)
@@ -180,7 +180,7 @@ class Lifecycle:
             )
         if run.skipped:
             log.info("epoch %d (run %d): map_seq skipped %d seqs", run.epoch, run.run, run.skipped)
-        self.move(run, state, run.error or "")
+        run.to(state, run.error or "")
         run.ended = self.state.now
         self.state.runs.pop(run.run, None)
         run.job.runs.pop(run.run, None)
@@ -197,11 +197,6 @@ class Lifecycle:
             for w in self.state.workers.values():
                 out.append(ToWorker(w.wid, RunClose(run=run.run)))
             run.dispatch.close(self.state.workers)
-
-    def move(self, run: Run, state: RunState, note: str = "") -> None:
-        """Move the run to `state`, told to the story."""
-        self.state.story_log.move(RUN, run.run, run.run, run.state, state, note=note)
-        run.to(state)
 
     def forget_unheard(self, now: float) -> None:
         """Ended lanes whose client never connected are forgotten after a while."""

@@ -136,11 +136,10 @@ class SeqDispatch(SeqWork):
     # ---- workers --------------------------------------------------------------------------
     def worker_lost(self, w: WorkerState, crashed: bool) -> Optional[Failure]:
         t = self.table
-        for run, pos in sorted(w.tasks):
-            if run == self.run:
-                n = t.take_back(w, pos, Charge.DEATH if crashed else None)
-                if n is not None and n >= self.settings.max_seq_retries:
-                    return _killed(self.run, pos, t.inputs.get(pos), n, w)
+        for pos in w.held_of(self.run):
+            n = t.take_back(w, pos, Charge.DEATH if crashed else None)
+            if n is not None and n >= self.settings.max_seq_retries:
+                return _killed(self.run, pos, t.inputs.get(pos), n, w)
         return None
 
     def results_received(self, w: WorkerState, items: List[Item], bad: List[BadItem]) -> Optional[Failure]:
@@ -164,7 +163,7 @@ class SeqDispatch(SeqWork):
         if any(b.pos is None for b in bad):
             # a result that names no seq: every seq this worker holds is charged with it
             reason = next(b.reason for b in bad if b.pos is None)
-            blamed += [(pos, reason) for run, pos in sorted(w.tasks) if run == self.run]
+            blamed += [(pos, reason) for pos in w.held_of(self.run)]
         for pos, reason in blamed:
             n = t.take_back(w, pos, Charge.MALFORMED, avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
@@ -219,7 +218,7 @@ class SeqDispatch(SeqWork):
         run it holds): each goes to another worker if there is one. A seq whose task `max_seq_retries`
         workers dropped fails the run naming it: its input is what they cannot take."""
         t = self.table
-        for pos in drop.positions or [p for run, p in sorted(w.tasks) if run == self.run]:
+        for pos in drop.positions or w.held_of(self.run):
             n = t.take_back(w, pos, Charge.REFUSED, avoid=True)
             if n is not None and n >= self.settings.max_seq_retries:
                 tag = _tag(pos, t.inputs.get(pos))

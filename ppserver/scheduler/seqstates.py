@@ -174,10 +174,7 @@ class SeqTable:
         self.story.move(self.subject, pos, self.run, self.state.get(pos), new, None if w is None else w.wid)
         if w is not None:
             del self.worker[pos]
-            tasks = w.tasks
-            tasks.discard((self.run, pos))
-            if not tasks and w.isolation is ISOLATING:
-                w.rejoin(self.story)
+            w.drop_task(self.run, pos, self.story)
         if new is None:
             del self.state[pos]
             self.inputs.pop(pos, None)
@@ -273,10 +270,7 @@ class SeqTable:
             self._check_move(pos, READY, w)
         self.story.move(self.subject, pos, self.run, RUNNING, READY, w.wid)
         del self.worker[pos]
-        tasks = w.tasks
-        tasks.discard((self.run, pos))
-        if not tasks and w.isolation is ISOLATING:
-            w.rejoin(self.story)
+        w.drop_task(self.run, pos, self.story)
         self.state[pos] = READY
         self.results[pos] = result
         self.charges.pop(pos, None)
@@ -411,9 +405,7 @@ class SeqTable:
         for pos, wid in self.worker.items():
             w = workers.get(wid)
             if w is not None:
-                w.tasks.discard((self.run, pos))
-                if not w.tasks and w.isolation is ISOLATING:
-                    w.rejoin(self.story)
+                w.drop_task(self.run, pos, self.story)
                 w.retained.setdefault(self.run, []).append(self.inputs[pos])
         for held in (self.state, self.inputs, self.worker, self.results, self.charges):
             held.clear()

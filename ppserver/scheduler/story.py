@@ -1,10 +1,11 @@
 """The scheduler's story: a bounded log of the moves it made, each with the stimulus that caused it.
 
-A seq's or batch's state moves (seqstates.py), a stream partition's owner changes (streams.py), a
-run's state moves (runs.py), workers join and leave (core.py) and isolate (workers.py); each move
-is appended here with the stimulus id of the event being handled and its time.
-`Scheduler.story(*keys)` picks the entries of some positions, batches, partitions, runs or
-workers, as Dask's `story()` does, so a stalled epoch can be explained by the server itself
+A seq's or batch's state moves (seqstates.py), a stream partition's state moves (streams.py), a
+run's state and the reader's side of it (its ReadState, noted "reader") move and a lane's state
+moves (jobs.py: Run and Lane), and a worker joins, isolates, retires and leaves (workers.py);
+each mover tells its move here with the stimulus id of the event being handled and its time.
+`Scheduler.story(*keys)` picks the entries of some positions, batches, partitions, runs, lanes
+(keyed RUN/INDEX) or workers, as Dask's `story()` does, so a stalled epoch can be explained by the server itself
 (`ppserver status --story`).
 
 Writing is on the hot path (a seq moves about five times): an entry is written into columns
@@ -22,8 +23,9 @@ POS = "pos"  # a seq of a map_seq run
 BATCH = "batch"  # a batch of a map_seq run that batches
 PARTITION = "partition"  # a partition of a map_seq_stream run
 RUN = "run"
+LANE = "lane"  # a reader's lane of a run, keyed RUN/INDEX
 WORKER = "worker"
-SUBJECTS = (POS, BATCH, PARTITION, RUN, WORKER)
+SUBJECTS = (POS, BATCH, PARTITION, RUN, LANE, WORKER)
 DELIVERED = "delivered"  # a seq's or batch's last move: released in epoch order to its rank
 
 # (subject, key, run, from, to, worker, stimulus, time, note)
@@ -122,17 +124,22 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def parse_key(text: Union[int, str]) -> Key:
-    """A key as users write it: POS, batch:K, partition:P, run:R, worker:NAME. ValueError names a bad one."""
+    """A key as users write it: POS, batch:K, partition:P, run:R, lane:R/I, worker:NAME. ValueError names a bad one."""
     if isinstance(text, int):
         return (POS, text)
     subject, sep, rest = text.partition(":")
     if not sep:
         subject, rest = POS, text
     if subject not in SUBJECTS or (subject == WORKER and not rest):
-        raise ValueError(f"{text!r} is not POS, batch:K, partition:P, run:R or worker:NAME")
+        raise ValueError(f"{text!r} is not POS, batch:K, partition:P, run:R, lane:R/I or worker:NAME")
     if subject == WORKER:
         return (WORKER, rest)
+    run, slash, index = rest.partition("/")
+    if (subject == LANE) != bool(slash):
+        raise ValueError(f"{text!r}: {rest!r} is not {'RUN/INDEX' if subject == LANE else 'a number'}")
     try:
+        if subject == LANE:
+            return (LANE, f"{int(run)}/{int(index)}")
         return (subject, int(rest))
     except ValueError:
         raise ValueError(f"{text!r}: {rest!r} is not a number") from None

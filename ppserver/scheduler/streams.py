@@ -86,18 +86,22 @@ class Partition:
     def replaying(self) -> bool:
         return self.sent < self.replay_until
 
-    def _to(self, state: PartState, w: WorkerState, note: str = "") -> None:
+    def _to(self, state: PartState, w: Optional[WorkerState], note: str = "") -> None:
         """Move to `state` (only along PART_MOVES), told to the story with the worker `w` it leaves
-        or goes to, whose set of partitions gains or loses it."""
+        or goes to, whose set of partitions gains or loses it (None: it leaves an owner that is
+        forgotten already, set and all)."""
         if state not in PART_MOVES[self.state]:
             raise AssertionError(f"stream partition {self.index}: {self.state.value} -> {state.value} is not a move")
-        if state is OWNED:
+        if w is None:
+            if state is OWNED:
+                raise AssertionError(f"stream partition {self.index}: owned by no worker")
+        elif state is OWNED:
             w.partitions.add((self.run, self.index))
         else:
             if w.wid != self.wid:
                 raise AssertionError(f"stream partition {self.index}: owned by {self.wid!r}, not {w.wid!r}")
             w.partitions.discard((self.run, self.index))
-        self.story.move(PARTITION, self.index, self.run, self.state, state, w.wid, note)
+        self.story.move(PARTITION, self.index, self.run, self.state, state, self.wid if w is None else w.wid, note)
         self.state = state
 
     def open(self, w: WorkerState, credit: int) -> None:
@@ -117,12 +121,12 @@ class Partition:
         self.received_at_death = self.received
         return self.deaths
 
-    def disown(self, w: WorkerState, let_down: bool) -> None:
+    def disown(self, w: Optional[WorkerState], let_down: bool, note: str = "") -> None:
         """OWNED -> UNOWNED: its owner `w` is gone, or let it down (`let_down`: its next owner is
-        another if one may be); what was sent is replayed once it runs again."""
-        self._to(UNOWNED, w)
+        another if one may be), or its run closed; what was sent is replayed if it runs again."""
+        self._to(UNOWNED, w, note)
         self.wid = None
-        self.avoid = w.wid if let_down else None
+        self.avoid = w.wid if let_down and w is not None else None
         self.replay_until = self.fed - len(self.queue)
         self.replay.clear()
         self.replay_ticket = None
@@ -185,10 +189,12 @@ class Partition:
         return batch
 
     def forget(self, workers: Dict[bytes, WorkerState]) -> None:
-        """The run ended: its owner forgets it (it keeps its last state: the run will not run again)."""
-        w = workers.get(self.wid) if self.wid is not None else None
-        if w is not None:
-            w.partitions.discard((self.run, self.index))
+        """The run ended: an owned partition leaves its owner through its move (OWNED -> UNOWNED,
+        noted "run closed"; its owner may be forgotten already, if its loss failed the run), so
+        its owner and its owner's set agree; a done or unowned one keeps its state. Either way the
+        run will not run again."""
+        if self.wid is not None:
+            self.disown(workers.get(self.wid), let_down=False, note="run closed")
         self.queue.clear()
         self.outputs.clear()
         self.replay.clear()
@@ -288,8 +294,8 @@ class StreamDispatch(StreamWork):
     # ---- workers --------------------------------------------------------------------------
     def worker_lost(self, w: WorkerState, crashed: bool) -> Optional[Failure]:
         """`w` is gone: its partitions restart elsewhere (at the next `dispatch`)."""
-        for run, p in sorted(w.partitions):
-            if run == self.run and self.parts[p].wid == w.wid:
+        for p in w.held_of(self.run):
+            if self.parts[p].wid == w.wid:
                 failure = self._restart(w, self.parts[p], "killed {n} workers", counts=crashed, let_down=False)
                 if failure is not None:
                     return failure
@@ -380,8 +386,7 @@ class StreamDispatch(StreamWork):
         """`w` dropped a message of the partition unread (None: of a partition of this run it runs):
         its stream misses what it carried, so it restarts elsewhere, charged; `max_seq_retries`
         such restarts without progress fail the run naming its last input."""
-        mine = [p for run, p in sorted(w.partitions) if run == self.run]
-        for p in mine if drop.partition is None else [drop.partition]:
+        for p in w.held_of(self.run) if drop.partition is None else [drop.partition]:
             part = self.parts[p] if 0 <= p < len(self.parts) else None
             if part is None or part.wid != w.wid:
                 continue  # not (or no longer) its partition
@@ -393,9 +398,9 @@ class StreamDispatch(StreamWork):
 
     def malformed_message(self, w: WorkerState, reason: str) -> Optional[Failure]:
         """A message from `w` did not decode: every partition it runs restarts elsewhere, charged."""
-        for run, p in sorted(w.partitions):
-            part = self.parts[p] if run == self.run else None
-            if part is not None and part.wid == w.wid:
+        for p in w.held_of(self.run):
+            part = self.parts[p]
+            if part.wid == w.wid:
                 failure = self.stream_outputs(w, p, part.incarnation, [], [BadItem(None, reason)])
                 if failure is not None:
                     return failure
@@ -474,7 +479,7 @@ class StreamDispatch(StreamWork):
         return None
 
     def close(self, workers: Workers) -> None:
-        """Its owners forget its partitions (which keep their last state: the run will not run again)."""
+        """Its owners let its partitions go (Partition.forget): the run will not run again."""
         for part in self.parts:
             part.forget(workers)
         self.closes.clear()

@@ -26,6 +26,9 @@ class Departure(enum.Enum):
         return self in (Departure.EXITED, Departure.LOST)
 
 
+JOINED = "joined"  # a worker's state in the story from its joining to its leaving (a Departure)
+
+
 class InputWay(enum.Enum):
     """How a worker gets the inputs of its tasks."""
 
@@ -133,6 +136,28 @@ class WorkerState:
     def free(self) -> int:
         """The tasks its credit has room for (whether it may take any is placement's word)."""
         return self.capacity - len(self.tasks)
+
+    def held_of(self, run: int) -> List[int]:
+        """The positions of run `run`'s tasks it holds, or of its stream partitions it runs
+        (a run maps seqs or streams, never both), ascending."""
+        return sorted(k for held in (self.tasks, self.partitions) for r, k in held if r == run)
+
+    def drop_task(self, run: int, pos: int, story: Story) -> None:
+        """The task at `pos` of run `run` left it (settled, taken back, or its run closed): its
+        slot is free, and if that was its suspect, it rejoins."""
+        tasks = self.tasks
+        tasks.discard((run, pos))
+        if not tasks and self.isolation is ISOLATING:
+            self.rejoin(story)
+
+    def join(self, story: Story) -> None:
+        """(none) -> joined: it registered; its story begins."""
+        story.move(WORKER, self.name, None, None, JOINED, self.wid, f"host {self.host} pid {self.pid}")
+
+    def leave(self, story: Story, why: Departure, note: str) -> None:
+        """joined -> `why`: it is forgotten (its work went back first, and with it any isolation);
+        its story ends."""
+        story.move(WORKER, self.name, None, JOINED, why, self.wid, note)
 
     def isolate(self, story: Story, note: str) -> None:
         """NORMAL -> ISOLATING: the idle worker takes a suspect (`note`: which), to run it alone."""

@@ -96,7 +96,7 @@ class StatusRequest(Message):
 @dataclass(frozen=True)
 class StoryRequest(Message):
     """The moves the server's scheduler kept about `keys` (positions, "batch:K", "partition:P",
-    "run:R", "worker:NAME"), the last `limit` of them (`ppserver status --story`). A kind of its
+    "run:R", "lane:R/I", "worker:NAME"), the last `limit` of them (`ppserver status --story`). A kind of its
     own, so older peers of this protocol are unaffected; an older server answers that it does not
     know it (ErrorReply)."""
 
