@@ -29,9 +29,9 @@ from urllib.parse import urlsplit
 from ppclient.protocol import PROTOCOL
 from ppclient.throttle import Throttled
 from ppserver.errors import ConfigError
-from ppserver.observe.progress import SIDES
 from ppserver.observe.stages import MAX_SERIES, StageClock
 from ppserver.observe.status import ServerStatus, queue_counts
+from ppserver.scheduler.status import Side
 
 log = logging.getLogger("ppserver.metrics")
 
@@ -436,7 +436,7 @@ def families(clock: StageClock, st: ServerStatus) -> List[Any]:
             "ppserver_held_back",
             "1 for the side holding the live run back",
             ("side",),
-            [((side,), 1.0 if side == st.progress.held_back_by else 0.0) for side in SIDES],
+            [((side.value,), 1.0 if side is st.progress.held_back_by else 0.0) for side in Side],
         ),
         _family(
             "gauge",
