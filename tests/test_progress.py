@@ -206,7 +206,7 @@ def sched_status(
 ) -> SchedulerStatus:
     """A scheduler's status whose newest run is 7 (none if `idle`), with `ranks`."""
     newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, why, None, 0)
-    return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, None, ranks, None if idle else newest)
+    return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, 0, None, ranks, None if idle else newest)
 
 
 def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
@@ -274,6 +274,7 @@ def test_metric_families_name_every_stage_host_and_counter():
         sched,
         workers=sched.workers * 2,
         handed_back=3,
+        internal_errors=2,
         departures={Departure.LOST: 1},
         malformed_results=2,
         seqs_skipped_total=7,
@@ -292,6 +293,7 @@ def test_metric_families_name_every_stage_host_and_counter():
     assert got[("ppserver_worker_results_total", (("host", "hostA"),))] == 1
     assert got[("ppserver_workers", (("host", "hostA"),))] == 2
     assert got[("ppserver_reassigned_total", ())] == 3
+    assert got[("ppserver_internal_errors_total", ())] == 2
     assert got[("ppserver_worker_departures_total", (("reason", "lost"),))] == 1
     assert got[("ppserver_malformed_messages_total", ())] == 4
     assert got[("ppserver_refused_handshakes_total", ())] == 5
@@ -307,7 +309,8 @@ def test_metric_families_name_every_stage_host_and_counter():
 
 WIRE_KEYS = (
     "workers_alive workers seqs_delivered_total seqs_skipped_total malformed_results lost_direct_results "
-    "lost_inputs dropped_by_workers departures handed_back job ranks epoch run state num_seqs seqs_delivered "
+    "lost_inputs dropped_by_workers departures handed_back internal_errors job ranks epoch run state num_seqs "
+    "seqs_delivered "
     "seqs_skipped seqs_per_sec mb_delivered error waiting_for queues address worker_address version uptime_s "
     "local_workers local_worker_respawns malformed_messages refused_handshakes dataset pool rate_seqs_per_sec "
     "rate_window_s eta_s held_back_by advice stage_ms progress"

@@ -205,7 +205,7 @@ def test_a_handler_that_raises_halfway_fails_its_run_and_keeps_what_it_built():
     assert failed.message == "internal server error handling read-9: Exploding: after the tasks were built"
     assert isinstance(out[4].msg, protocol.RunClose) and out[4].wid == b"w1"
     assert {i.stimulus for i in out} == {"read-9"}
-    assert sim.s.state.runs == {} and sim.s.state.internal_errors == 1
+    assert sim.s.state.runs == {} and sim.s.status(0.0).internal_errors == 1
     assert moves(sim, f"run:{run}")[-1] == ("running", "failed", "", "read-9")
     assert sim.s.story(f"run:{run}")[-1].note == failed.message
     sim.s.validate()

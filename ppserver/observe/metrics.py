@@ -413,6 +413,11 @@ def families(clock: StageClock, st: ServerStatus) -> List[Any]:
             sorted(((d.value,), n) for d, n in sched.departures.items()),
         ),
         total("ppserver_seqs_skipped", "seqs map_seq skipped (returned None)", sched.seqs_skipped_total),
+        total(
+            "ppserver_internal_errors",
+            "events whose handler in the scheduler raised (each failed its run)",
+            sched.internal_errors,
+        ),
         total("ppserver_malformed_results", "malformed results dropped (their seqs redone)", sched.malformed_results),
         total("ppserver_malformed_messages", "malformed messages dropped", st.malformed_messages),
         total("ppserver_refused_handshakes", "connections refused for wrong or missing keys", st.refused_handshakes),

@@ -81,6 +81,7 @@ class ServerStatus:
             "dropped_by_workers": s.dropped_by_workers,
             "departures": {d.value: n for d, n in s.departures.items()},
             "handed_back": s.handed_back,
+            "internal_errors": s.internal_errors,
             "job": None if s.job is None else _job(s.job),
             "ranks": _plain(s.ranks),
             **_newest(s.newest),

@@ -113,6 +113,7 @@ class SchedulerStatus:
     dropped_by_workers: int
     departures: Dict[Departure, int]
     handed_back: int
+    internal_errors: int  # events whose handler raised (each failed its run)
     job: Optional[JobStatus]
     ranks: Tuple[RankStatus, ...]
     newest: Optional[RunStatus]  # None: no run yet (idle)
@@ -178,6 +179,7 @@ def status(s: SchedulerState, now: float) -> SchedulerStatus:
         dropped_by_workers=s.dropped_by_workers,
         departures=dict(s.departures),
         handed_back=s.handed_back,
+        internal_errors=s.internal_errors,
         job=None
         if job is None
         else JobStatus(
