@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 import pytest
 
 from ppserver.scheduler.elastic import Action, Elastic, Limits, PoolSample, Reason
+from ppserver.scheduler.status import Side
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +39,7 @@ class Model:
         # CPU-bound workers beyond the cores are busy too (sharing them), sleeping ones only as the rate asks
         busy = n if self.cores is not None and cap < self.rate else rate * self.cost
         self.busy += busy * dt
-        side = "workers" if cap < self.rate * 0.98 else "trainer"
+        side = Side.WORKERS if cap < self.rate * 0.98 else Side.TRAINER
         return rate, side
 
 

@@ -22,7 +22,6 @@ from ppserver.observe.progress import (
     held_back_by,
     progress_line,
     run_progress,
-    side_of,
     status_fields,
 )
 from ppserver.observe.stages import STAGES, StageClock
@@ -30,7 +29,7 @@ from ppserver.observe.status import PoolStatus, ServerStatus, queue_counts
 from ppserver.scheduler import Departure, RunState, Scheduler, Settings, ToClient, ToWorker
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.dispatch import StreamQueues
-from ppserver.scheduler.status import RankStatus, RunStatus, SchedulerStatus
+from ppserver.scheduler.status import Holdup, RankStatus, RunStatus, SchedulerStatus, Side
 from ppserver.server.reader import DATASET_CALLS
 from ppserver.worker.clock import MapperClock, heartbeat_stats
 
@@ -162,33 +161,52 @@ def test_window_rate_stage_means_and_span():
 
 @pytest.mark.parametrize(
     "stage, side",
-    [("wait_trainer", "trainer"), ("wait_worker", "workers"), ("reorder", "workers"), ("read", "dataset")],
+    [
+        ("wait_trainer", Side.TRAINER),
+        ("wait_worker", Side.WORKERS),
+        ("reorder", Side.WORKERS),
+        ("read", Side.DATASET),
+    ],
 )
 def test_the_stage_where_seqs_wait_names_the_side(stage, side):
     w = window(*(sample(t, 10 * t, **{stage: 0.9 * t}) for t in range(10)))
     assert w.flowing()
-    assert held_back_by(w, "the workers (3 in flight)") == side
+    assert held_back_by(w, Holdup("the trainer (no credit)", Side.TRAINER, False)) is side
 
 
-def test_a_stall_or_no_saturated_side_falls_back_to_the_schedulers_word():
+def test_a_stall_or_no_saturated_side_falls_back_to_the_side_of_the_schedulers_holdup():
     stalled = window(*(sample(t, 50 if t > 2 else 10 * t, wait_trainer=0.9 * t) for t in range(10)))
     assert not stalled.flowing()
-    assert held_back_by(stalled, "the dataset (in get_seq(5) for 12.0 s)") == "dataset"
+    assert held_back_by(stalled, Holdup("the dataset (in get_seq(5) for 12.0 s)", Side.DATASET, False)) is Side.DATASET
     idle = window(*(sample(t, 10 * t) for t in range(10)))
-    assert held_back_by(idle, "a worker (none is connected)") == "workers"
+    assert held_back_by(idle, Holdup("a worker (none is connected)", Side.WORKERS, False)) is Side.WORKERS
     assert held_back_by(idle, None) is None  # no live run
-    assert side_of("the trainer (no credit)") == side_of("rank(s) 1 of job 'x' to connect") == "trainer"
-    assert side_of("the dataset to set up the epoch") == "dataset" and side_of("") is None
+
+
+def test_the_holdup_names_its_side_with_its_words():
+    """What the newest run waits for, from the scheduler driven by events: the words keepalives
+    carry and the side status and the elastic pool read."""
+    loop = Loop()
+    run = started(loop, 2, credit=1)
+    assert loop.sched.status(0.5).newest.waiting_for == Holdup("the dataset", Side.DATASET, False)
+    loop(ev.InputsRead(1.0, run, [item(0), item(1)]))
+    assert loop.sched.status(1.5).newest.waiting_for == Holdup("the workers (2 in flight)", Side.WORKERS, False)
+    loop(ev.ResultsReceived(2.0, b"w1", run, [item(0)]))
+    assert loop.sched.status(2.5).newest.waiting_for == Holdup("the trainer (no credit)", Side.TRAINER, False)
+    loop(ev.WorkerLeft(3.0, b"w1"))
+    assert loop.sched.status(3.5).newest.waiting_for == Holdup("a worker (none is connected)", Side.WORKERS, False)
 
 
 def rank(position: int, shard_size: Optional[int], done: bool = False) -> RankStatus:
     return RankStatus(0, 0, 3, 7, False, position, shard_size, 0.0, done, 1.0, 0)
 
 
-def sched_status(*ranks: RankStatus, waiting_for: Optional[str] = "the workers", idle: bool = False) -> SchedulerStatus:
+def sched_status(
+    *ranks: RankStatus, why: Holdup = Holdup("the workers", Side.WORKERS, False), idle: bool = False
+) -> SchedulerStatus:
     """A scheduler's status whose newest run is 7 (none if `idle`), with `ranks`."""
-    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, waiting_for, None, 0)
-    return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, None, ranks, None if idle else newest)
+    newest = RunStatus(3, 7, RunState.RUNNING, None, 0, 0, 0.0, 0.0, None, why, None, 0)
+    return SchedulerStatus((), 0, 0, 0, 0, 0, 0, {}, 0, 0, None, ranks, None if idle else newest)
 
 
 def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
@@ -196,7 +214,7 @@ def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
     st = sched_status(rank(30, 100), rank(10, 100))
     (run,) = run_progress(st.ranks, w, {7: 3})
     assert run == RunProgress(epoch=3, run=7, seqs_done=40, seqs_total=200, seqs_per_sec=10.0, eta_s=16.0)
-    assert progress_line(run, "workers") == (
+    assert progress_line(run, Side.WORKERS) == (
         "epoch 3 (run 7): 40/200 seqs, 10.0 seqs/s, ETA 16 s, held back by the workers"
     )
     unknown = run_progress([rank(30, None)], w, {7: 3})[0]
@@ -205,19 +223,20 @@ def test_eta_comes_from_what_the_ranks_have_left_and_the_rolling_rate():
     done = run_progress([rank(100, 100, done=True)], Window(), {7: 3})[0]
     assert done.eta_s == 0.0 and done.seqs_per_sec is None
     fields = status_fields(st, w, {7: 3})
-    assert fields.eta_s == 16.0 and fields.rate_seqs_per_sec == 10.0 and fields.held_back_by == "workers"
+    assert fields.eta_s == 16.0 and fields.rate_seqs_per_sec == 10.0 and fields.held_back_by is Side.WORKERS
     assert fields.rate_window_s == 4.0 and fields.progress == (run,)
     assert status_fields(sched_status(idle=True), Window(), {}).held_back_by is None
 
 
 def test_advice_only_for_a_reader_that_holds_the_epoch_back():
-    text = advice("dataset", {"read": 3.25, "mapper": 0.1})
+    text = advice(Side.DATASET, {"read": 3.25, "mapper": 0.1})
     assert text is not None and text.startswith("the reader holds the epoch back") and "3.2 ms per seq" in text
     assert "map_seq" in text and "\n" not in text
-    assert advice("dataset", {}) is not None and advice("workers", {"read": 3.0}) is None and advice(None, {}) is None
-    st = sched_status(waiting_for="the dataset (in get_seq(5) for 1.0 s)")
+    assert advice(Side.DATASET, {}) is not None and advice(Side.WORKERS, {"read": 3.0}) is None
+    assert advice(None, {}) is None
+    st = sched_status(why=Holdup("the dataset (in get_seq(5) for 1.0 s)", Side.DATASET, False))
     w = window(*(sample(t, 10 * t, read=0.9 * t) for t in range(10)))
-    assert status_fields(st, w, {7: 1}).advice == advice("dataset", w.stage_ms())
+    assert status_fields(st, w, {7: 1}).advice == advice(Side.DATASET, w.stage_ms())
 
 
 @pytest.mark.parametrize("seconds, text", [(None, "?"), (4.4, "4 s"), (125, "2 min 05 s"), (7260, "2 h 01 min")])
@@ -255,13 +274,14 @@ def test_metric_families_name_every_stage_host_and_counter():
         sched,
         workers=sched.workers * 2,
         handed_back=3,
+        internal_errors=2,
         departures={Departure.LOST: 1},
         malformed_results=2,
         seqs_skipped_total=7,
     )
     changes = (("down", "trainer_holds_back", 1), ("up", "workers_hold_back", 2))
     pool = PoolStatus(True, 2, 3, 1, 4, 4, "the trainer", (), changes, ())
-    progress = Progress(1.5, 2.0, 3.0, "trainer", None, {}, ())
+    progress = Progress(1.5, 2.0, 3.0, Side.TRAINER, None, {}, ())
     st = ServerStatus(sched, "tcp://a", "tcp://b", "v", 1.0, 1, 6, 4, 5, None, pool, progress)
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families(loop.clock, st) for s in f.samples}
     assert got[("ppserver_workers_wanted", ())] == 3
@@ -273,6 +293,7 @@ def test_metric_families_name_every_stage_host_and_counter():
     assert got[("ppserver_worker_results_total", (("host", "hostA"),))] == 1
     assert got[("ppserver_workers", (("host", "hostA"),))] == 2
     assert got[("ppserver_reassigned_total", ())] == 3
+    assert got[("ppserver_internal_errors_total", ())] == 2
     assert got[("ppserver_worker_departures_total", (("reason", "lost"),))] == 1
     assert got[("ppserver_malformed_messages_total", ())] == 4
     assert got[("ppserver_refused_handshakes_total", ())] == 5
@@ -288,7 +309,8 @@ def test_metric_families_name_every_stage_host_and_counter():
 
 WIRE_KEYS = (
     "workers_alive workers seqs_delivered_total seqs_skipped_total malformed_results lost_direct_results "
-    "lost_inputs dropped_by_workers departures handed_back job ranks epoch run state num_seqs seqs_delivered "
+    "lost_inputs dropped_by_workers departures handed_back internal_errors job ranks epoch run state num_seqs "
+    "seqs_delivered "
     "seqs_skipped seqs_per_sec mb_delivered error waiting_for queues address worker_address version uptime_s "
     "local_workers local_worker_respawns malformed_messages refused_handshakes dataset pool rate_seqs_per_sec "
     "rate_window_s eta_s held_back_by advice stage_ms progress"

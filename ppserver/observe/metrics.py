@@ -29,9 +29,9 @@ from urllib.parse import urlsplit
 from ppclient.protocol import PROTOCOL
 from ppclient.throttle import Throttled
 from ppserver.errors import ConfigError
-from ppserver.observe.progress import SIDES
 from ppserver.observe.stages import MAX_SERIES, StageClock
 from ppserver.observe.status import ServerStatus, queue_counts
+from ppserver.scheduler.status import Side
 
 log = logging.getLogger("ppserver.metrics")
 
@@ -413,6 +413,11 @@ def families(clock: StageClock, st: ServerStatus) -> List[Any]:
             sorted(((d.value,), n) for d, n in sched.departures.items()),
         ),
         total("ppserver_seqs_skipped", "seqs map_seq skipped (returned None)", sched.seqs_skipped_total),
+        total(
+            "ppserver_internal_errors",
+            "events whose handler in the scheduler raised (each failed its run)",
+            sched.internal_errors,
+        ),
         total("ppserver_malformed_results", "malformed results dropped (their seqs redone)", sched.malformed_results),
         total("ppserver_malformed_messages", "malformed messages dropped", st.malformed_messages),
         total("ppserver_refused_handshakes", "connections refused for wrong or missing keys", st.refused_handshakes),
@@ -436,7 +441,7 @@ def families(clock: StageClock, st: ServerStatus) -> List[Any]:
             "ppserver_held_back",
             "1 for the side holding the live run back",
             ("side",),
-            [((side,), 1.0 if side == st.progress.held_back_by else 0.0) for side in SIDES],
+            [((side.value,), 1.0 if side is st.progress.held_back_by else 0.0) for side in Side],
         ),
         _family(
             "gauge",

@@ -9,8 +9,8 @@ in each stage (stages.py) and so the side that holds the epoch back:
 - the dataset, when neither waits and the reader spends its time inside the dataset.
 
 Stage times are counted when a seq leaves a stage, so a stall shows in none of them: when
-nothing was delivered lately, the scheduler's word for what the run waits for (the one
-keepalives carry) decides instead.
+nothing was delivered lately, the side of the scheduler's holdup (what the run waits for, the
+words keepalives carry) decides instead.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, Optional, Sequence, Tuple
 
-from ppserver.scheduler.status import RankStatus, SchedulerStatus
+from ppserver.scheduler.status import Holdup, RankStatus, SchedulerStatus, Side
 
 SAMPLE_S = 1.0
 WINDOW_S = 20.0
 FLOWING_S = 3.0  # something delivered within this long: the stage times can tell
 SATURATED = 0.5  # seqs waiting on average (or the reader's busy fraction) that mark a side
-SIDES = ("trainer", "workers", "dataset")
 
 
 @dataclass(frozen=True)
@@ -104,20 +103,9 @@ class Window:
         return False
 
 
-def side_of(waiting_for: Optional[str]) -> Optional[str]:
-    """The side a scheduler's holdup word (see scheduler.status.holdup) blames."""
-    if not waiting_for:
-        return None
-    if waiting_for.startswith("the dataset"):
-        return "dataset"
-    if waiting_for.startswith(("a worker", "the workers")):
-        return "workers"
-    return "trainer"  # no credit, or ranks that have not connected
-
-
-def held_back_by(window: Window, waiting_for: Optional[str], run: Optional[int] = None) -> Optional[str]:
+def held_back_by(window: Window, waiting_for: Optional[Holdup], run: Optional[int] = None) -> Optional[Side]:
     """The side holding the live run back: from where seqs waited in the window (since `run`
-    started), else from the scheduler's word (a stall, or no side saturated). None when no run
+    started), else from the scheduler's holdup (a stall, or no side saturated). None when no run
     is live."""
     if waiting_for is None:
         return None
@@ -126,12 +114,12 @@ def held_back_by(window: Window, waiting_for: Optional[str], run: Optional[int] 
         trainer = load.get("wait_trainer", 0.0)
         workers = load.get("wait_worker", 0.0) + load.get("reorder", 0.0)
         if trainer >= SATURATED and trainer >= workers:
-            return "trainer"
+            return Side.TRAINER
         if workers >= SATURATED:
-            return "workers"
+            return Side.WORKERS
         if load.get("read", 0.0) >= SATURATED:
-            return "dataset"
-    return side_of(waiting_for)
+            return Side.DATASET
+    return waiting_for.side
 
 
 @dataclass(frozen=True)
@@ -153,7 +141,7 @@ class Progress:
     rate_seqs_per_sec: float
     rate_window_s: float
     eta_s: Optional[float]  # of the newest run
-    held_back_by: Optional[str]  # one of SIDES, None when no run is live
+    held_back_by: Optional[Side]  # None when no run is live
     advice: Optional[str]
     stage_ms: Dict[str, Optional[float]]
     progress: Tuple[RunProgress, ...]  # the running runs
@@ -205,10 +193,10 @@ def status_fields(st: SchedulerStatus, window: Window, running: Dict[int, int]) 
     )
 
 
-def advice(held_back: Optional[str], stage_ms: Dict[str, Optional[float]]) -> Optional[str]:
+def advice(held_back: Optional[Side], stage_ms: Dict[str, Optional[float]]) -> Optional[str]:
     """What to do about the side holding the epoch back, where ppserver can tell: the dataset, whose
     reading runs in the server's one reader thread, so more workers do not help."""
-    if held_back != "dataset":
+    if held_back is not Side.DATASET:
         return None
     read = stage_ms.get("read")
     per_seq = f" ({read:.1f} ms per seq)" if read is not None else ""
@@ -230,11 +218,11 @@ def format_eta(seconds: Optional[float]) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def progress_line(run: RunProgress, held_back: Optional[str]) -> str:
+def progress_line(run: RunProgress, held_back: Optional[Side]) -> str:
     """One running epoch in one line (the server logs it every progress_interval)."""
     total = "?" if run.seqs_total is None else run.seqs_total
     rate = "?" if run.seqs_per_sec is None else f"{run.seqs_per_sec:.1f}"
-    held = f", held back by the {held_back}" if held_back else ""
+    held = f", held back by the {held_back.value}" if held_back is not None else ""
     return (
         f"epoch {run.epoch} (run {run.run}): {run.seqs_done}/{total} seqs, {rate} seqs/s, "
         f"ETA {format_eta(run.eta_s)}{held}"

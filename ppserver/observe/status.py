@@ -81,6 +81,7 @@ class ServerStatus:
             "dropped_by_workers": s.dropped_by_workers,
             "departures": {d.value: n for d, n in s.departures.items()},
             "handed_back": s.handed_back,
+            "internal_errors": s.internal_errors,
             "job": None if s.job is None else _job(s.job),
             "ranks": _plain(s.ranks),
             **_newest(s.newest),
@@ -97,7 +98,7 @@ class ServerStatus:
             "rate_seqs_per_sec": p.rate_seqs_per_sec,
             "rate_window_s": p.rate_window_s,
             "eta_s": p.eta_s,
-            "held_back_by": p.held_back_by,
+            "held_back_by": None if p.held_back_by is None else p.held_back_by.value,
             "advice": p.advice,
             "stage_ms": dict(p.stage_ms),
             "progress": _plain(p.progress),
@@ -140,6 +141,7 @@ def _newest(r: Optional[RunStatus]) -> Dict[str, Any]:
         }
     wire = _plain(r)
     del wire["client_credit"]  # (it goes among the queues)
+    wire["waiting_for"] = r.waiting_for.words if r.waiting_for is not None else None
     wire["queues"] = queue_counts(r)
     return wire
 

@@ -103,8 +103,8 @@ class Scheduler:
         no client waits for what will not come (with `strict`, tests, it raises)."""
         out: List[Instruction] = []
         state = self.state
-        state.now = state.story_log.now = event.now
-        stimulus = state.story_log.stimulus = event.stimulus or state.stimuli.next(ev.kind_of(type(event)))
+        stimulus = event.stimulus or state.stimuli.next(ev.kind_of(type(event)))
+        state.begin(event.now, stimulus)
         try:
             if not isinstance(event, ev.WorkerEvent) or self._touch(event, out):
                 self._handlers[type(event)](event, out)
@@ -121,7 +121,7 @@ class Scheduler:
         """A handler raised: the instructions it built stay (the state moved with them), and the
         event's run, or every live run if it names none, fails as a server failure through the
         normal path; the log names the stimulus and what was built."""
-        stimulus = self.state.story_log.stimulus
+        stimulus = self.state.stimulus
         self.state.internal_errors += 1
         built = ", ".join(type(i).__name__ for i in out) or "nothing"
         log.exception("internal error handling %s (%s); built before it: %s", stimulus, type(event).__name__, built)

@@ -140,6 +140,11 @@ class Dispatch(abc.ABC):
         """What waits where, for status."""
 
     @abc.abstractmethod
+    def in_flight(self) -> int:
+        """The work workers hold (tasks, or stream partitions): `queues().in_flight`, cheaply (each
+        keepalive asks)."""
+
+    @abc.abstractmethod
     def holds(self) -> List[int]:
         """The positions whose inputs it holds (to send, in flight, kept for consumers)."""
 

@@ -32,6 +32,8 @@ import enum
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from ppserver.scheduler.status import Side
+
 GAIN = 0.07  # an added worker must raise the rate by more than this (Cachew's)
 LOSS = 0.03  # a retired worker may cost the rate at most this
 SPARE = 0.85  # retire only if the work fits into this much of one worker less
@@ -70,7 +72,7 @@ class Limits:
 class PoolSample:
     now: float
     delivered: int  # seqs (or batches) mapped for the trainer, cumulative
-    held_back: Optional[str]  # "trainer", "workers", "dataset", or None (no live run)
+    held_back: Optional[Side]  # None: no live run
     workers: int  # workers serving (registered, not retiring)
     busy_s: float  # seconds inside the mappers, cumulative over every worker
     capacity: int  # workers the pool can hold now (local room plus the hosts that size themselves)
@@ -89,7 +91,7 @@ class Decision:
 class _Window:
     first: PoolSample
     last: PoolSample
-    sides: List[Optional[str]]
+    sides: List[Optional[Side]]
 
     def rate(self) -> float:
         span = self.last.now - self.first.now
@@ -100,7 +102,7 @@ class _Window:
         span = self.last.now - self.first.now
         return (self.last.busy_s - self.first.busy_s) / span if span > 0 else 0.0
 
-    def side(self) -> Optional[str]:
+    def side(self) -> Optional[Side]:
         """The side most samples blamed (None: no live run in most of them)."""
         counts = {s: self.sides.count(s) for s in set(self.sides)}
         return max(counts, key=lambda s: (counts[s], s is not None)) if counts else None
@@ -168,11 +170,11 @@ class Elastic:
         if probe is not None and probe[1] > 0:
             change = rate / probe[1] - 1.0
             # (an add after which the trainer holds the epoch back did its job, whatever the gain)
-            if probe[0] is Action.ADD and change <= GAIN and side != "trainer":
+            if probe[0] is Action.ADD and change <= GAIN and side is not Side.TRAINER:
                 self.ceiling = (n, s.now + lim.hold_windows * (lim.settle_s + lim.window_s))
                 text = f"worker {n} raised the rate by {change:+.0%} only (needs > {GAIN:.0%})"
                 return self._change(s, Action.RETIRE, Reason.NO_GAIN, text)
-            if probe[0] is Action.RETIRE and -change > LOSS and side == "workers":
+            if probe[0] is Action.RETIRE and -change > LOSS and side is Side.WORKERS:
                 self.floor = (n, s.now + lim.hold_windows * (lim.settle_s + lim.window_s))
                 text = f"retiring worker {n + 1} cost {-change:.0%} of the rate (allowed {LOSS:.0%})"
                 return self._change(s, Action.ADD, Reason.RATE_LOST, text)
@@ -180,8 +182,8 @@ class Elastic:
         self.wanted = n  # (unless it wants more than there is room for, below)
         ceiling = self._bound(self.ceiling, s.now)
         floor = self._bound(self.floor, s.now)
-        self.trainer_windows = self.trainer_windows + 1 if side == "trainer" else 0
-        if side == "workers":
+        self.trainer_windows = self.trainer_windows + 1 if side is Side.TRAINER else 0
+        if side is Side.WORKERS:
             top = min(lim.max_workers, ceiling - 1 if ceiling is not None else lim.max_workers)
             if n >= top:
                 why = "max_workers" if n >= lim.max_workers else "a worker more gained nothing lately"
@@ -193,12 +195,12 @@ class Elastic:
             return self._change(s, Action.ADD, Reason.WORKERS_HOLD_BACK, text)
         busy = w.busy()
         bottom = max(lim.min_workers, floor + 1 if floor is not None else lim.min_workers)
-        if side == "trainer" and n > bottom and busy <= SPARE * (n - 1):
+        if side is Side.TRAINER and n > bottom and busy <= SPARE * (n - 1):
             if self.trainer_windows >= RETIRE_WINDOWS:
                 text = f"the trainer holds the epoch back ({rate:.1f}/s, {busy:.1f} of {n} workers busy)"
                 return self._change(s, Action.RETIRE, Reason.TRAINER_HOLDS_BACK, text)
             return self._hold(f"the trainer holds the epoch back; {busy:.1f} of {n} workers busy")
-        return self._hold(f"held back by the {side}; {n} workers, {busy:.1f} busy, {rate:.1f}/s")
+        return self._hold(f"held back by the {side.value}; {n} workers, {busy:.1f} busy, {rate:.1f}/s")
 
     @staticmethod
     def _bound(bound: Optional[Tuple[int, float]], now: float) -> Optional[int]:

@@ -339,11 +339,14 @@ class SeqDispatch(SeqWork):
         return SeqQueues(
             fed=self.fed,
             waiting_for_worker=len(t.todo),
-            in_flight=len(t.worker),
+            in_flight=self.in_flight(),
             reorder_buffer=len(t.results),
             kept_for_consumers=len(t.kept),
             suspects=sum(1 for c in t.charges.values() if c.deaths),
         )
+
+    def in_flight(self) -> int:
+        return len(self.table.worker)
 
     def holds(self) -> List[int]:
         return self.table.holds()

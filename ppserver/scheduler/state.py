@@ -4,8 +4,8 @@
 and what reads it (status, invariants) are handed this object and the parts they call, never
 the Scheduler, so none of them reaches back into the event table. Runs, lanes and the job are
 jobs.py's, a worker's view is workers.py's, a task's state is its run's dispatch's: this is the
-scheduler's index of them, its counters for status, and the clock and names of the event being
-handled.
+scheduler's index of them, its counters for status, and the time and name of the event being
+handled (kept once, in the story, which stamps every move with them).
 """
 
 from __future__ import annotations
@@ -56,14 +56,29 @@ class SchedulerState:
     last_beat: float = float("-inf")
     # What the reader is doing, as the last Tick said (None: idle): what a preparing run waits for.
     reader_busy: Optional[str] = None
-    # The time of the event being handled (events carry it; the scheduler has no clock).
-    now: float = 0.0
     # Names events that come without a stimulus id (tests; the server names its own).
     stimuli: Stimuli = field(default_factory=Stimuli)
-    # The moves, with their stimuli (story.py): sized by settings.story_length, allocated once.
+    # The moves, with their stimuli (story.py): sized by settings.story_length, allocated once;
+    # it keeps the time and stimulus of the event being handled (`now`, `stimulus` below).
     story_log: Story = field(init=False)
     # Handlers that raised (Scheduler.handle contains them): each failed its run.
     internal_errors: int = 0
 
     def __post_init__(self) -> None:
         self.story_log = Story(self.settings.story_length)
+
+    def begin(self, now: float, stimulus: str) -> None:
+        """The event handled next: its time (events carry it; the scheduler has no clock) and name."""
+        story = self.story_log
+        story.now = now
+        story.stimulus = stimulus
+
+    @property
+    def now(self) -> float:
+        """The time of the event being handled."""
+        return self.story_log.now
+
+    @property
+    def stimulus(self) -> str:
+        """The stimulus id of the event being handled."""
+        return self.story_log.stimulus

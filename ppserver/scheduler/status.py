@@ -1,9 +1,11 @@
-"""What the scheduler tells about itself: what a run waits for (in words), the keepalives that
-say so to its clients, and its status (`ppserver status`), a typed value: the server adds its
-own part and turns the whole into the `status_reply` dict in one place (observe/status.py)."""
+"""What the scheduler tells about itself: what a run waits for (in words, and the side that is:
+the trainer, the workers or the dataset), the keepalives that say so to its clients, and its
+status (`ppserver status`), a typed value: the server adds its own part and turns the whole
+into the `status_reply` dict in one place (observe/status.py)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -14,6 +16,23 @@ from ppserver.scheduler.instructions import Instruction, ToClient
 from ppserver.scheduler.jobs import Lane, Run, RunState
 from ppserver.scheduler.state import SchedulerState
 from ppserver.scheduler.workers import Departure, WorkerState
+
+
+class Side(enum.Enum):
+    """The side that holds a run back (status's `held_back_by`, the elastic pool's input)."""
+
+    TRAINER = "trainer"  # no credit, or ranks that have not connected (or do not take their seqs)
+    WORKERS = "workers"
+    DATASET = "dataset"
+
+
+@dataclass(frozen=True)
+class Holdup:
+    """What a run (or a rank of it) waits for: in words (keepalives and status) and its side."""
+
+    words: str
+    side: Side
+    on_readers: bool  # other readers whose clients live (their batch sizes, or room for their seqs)
 
 
 @dataclass(frozen=True)
@@ -76,7 +95,7 @@ class RunStatus:
     seqs_per_sec: float
     mb_delivered: float
     error: Optional[str]
-    waiting_for: Optional[str]  # what it waits for (holdup), while live
+    waiting_for: Optional[Holdup]  # what it waits for, while live
     queues: Optional[Queues]  # what waits where in its dispatch, while live (each style's own)
     client_credit: int  # what its live lanes' clients granted and were not sent yet
 
@@ -94,34 +113,35 @@ class SchedulerStatus:
     dropped_by_workers: int
     departures: Dict[Departure, int]
     handed_back: int
+    internal_errors: int  # events whose handler raised (each failed its run)
     job: Optional[JobStatus]
     ranks: Tuple[RankStatus, ...]
     newest: Optional[RunStatus]  # None: no run yet (idle)
 
 
-def holdup(s: SchedulerState, run: Run, lane: Optional[Lane] = None) -> Tuple[str, bool]:
-    """What the run (or a rank of it) waits for, in words (keepalives and status), and whether
-    that is other readers whose clients live (their batch sizes, or room for their seqs)."""
+def holdup(s: SchedulerState, run: Run, lane: Optional[Lane] = None) -> Holdup:
+    """What the run (or a rank of it) waits for: the first of these that holds."""
     if run.dispatch is None:
         busy = f" ({s.reader_busy})" if s.reader_busy is not None else ""
-        return f"the dataset to set up the epoch{busy}", False
+        return Holdup(f"the dataset to set up the epoch{busy}", Side.DATASET, False)
     job = run.job
     if not s.workers:
-        return "a worker (none is connected)", False
+        return Holdup("a worker (none is connected)", Side.WORKERS, False)
     if any(ln.credit <= 0 and ln.live for ln in ([lane] if lane is not None else run.lanes.values())):
-        return "the trainer (no credit)", False
+        return Holdup("the trainer (no credit)", Side.TRAINER, False)
     held = run.lanes.get(run.held_by) if run.held_by is not None else None
     if held is not None and held is not lane and held.consumer in job.clients:
-        return f"{job.who(held.index)} of job {job.name!r} to take its seqs (the next one waits for credit)", True
+        words = f"{job.who(held.index)} of job {job.name!r} to take its seqs (the next one waits for credit)"
+        return Holdup(words, Side.TRAINER, True)
     missing = run.awaited(8)
     if missing:
-        return f"rank(s) {', '.join(map(str, missing))} of job {run.job.name!r} to connect", False
-    in_flight = run.dispatch.queues().in_flight
+        return Holdup(f"rank(s) {', '.join(map(str, missing))} of job {run.job.name!r} to connect", Side.TRAINER, False)
+    in_flight = run.dispatch.in_flight()
     if in_flight:
-        return f"the workers ({in_flight} in flight)", False
+        return Holdup(f"the workers ({in_flight} in flight)", Side.WORKERS, False)
     if s.reader_busy is not None:
-        return f"the dataset ({s.reader_busy})", False
-    return "the dataset", False
+        return Holdup(f"the dataset ({s.reader_busy})", Side.DATASET, False)
+    return Holdup("the dataset", Side.DATASET, False)
 
 
 def keepalives(s: SchedulerState, out: List[Instruction]) -> None:
@@ -129,13 +149,13 @@ def keepalives(s: SchedulerState, out: List[Instruction]) -> None:
     for run in s.runs.values():
         for lane in run.lanes.values():
             if lane.consumer is not None and lane.connected and not lane.settled:
-                waiting_for, on_readers = holdup(s, run, lane)
+                why = holdup(s, run, lane)
                 msg = Keepalive(
                     run=run.run,
                     interval=s.settings.heartbeat_interval,
                     workers=len(s.workers),
-                    waiting_for=waiting_for,
-                    waits_on_readers=on_readers,
+                    waiting_for=why.words,
+                    waits_on_readers=why.on_readers,
                     mapped=run.mapped,
                 )
                 out.append(ToClient(lane.consumer, msg))
@@ -159,6 +179,7 @@ def status(s: SchedulerState, now: float) -> SchedulerStatus:
         dropped_by_workers=s.dropped_by_workers,
         departures=dict(s.departures),
         handed_back=s.handed_back,
+        internal_errors=s.internal_errors,
         job=None
         if job is None
         else JobStatus(
@@ -205,7 +226,7 @@ def _newest(s: SchedulerState, last: Run, now: float) -> RunStatus:
         seqs_per_sec=round(delivered / max(end - began, 1e-9), 2),
         mb_delivered=round(sum(lane.delivered_bytes for lane in last.lanes.values()) / 1e6, 3),
         error=last.error,
-        waiting_for=holdup(s, last)[0] if last.live else None,
+        waiting_for=holdup(s, last) if last.live else None,
         queues=last.dispatch.queues() if last.dispatch is not None and last.live else None,
         client_credit=sum(max(lane.credit, 0) for lane in last.lanes.values() if lane.live),
     )

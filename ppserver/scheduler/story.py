@@ -55,8 +55,9 @@ class Entry(NamedTuple):
 
 class Story:
     """The last `length` moves, in a ring of columns (subject, key, run, from, to, worker,
-    stimulus, time, note), slot `at` the next to write. The scheduler sets `stimulus` and `now`
-    before each event; the movers write through `move`."""
+    stimulus, time, note), slot `at` the next to write. It keeps the time and stimulus of the
+    event being handled (`SchedulerState.begin` sets them, the state reads them here: one copy);
+    the movers write through `move`."""
 
     def __init__(self, length: int):
         self.length = max(0, length)

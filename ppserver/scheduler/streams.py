@@ -489,10 +489,13 @@ class StreamDispatch(StreamWork):
         return StreamQueues(
             fed=self.fed,
             waiting_for_worker=sum(len(p.queue) + len(p.replay) for p in self.parts),
-            in_flight=sum(1 for p in self.parts if p.state is OWNED),
+            in_flight=self.in_flight(),
             reorder_buffer=sum(len(p.outputs) for p in self.parts),
             partitions_done=sum(1 for p in self.parts if p.state is DONE),
         )
+
+    def in_flight(self) -> int:
+        return sum(1 for p in self.parts if p.state is OWNED)
 
     def holds(self) -> List[int]:
         return sorted(item.pos for part in self.parts for item in (*part.queue, *part.replay))

@@ -44,6 +44,7 @@ class Control:
         cfg: Config,
         sched: Scheduler,
         *,
+        stimuli: ev.Stimuli,
         info: Dict[str, Any],
         status: Callable[[], ServerStatus],
         worker_address: Callable[[], str],
@@ -58,6 +59,7 @@ class Control:
         self.outputs = outputs or {}  # the outputs' templates: the keys a batching's pad may name
         self.no_durations = no_durations  # why a batching may not ask for max_duration (None: it may)
         self.sched = sched
+        self.stimuli = stimuli  # the server's: names the events made here
         self.info = info
         self.status = status
         self.worker_address = worker_address
@@ -74,7 +76,7 @@ class Control:
         now = time.monotonic()
         event = EVENTS.get(type(msg))
         if event is not None:
-            e = self.sched.state.stimuli.name(event(now, ident, msg), msg.kind)
+            e = self.stimuli.name(event(now, ident, msg), msg.kind)
             self.observe(e)
             return None, self.sched.handle(e)
         reply = self.replies.get(type(msg))
@@ -126,7 +128,7 @@ class Control:
                 host=msg.host,
                 batching=batching,
                 sharding=msg.sharding,
-                stimulus=self.sched.state.stimuli.next(msg.kind),
+                stimulus=self.stimuli.next(msg.kind),
             )
         )
 

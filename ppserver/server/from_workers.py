@@ -93,6 +93,7 @@ class FromWorkers:
         templates: Dict[str, Any],
         input_templates: Dict[str, Any],
         sched: Scheduler,
+        stimuli: ev.Stimuli,
         inputs: WorkerInputs,
         handle: Callable[[ev.Event], None],
         send: Callable[[List[Any]], bool],
@@ -103,6 +104,7 @@ class FromWorkers:
         self.templates = templates  # of the outputs
         self.input_templates = input_templates
         self.sched = sched
+        self.stimuli = stimuli  # the server's: names the events made here
         self.inputs = inputs
         self.handle = handle
         self.send = send
@@ -122,9 +124,7 @@ class FromWorkers:
             if isinstance(msg, protocol.Heartbeat):
                 wid = ident[: -len(protocol.HEARTBEAT_SUFFIX)]
                 self.heartbeat(wid, msg.stats)
-                self.handle(
-                    ev.HeartbeatReceived(now, wid, _mapping(msg), stimulus=self.sched.state.stimuli.next(msg.kind))
-                )
+                self.handle(ev.HeartbeatReceived(now, wid, _mapping(msg), stimulus=self.stimuli.next(msg.kind)))
             return
         try:
             decoded = protocol.decode(frames[1:], Peer.SERVER, (Channel.WORKER,))
@@ -143,7 +143,7 @@ class FromWorkers:
         build = self.events.get(type(decoded.msg), EVENTS[protocol.Heartbeat])
         event = build(now, ident, decoded.msg, decoded)
         if event is not None:
-            self.handle(self.sched.state.stimuli.name(event, decoded.msg.kind))
+            self.handle(self.stimuli.name(event, decoded.msg.kind))
 
     def _undecodable(self, now: float, wid: bytes, exc: protocol.ProtocolError) -> None:
         self.malformed.hit(f"from worker {wid.decode(errors='replace')[:64]}: {exc}")

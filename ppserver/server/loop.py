@@ -159,9 +159,11 @@ class Server:
             self.sched, self.stages, limits=elastic, local_max=local_max, pool=lambda: self.pool, handle=self.handle
         )
         self.sizing_failed_at = float("-inf")
+        self.stimuli = ev.Stimuli()  # names every event the server makes; the scheduler names only unnamed ones
         self.ctl = Control(
             cfg,
             self.sched,
+            stimuli=self.stimuli,
             info=self._info(),
             status=self.status,
             worker_address=lambda: self.worker_address,
@@ -182,6 +184,7 @@ class Server:
             templates=self.out_templates,
             input_templates=self.in_templates,
             sched=self.sched,
+            stimuli=self.stimuli,
             inputs=self.inputs,
             handle=self.handle,
             send=lambda frames: sockets.send(self.workers_sock, frames),
@@ -290,7 +293,7 @@ class Server:
     def handle(self, event: ev.Event) -> None:
         """Hand `event` to the scheduler, named (a stimulus id) if it came without a name."""
         if not event.stimulus:
-            self.sched.state.stimuli.name(event)
+            self.stimuli.name(event)
         self.stages.on_event(event)
         self.perform(self.sched.handle(event))
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ppclient import protocol
-from ppserver.observe.progress import side_of
 from ppserver.observe.stages import StageClock
 from ppserver.observe.status import PoolChange, PoolHost, PoolStatus
 from ppserver.scheduler import Scheduler, WorkerState
@@ -146,7 +145,7 @@ class PoolSize:
         stages = self.stages
         live = [r for r in self.sched.state.runs.values() if r.dispatch is not None and r.live]
         run = max(live, key=lambda r: r.run) if live else None
-        side = side_of(holdup(self.sched.state, run)[0]) if run is not None else None
+        side = holdup(self.sched.state, run).side if run is not None else None
         serving, starting = self.serving(), self._pending()
         # The rate: results the workers sent (to the server or, direct, to their consumers), which
         # is what the trainer took where it holds the epoch back; delivery itself is only heard
