@@ -901,7 +901,9 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
     sim.join(b"w1")
     for world, parts in [(MAX_READERS + 1, 1), (MAX_READERS // 4, 8), (10**12, 1)]:
         run, out = sim.request(1, consumer=b"big", job="big", world_size=world, subshards=parts)
-        assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="request"))]
+        assert run is None and out == [
+            Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason=protocol.RefusalReason.REQUEST.value))
+        ]
         assert f"above the {MAX_READERS}" in refusal(out) and f"{world * parts} " in refusal(out) + " "
         assert status(sim).job is None  # nothing was made for it
     sim.start(8)
