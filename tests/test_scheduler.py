@@ -1589,6 +1589,13 @@ class RanksCluster(Cluster):
             self.handle(ev.RunStarted, run, 1, self.n)
         self.handle(ev.CreditGranted, consumer, run, 2)
 
+    def stop_on_failure(self) -> None:
+        """Once a run failed, the trainer raises: every rank's client closes."""
+        if self.failures and self.session:
+            for consumer in list(self.session.values()):
+                self.handle(ev.ConsumerClosed, consumer)
+            self.session.clear()
+
     def position(self, rank: int) -> int:
         consumer = self.session[rank]
         return self.sessions[consumer][2] + len(self.got_by.get(consumer, []))
@@ -1617,23 +1624,31 @@ class RanksCluster(Cluster):
     actions=st.lists(
         st.tuples(
             st.sampled_from(
-                ["join", "kill", "work", "work", "work", "read", "read", "pull", "pull", "pull", "crash", "rewind"]
+                ["join", "kill", "kill", "work", "work", "work", "read", "read", "pull", "pull", "crash", "rewind"]
             ),
             st.integers(0, 100),
         ),
         max_size=120,
     ),
+    workers=st.integers(0, 2),
+    retries=st.integers(1, 3),
 )
-def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size, actions):
-    sim = Sim(buf_size=buf_size, max_seq_retries=1000)
+def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size, actions, workers, retries):
+    """Also where a few deaths fail a run (max_seq_retries 1 to 3): the trainer then stops (every
+    client closes), the failure names the seq, and what each client got before is its slice of
+    the shard, in order."""
+    sim = Sim(buf_size=buf_size, max_seq_retries=retries)
     cluster = RanksCluster(sim, world, n)
     for rank in range(world):
         cluster.connect(rank, 0)
+    for _ in range(workers):
+        cluster.step(("join", 0))
     for what, k in actions:
         if what in ("pull", "crash", "rewind"):
             cluster.rank_step(what, k)
         else:
             cluster.step((what, k))
+        cluster.stop_on_failure()
     cluster.step(("join", 0))
     for _ in range(3000):
         if not sim.s.state.runs:
@@ -1643,7 +1658,13 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
             cluster.rank_step("pull", rank)
         for k in range(len(cluster.queues)):
             cluster.step(("work", k))
+        cluster.stop_on_failure()
     assert not sim.s.state.runs, "a run never ended"
+    for failure in cluster.failures.values():  # a seq was on `retries` workers that died
+        assert cluster.kills >= retries and failure.failure == "mapper", failure
+        assert failure.message.endswith(f"in flight on {retries} workers that died processing it"), failure
+        assert failure.seq_tag is not None
+    assert not (cluster.failures and cluster.session)  # a failure stopped every client
     end = n // world * world
     for consumer, (rank, _, start) in cluster.sessions.items():
         got = cluster.got_by.get(consumer, [])
