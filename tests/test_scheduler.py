@@ -311,10 +311,11 @@ def test_the_reader_side_of_a_run_is_asked_accepted_open_then_stopped_and_told_t
     sim(ev.RunChecked, run)  # (a late word of the reader moves nothing back)
     assert r.reading is ReadState.OPEN
     out = sim.feed(range(2))  # every input read: the reader may move on
-    assert StopReading(run) in out and r.reading is ReadState.STOPPED
-    out = sim.results(b"w1", [0, 1])
-    assert newest(sim).state is RunState.DONE and StopReading(run) not in out
-    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
+    expect(out, (b"w1", "tasks", [0, 1]), ("stop_reading", run))
+    assert r.reading is ReadState.STOPPED
+    out = sim.results(b"w1", [0, 1])  # the run ends: the reader is not told again
+    expect(out, (CONSUMER, "seqs", [0, 1]), (CONSUMER, "end"), (b"w1", "run_close"))
+    assert newest(sim).state is RunState.DONE
     with pytest.raises(AssertionError, match="reading stopped -> open is not a move"):
         r.open_reading()
 
@@ -324,9 +325,9 @@ def test_a_run_refused_while_it_prepares_stops_its_reading_once():
     run, _ = sim.request()
     assert run is not None
     out = sim(ev.RunRejected, run, "no such epoch")
-    assert StopReading(run) in out and newest(sim).state is RunState.FAILED
+    expect(out, ("stop_reading", run))
+    assert newest(sim).state is RunState.FAILED
     assert sim.s.state.last_run is not None and sim.s.state.last_run.reading is ReadState.STOPPED
-    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
 
 
 def test_results_leave_in_order_whatever_order_they_arrive_in():
