@@ -886,7 +886,9 @@ def test_another_job_is_refused_while_a_client_of_this_one_lives():
     assert run is None and "job 'train' is running with 2 live clients" in refusal(out)
     assert "a request of job 'eval' must wait until they are gone" in refusal(out)
     assert "silent for their client timeout of 30 s" in refusal(out)
-    assert [i.msg.reason for i in out] == ["job"]  # a conflict with the job: the client asks again for a moment
+    assert [i.msg.reason for i in out] == [
+        protocol.RefusalReason.JOB.value
+    ]  # a conflict with the job: the client asks again for a moment
     run, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=4)
     assert run is None and "this request of job 'train' conflicts" in refusal(out)  # the same job, not another
     assert "world_size 4, where the job has world_size 2" in refusal(out)
@@ -995,7 +997,8 @@ def test_keepalives_keep_a_busy_client_alive():
     assert status(sim).job.clients == 1
     sim.now = 12.5
     out = sim(ev.Tick)
-    assert status(sim).job.clients == 0 and StopReading(1) in out and newest(sim).state is RunState.SUPERSEDED
+    expect(out, ("stop_reading", 1))  # the client is gone: no message to it
+    assert status(sim).job.clients == 0 and newest(sim).state is RunState.SUPERSEDED
 
 
 def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
@@ -1012,7 +1015,9 @@ def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
     assert StopReading(1) in sim.out  # epoch 1 is read: the reader may set up epoch 2
     _, out = sim.request(4, consumer=b"r1", job="train", rank=1, world_size=2)
     assert "at most one epoch apart" in refusal(out)
-    assert [i.msg.reason for i in out] == ["epoch"]  # not a conflict with other clients: refused at once
+    assert [i.msg.reason for i in out] == [
+        protocol.RefusalReason.EPOCH.value
+    ]  # not a conflict with other clients: refused at once
     _, out = sim.request(0, consumer=b"r1", job="train", rank=1, world_size=2)
     assert "epoch 0 is over" in refusal(out)
     sim(ev.CreditGranted, b"r1", 1, 10)
@@ -1784,7 +1789,8 @@ def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_a
     # the run ends (superseded) with tasks in flight: their inputs stay with their workers
     left = {(w, p) for w, ps in held.items() for p in ps if p in rank1[1:]}
     out = sim(ev.ConsumerClosed, b"r0")
-    assert StopReading(sim.run) in out and newest(sim).state is RunState.SUPERSEDED
+    expect(out, ("stop_reading", sim.run), (b"w1", "run_close"), (b"w2", "run_close"))
+    assert newest(sim).state is RunState.SUPERSEDED
     assert sim.s.held_inputs(sim.run) == sorted(p for _, p in left)
     for w in (b"w1", b"w2"):
         sim(ev.RunDropped, w, sim.run)
