@@ -1,17 +1,19 @@
 """A lane's state (jobs.LaneState): awaited, reading, done or gone, moved only by the lane's
 attach, end and leave, along its table. The lane alone, then the scheduler driven by events
-(strict, `validate` after every event) with `Scheduler.lanes` and the run's end checked."""
+(strict, `validate` after every event) with `Scheduler.lanes`, the run's end and each event's
+exact instructions checked."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
+from test_scheduler import expect
 
 from ppclient import protocol
 from ppclient.protocol import Item
-from ppserver.scheduler import Instruction, Lane, LaneState, Reply, Scheduler, Settings, ToClient, ToWorker
+from ppserver.scheduler import Instruction, Lane, LaneState, Reply, Scheduler, Settings
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.jobs import RunState
 
@@ -103,7 +105,9 @@ class Sim:
         self.out += out
         return out
 
-    def request(self, consumer: bytes, rank: int, epoch: int = 1, start: int = 0) -> int:
+    def request(self, consumer: bytes, rank: int, epoch: int = 1, start: int = 0, prepares: bool = False) -> int:
+        """Rank `rank` asks for `epoch` from `start`: accepted, with the dataset set up for a new
+        run first if it `prepares` one. The run it reads."""
         out = self(
             f"epoch-{consumer.decode()}",
             ev.EpochRequested,
@@ -115,40 +119,40 @@ class Sim:
             world_size=2,
             start=start,
         )
-        (reply,) = [i.msg for i in out if isinstance(i, Reply)]
-        return reply.run
+        reply = out[-1]
+        assert isinstance(reply, Reply) and isinstance(reply.msg, protocol.EpochAccepted), reply
+        expect(out[:-1], *([("prepare", reply.msg.run, epoch)] if prepares else []))
+        return reply.msg.run
 
-    def work(self, run: int, positions: Sequence[int]) -> None:
-        """The reader reads `positions` and the worker maps them."""
-        self("read", ev.InputsRead, run, [item(p) for p in positions])
-        self("results", ev.ResultsReceived, b"w1", run, [item(p, p * 10.0) for p in positions], [])
-
-
-def ends(out: Sequence[Instruction]) -> List[bytes]:
-    return [i.consumer for i in out if isinstance(i, ToClient) and isinstance(i.msg, protocol.End)]
+    def work(self, run: int, positions: Sequence[int]) -> Tuple[List[Instruction], List[Instruction]]:
+        """The reader reads `positions` and the worker maps them: what each of the two causes."""
+        read = self("read", ev.InputsRead, run, [item(p) for p in positions])
+        return read, self("results", ev.ResultsReceived, b"w1", run, [item(p, p * 10.0) for p in positions], [])
 
 
 def two_ranks(num_seqs: int, credit1: int) -> Sim:
     """Ranks 0 and 1 read run 1, rank 0 with credit for its shard, rank 1 with `credit1`."""
     sim = Sim()
-    assert sim.request(b"r0", 0) == 1 and sim.request(b"r1", 1) == 1
+    assert sim.request(b"r0", 0, prepares=True) == 1 and sim.request(b"r1", 1) == 1
     assert sim.s.lanes(1) == {0: "reading", 1: "reading"}
-    sim("credit-r0", ev.CreditGranted, b"r0", 1, 100)
-    sim("credit-r1", ev.CreditGranted, b"r1", 1, credit1)
-    sim("checked", ev.RunChecked, 1)
-    sim("started", ev.RunStarted, 1, 1, num_seqs)
+    expect(sim("credit-r0", ev.CreditGranted, b"r0", 1, 100))
+    expect(sim("credit-r1", ev.CreditGranted, b"r1", 1, credit1))
+    expect(sim("checked", ev.RunChecked, 1))
+    out = sim("started", ev.RunStarted, 1, 1, num_seqs)
+    expect(out, (b"r0", "started"), (b"r1", "started"), (b"w1", "run_open"), ("read", 1, list(range(num_seqs))))
     return sim
 
 
 def test_lanes_report_reading_done_and_gone_and_a_run_one_of_whose_ranks_ended_before_leaving_is_done():
     sim = two_ranks(4, credit1=1)
-    sim.work(1, range(4))
-    assert ends(sim.out) == [b"r0"]  # rank 1 has credit for one of its two seqs
+    read, results = sim.work(1, range(4))
+    expect(read, (b"w1", "tasks", [0, 1, 2, 3]), ("stop_reading", 1))
+    # rank 1 has credit for one of its two seqs: only rank 0 ends
+    expect(results, (b"r0", "seqs", [0, 2]), (b"r1", "seqs", [1]), (b"r0", "end"))
     assert sim.s.lanes(1) == {0: "done", 1: "reading"}
-    sim("closed-r0", ev.ConsumerClosed, b"r0")
+    expect(sim("closed-r0", ev.ConsumerClosed, b"r0"))
     assert sim.s.lanes(1) == {0: "gone", 1: "reading"}  # rank 0 ended, then left
-    sim("closed-r1", ev.ConsumerClosed, b"r1")  # before its shard was out
-    assert ends(sim.out) == [b"r0"] and ToWorker(b"w1", protocol.RunClose(run=1)) in sim.out
+    expect(sim("closed-r1", ev.ConsumerClosed, b"r1"), (b"w1", "run_close"))  # before its shard was out
     assert (
         sim.s.lanes(1) == {} and sim.s.status(sim.now).newest.state is RunState.DONE
     )  # one ended: done, not superseded
@@ -156,42 +160,44 @@ def test_lanes_report_reading_done_and_gone_and_a_run_one_of_whose_ranks_ended_b
 
 def test_a_run_whose_ranks_all_left_before_any_ended_is_superseded():
     sim = two_ranks(4, credit1=1)
-    sim.work(1, [0, 1])
-    sim("closed-r0", ev.ConsumerClosed, b"r0")
+    read, results = sim.work(1, [0, 1])
+    expect(read, (b"w1", "tasks", [0, 1]))
+    expect(results, (b"r0", "seqs", [0]), (b"r1", "seqs", [1]))
+    expect(sim("closed-r0", ev.ConsumerClosed, b"r0"))
     assert sim.s.lanes(1) == {0: "gone", 1: "reading"}
-    sim("closed-r1", ev.ConsumerClosed, b"r1")
-    assert ends(sim.out) == [] and sim.s.status(sim.now).newest.state is RunState.SUPERSEDED
-    assert ToWorker(b"w1", protocol.RunClose(run=1)) in sim.out
+    expect(sim("closed-r1", ev.ConsumerClosed, b"r1"), ("stop_reading", 1), (b"w1", "run_close"))  # no end
+    assert sim.s.status(sim.now).newest.state is RunState.SUPERSEDED
 
 
 def test_a_rank_resuming_behind_its_release_leaves_the_main_run_for_a_solo_run_of_its_own_lane():
     sim = two_ranks(8, credit1=100)
     sim.work(1, range(4))
-    solo = sim.request(b"r1b", 1, start=0)  # positions 1 and 3 went to rank 1 already
+    solo = sim.request(b"r1b", 1, start=0, prepares=True)  # positions 1 and 3 went to rank 1 already
     assert solo != 1
     assert sim.s.lanes(solo) == {1: "reading"}  # its other lane is gone from the start: not kept
     assert sim.s.lanes(1) == {0: "reading", 1: "reading"}  # it leaves once the reader checked it
-    sim("checked-solo", ev.RunChecked, solo)
+    expect(sim("checked-solo", ev.RunChecked, solo), (b"r1", "superseded"))  # its old client hears it
     assert sim.s.lanes(1) == {0: "reading", 1: "gone"}
 
 
 def test_a_run_of_the_next_epoch_awaits_a_rank_still_reading_the_last_one():
     sim = two_ranks(2, credit1=0)
-    sim.work(1, [0, 1])
+    _, results = sim.work(1, [0, 1])
+    expect(results, (b"r0", "seqs", [0]), (b"r0", "end"))
     assert sim.s.lanes(1) == {0: "done", 1: "reading"}
-    run2 = sim.request(b"r0", 0, epoch=2)
+    run2 = sim.request(b"r0", 0, epoch=2, prepares=True)
     assert sim.s.lanes(run2) == {0: "reading"}  # rank 1 has no state of its own there: awaited
     assert sim.s.state.runs[run2].view(1).state is AWAITED and sim.s.state.runs[run2].awaited(8) == [1]
-    sim("checked-2", ev.RunChecked, run2)
+    expect(sim("checked-2", ev.RunChecked, run2))
     assert sim.s.lanes(1) == {0: "gone", 1: "reading"}  # rank 0 left epoch 1, which it had finished
 
 
 def test_a_new_run_of_an_epoch_a_rank_finished_has_that_lane_gone_from_the_start():
     sim = two_ranks(2, credit1=0)
     sim.work(1, [0, 1])
-    sim("closed-r1", ev.ConsumerClosed, b"r1")
+    expect(sim("closed-r1", ev.ConsumerClosed, b"r1"), (b"w1", "run_close"))
     assert sim.s.state.runs == {} and sim.s.status(sim.now).newest.state is RunState.DONE  # rank 0 ended, rank 1 left
-    run = sim.request(b"r1b", 1)  # rank 1 comes back for epoch 1: a new run, which rank 0 will not read
+    run = sim.request(b"r1b", 1, prepares=True)  # rank 1 comes back for epoch 1: a new run, which rank 0 will not read
     assert run != 1 and sim.s.lanes(run) == {0: "gone", 1: "reading"}
 
 

@@ -311,10 +311,11 @@ def test_the_reader_side_of_a_run_is_asked_accepted_open_then_stopped_and_told_t
     sim(ev.RunChecked, run)  # (a late word of the reader moves nothing back)
     assert r.reading is ReadState.OPEN
     out = sim.feed(range(2))  # every input read: the reader may move on
-    assert StopReading(run) in out and r.reading is ReadState.STOPPED
-    out = sim.results(b"w1", [0, 1])
-    assert newest(sim).state is RunState.DONE and StopReading(run) not in out
-    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
+    expect(out, (b"w1", "tasks", [0, 1]), ("stop_reading", run))
+    assert r.reading is ReadState.STOPPED
+    out = sim.results(b"w1", [0, 1])  # the run ends: the reader is not told again
+    expect(out, (CONSUMER, "seqs", [0, 1]), (CONSUMER, "end"), (b"w1", "run_close"))
+    assert newest(sim).state is RunState.DONE
     with pytest.raises(AssertionError, match="reading stopped -> open is not a move"):
         r.open_reading()
 
@@ -324,9 +325,9 @@ def test_a_run_refused_while_it_prepares_stops_its_reading_once():
     run, _ = sim.request()
     assert run is not None
     out = sim(ev.RunRejected, run, "no such epoch")
-    assert StopReading(run) in out and newest(sim).state is RunState.FAILED
+    expect(out, ("stop_reading", run))
+    assert newest(sim).state is RunState.FAILED
     assert sim.s.state.last_run is not None and sim.s.state.last_run.reading is ReadState.STOPPED
-    assert [i for i in sim.out if isinstance(i, StopReading)] == [StopReading(run)]
 
 
 def test_results_leave_in_order_whatever_order_they_arrive_in():
@@ -885,7 +886,9 @@ def test_another_job_is_refused_while_a_client_of_this_one_lives():
     assert run is None and "job 'train' is running with 2 live clients" in refusal(out)
     assert "a request of job 'eval' must wait until they are gone" in refusal(out)
     assert "silent for their client timeout of 30 s" in refusal(out)
-    assert [i.msg.reason for i in out] == ["job"]  # a conflict with the job: the client asks again for a moment
+    assert [i.msg.reason for i in out] == [
+        protocol.RefusalReason.JOB.value
+    ]  # a conflict with the job: the client asks again for a moment
     run, out = sim.request(1, consumer=b"x", job="train", rank=0, world_size=4)
     assert run is None and "this request of job 'train' conflicts" in refusal(out)  # the same job, not another
     assert "world_size 4, where the job has world_size 2" in refusal(out)
@@ -901,7 +904,9 @@ def test_a_job_of_more_readers_than_max_readers_is_refused_at_once_and_a_running
     sim.join(b"w1")
     for world, parts in [(MAX_READERS + 1, 1), (MAX_READERS // 4, 8), (10**12, 1)]:
         run, out = sim.request(1, consumer=b"big", job="big", world_size=world, subshards=parts)
-        assert run is None and out == [Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason="request"))]
+        assert run is None and out == [
+            Reply(b"req-big", protocol.ErrorReply(error=refusal(out), reason=protocol.RefusalReason.REQUEST.value))
+        ]
         assert f"above the {MAX_READERS}" in refusal(out) and f"{world * parts} " in refusal(out) + " "
         assert status(sim).job is None  # nothing was made for it
     sim.start(8)
@@ -992,7 +997,8 @@ def test_keepalives_keep_a_busy_client_alive():
     assert status(sim).job.clients == 1
     sim.now = 12.5
     out = sim(ev.Tick)
-    assert status(sim).job.clients == 0 and StopReading(1) in out and newest(sim).state is RunState.SUPERSEDED
+    expect(out, ("stop_reading", 1))  # the client is gone: no message to it
+    assert status(sim).job.clients == 0 and newest(sim).state is RunState.SUPERSEDED
 
 
 def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
@@ -1009,7 +1015,9 @@ def test_a_rank_ahead_by_an_epoch_waits_and_disturbs_no_one():
     assert StopReading(1) in sim.out  # epoch 1 is read: the reader may set up epoch 2
     _, out = sim.request(4, consumer=b"r1", job="train", rank=1, world_size=2)
     assert "at most one epoch apart" in refusal(out)
-    assert [i.msg.reason for i in out] == ["epoch"]  # not a conflict with other clients: refused at once
+    assert [i.msg.reason for i in out] == [
+        protocol.RefusalReason.EPOCH.value
+    ]  # not a conflict with other clients: refused at once
     _, out = sim.request(0, consumer=b"r1", job="train", rank=1, world_size=2)
     assert "epoch 0 is over" in refusal(out)
     sim(ev.CreditGranted, b"r1", 1, 10)
@@ -1587,6 +1595,13 @@ class RanksCluster(Cluster):
             self.handle(ev.RunStarted, run, 1, self.n)
         self.handle(ev.CreditGranted, consumer, run, 2)
 
+    def stop_on_failure(self) -> None:
+        """Once a run failed, the trainer raises: every rank's client closes."""
+        if self.failures and self.session:
+            for consumer in list(self.session.values()):
+                self.handle(ev.ConsumerClosed, consumer)
+            self.session.clear()
+
     def position(self, rank: int) -> int:
         consumer = self.session[rank]
         return self.sessions[consumer][2] + len(self.got_by.get(consumer, []))
@@ -1615,23 +1630,31 @@ class RanksCluster(Cluster):
     actions=st.lists(
         st.tuples(
             st.sampled_from(
-                ["join", "kill", "work", "work", "work", "read", "read", "pull", "pull", "pull", "crash", "rewind"]
+                ["join", "kill", "kill", "work", "work", "work", "read", "read", "pull", "pull", "crash", "rewind"]
             ),
             st.integers(0, 100),
         ),
         max_size=120,
     ),
+    workers=st.integers(0, 2),
+    retries=st.integers(1, 3),
 )
-def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size, actions):
-    sim = Sim(buf_size=buf_size, max_seq_retries=1000)
+def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size, actions, workers, retries):
+    """Also where a few deaths fail a run (max_seq_retries 1 to 3): the trainer then stops (every
+    client closes), the failure names the seq, and what each client got before is its slice of
+    the shard, in order."""
+    sim = Sim(buf_size=buf_size, max_seq_retries=retries)
     cluster = RanksCluster(sim, world, n)
     for rank in range(world):
         cluster.connect(rank, 0)
+    for _ in range(workers):
+        cluster.step(("join", 0))
     for what, k in actions:
         if what in ("pull", "crash", "rewind"):
             cluster.rank_step(what, k)
         else:
             cluster.step((what, k))
+        cluster.stop_on_failure()
     cluster.step(("join", 0))
     for _ in range(3000):
         if not sim.s.state.runs:
@@ -1641,7 +1664,13 @@ def test_ranks_that_crash_and_resume_get_their_shard_exactly(world, n, buf_size,
             cluster.rank_step("pull", rank)
         for k in range(len(cluster.queues)):
             cluster.step(("work", k))
+        cluster.stop_on_failure()
     assert not sim.s.state.runs, "a run never ended"
+    for failure in cluster.failures.values():  # a seq was on `retries` workers that died
+        assert cluster.kills >= retries and failure.failure == "mapper", failure
+        assert failure.message.endswith(f"in flight on {retries} workers that died processing it"), failure
+        assert failure.seq_tag is not None
+    assert not (cluster.failures and cluster.session)  # a failure stopped every client
     end = n // world * world
     for consumer, (rank, _, start) in cluster.sessions.items():
         got = cluster.got_by.get(consumer, [])
@@ -1760,7 +1789,8 @@ def test_inputs_stay_while_a_worker_may_read_them_and_failures_of_dropped_seqs_a
     # the run ends (superseded) with tasks in flight: their inputs stay with their workers
     left = {(w, p) for w, ps in held.items() for p in ps if p in rank1[1:]}
     out = sim(ev.ConsumerClosed, b"r0")
-    assert StopReading(sim.run) in out and newest(sim).state is RunState.SUPERSEDED
+    expect(out, ("stop_reading", sim.run), (b"w1", "run_close"), (b"w2", "run_close"))
+    assert newest(sim).state is RunState.SUPERSEDED
     assert sim.s.held_inputs(sim.run) == sorted(p for _, p in left)
     for w in (b"w1", b"w2"):
         sim(ev.RunDropped, w, sim.run)

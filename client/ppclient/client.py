@@ -323,7 +323,7 @@ class Client:
             try:
                 return self._requests.ask(request, protocol.EpochAccepted)
             except Refused as exc:
-                if exc.reason != "job" or time.monotonic() >= deadline:
+                if exc.reason != protocol.RefusalReason.JOB.value or time.monotonic() >= deadline:
                     raise
             time.sleep(JOB_REFUSAL_RETRY_S)
 

@@ -17,8 +17,8 @@ RETRY_S = 2.5  # a request unanswered this long is sent again on a new connectio
 
 
 class Refused(Error):
-    """The server refused a request; `reason` is its error reply's ("job": a conflict with the
-    running job, see docs/protocol.md)."""
+    """The server refused a request; `reason` is its error reply's, a protocol.RefusalReason value
+    ("job": a conflict with the running job, see docs/protocol.md)."""
 
     def __init__(self, message: str, reason: str):
         super().__init__(message)

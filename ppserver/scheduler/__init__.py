@@ -6,8 +6,9 @@ which the parts work on: `requests` the job and who reads which run, `runs` a ru
 `delivery` the release into the lanes, `skips` the seqs map_seq skipped, `status` what it tells,
 `invariants` what `validate` checks. `jobs` holds the job's runs and their per-rank lanes, with the states of both;
 `dispatch` the interface of a run's
-dispatch, common and per mapper style, implemented by `seqs` (with its states in `seqstates`,
-its placement of tasks in `placement`) and `streams`.
+dispatch, common and per mapper style, implemented by `seqs` (with its states in `seqstates`)
+and `streams`; `placement` decides where work goes: which worker takes the next tasks (`seqs`)
+and which runs a stream partition (`streams`).
 `elastic` is a pure state machine of its own beside it: how many workers the pool should have.
 """
 

@@ -18,14 +18,14 @@ of the message's style (`_route`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from ppclient.protocol import FailureKind, Heartbeat, Retire, Unknown
 from ppserver.exits import describe_exit
 from ppserver.scheduler import events as ev
 from ppserver.scheduler import invariants, status
 from ppserver.scheduler.delivery import Delivery
-from ppserver.scheduler.dispatch import Dispatch, Drop, SeqWork, StreamWork
+from ppserver.scheduler.dispatch import D, Dispatch, Drop, SeqWork, StreamWork
 from ppserver.scheduler.instructions import Instruction, Read, StopReading, ToWorker
 from ppserver.scheduler.jobs import ReadState, Run
 from ppserver.scheduler.requests import MAX_READERS, Requests
@@ -43,7 +43,6 @@ _STOPPED = ReadState.STOPPED  # (the enum's own lookup is slow on the hot path)
 __all__ = ["MAX_READERS", "Scheduler"]
 
 Handler = Callable[[Any, List[Instruction]], None]
-D = TypeVar("D", bound=Dispatch)
 Of = Callable[[Optional[Dispatch]], Optional[D]]  # a run's dispatch if it is of a style (Dispatch.of)
 
 

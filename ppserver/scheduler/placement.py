@@ -104,7 +104,7 @@ def choose(workers: Collection[Candidate], limits: Limits, deaths: int = 0, avoi
     most = 0
     others = False
     for w in workers:
-        if w.retiring or w.isolation is ISOLATING:
+        if not _eligible(w):
             continue
         free = w.free()
         if free <= 0:
@@ -128,9 +128,15 @@ def may_send(workers: Collection[Candidate]) -> bool:
     """Whether any worker may take a task now (an idle one may: room for a suspect). (A loop: this
     runs after every event, and a generator would cost more than the test.)"""
     for w in workers:
-        if not w.retiring and w.isolation is not ISOLATING and w.free() > 0:
+        if _eligible(w) and w.free() > 0:
             return True
     return False
+
+
+def _eligible(w: Candidate) -> bool:
+    """Whether `w` may take a task that is not a suspect's (which `choose` sends to an idle worker
+    alone): the rule `choose` and `may_send` share."""
+    return not w.retiring and w.isolation is not ISOLATING
 
 
 class Owner(Protocol):

@@ -15,7 +15,7 @@ import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 from ppclient.batching import describe as describe_batching
-from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorReply, Superseded
+from ppclient.protocol import ConsumerGone, ConsumerRoute, EpochAccepted, ErrorReply, RefusalReason, Superseded
 from ppserver.scheduler import events as ev
 from ppserver.scheduler.delivery import heard, started_message, to_lane
 from ppserver.scheduler.instructions import Instruction, Prepare, Reply, ToWorker
@@ -42,11 +42,11 @@ class Requests:
 
     def request(self, e: ev.EpochRequested, out: List[Instruction]) -> None:
         malformed = form_error(e)
-        refused = ("request", malformed) if malformed is not None else refusal(self.state.job, e)
+        refused = (RefusalReason.REQUEST, malformed) if malformed is not None else refusal(self.state.job, e)
         if refused is not None:
             reason, why = refused
             log.warning("refused epoch %d for rank %d of job %r: %s", e.epoch, e.rank, e.job, why)
-            out.append(Reply(e.requester, ErrorReply(error=why, reason=reason)))
+            out.append(Reply(e.requester, ErrorReply(error=why, reason=reason.value)))
             return
         job = self._job_for(e, out)
         main = main_run(job, e.epoch)
@@ -231,18 +231,18 @@ def form_error(e: ev.EpochRequested) -> Optional[str]:
     return None
 
 
-def refusal(job: Optional[Job], e: ev.EpochRequested) -> Optional[Tuple[str, str]]:
+def refusal(job: Optional[Job], e: ev.EpochRequested) -> Optional[Tuple[RefusalReason, str]]:
     """Why the request cannot be served while the job's other clients live, or None: the error
-    reply's reason and one line. "job": another job, or this one with other settings (it may pass
-    once those clients are gone: a client asks again for a moment, see client.py); "epoch": an
+    reply's reason and one line. JOB: another job, or this one with other settings (it may pass
+    once those clients are gone: a client asks again for a moment, see client.py); EPOCH: an
     epoch the job's ranks do not read together (another seq selection, too far apart)."""
     others = [client for consumer, client in job.clients.items() if consumer != e.consumer] if job else []
     if job is None or not others:
         return None  # no job, or one whose clients are all gone: this request starts a new one
     if e.job_key != job.key:
-        return "job", _conflict(job, e, others)
+        return RefusalReason.JOB, _conflict(job, e, others)
     why = _epoch_refusal(job, e)
-    return None if why is None else ("epoch", why)
+    return None if why is None else (RefusalReason.EPOCH, why)
 
 
 def _epoch_refusal(job: Job, e: ev.EpochRequested) -> Optional[str]:

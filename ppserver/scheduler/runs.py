@@ -73,7 +73,7 @@ class Lifecycle:
     def _dispatch(self, run: Run, num_seqs: Optional[int]) -> Dispatch:
         s = self.state.settings
         if s.stream:
-            return StreamDispatch(run.run, run.epoch, num_seqs, s, story=self.state.story_log)
+            return StreamDispatch(run.run, num_seqs, s, story=self.state.story_log)
         return SeqDispatch(
             run.run,
             num_seqs,

@@ -221,12 +221,9 @@ class StreamDispatch(StreamWork):
     choose_owner), after the old owner is told to close it (`closes`); the credit the merge
     returns waits in `credits` for the scheduler."""
 
-    def __init__(
-        self, run: int, epoch: int, num_seqs: Optional[int], settings: Settings, story: Optional[Story] = None
-    ):
+    def __init__(self, run: int, num_seqs: Optional[int], settings: Settings, story: Optional[Story] = None):
         self.run = run
         self.story = Story(0) if story is None else story
-        self.epoch = epoch
         self.num_seqs = num_seqs  # inputs
         self.settings = settings
         self.parts = [Partition(p, run, self.story) for p in range(settings.partitions)]
@@ -259,7 +256,7 @@ class StreamDispatch(StreamWork):
         self.num_seqs = count
         self.feed_done = self.fed >= count
 
-    def read_limit(self, capacity: int) -> int:
+    def read_limit(self) -> int:
         """Read on while a partition that can take inputs has none queued: each hungry partition
         may get what its credit allows; the others queue what comes meanwhile (their streams may
         need that lookahead before they yield)."""
@@ -277,7 +274,7 @@ class StreamDispatch(StreamWork):
 
     def requests(self, capacity: int) -> List[int]:
         """The next positions to read: every input goes to some partition, in epoch order."""
-        limit = self.read_limit(capacity)
+        limit = self.read_limit()
         if limit <= self.read_upto:
             return []
         out = list(range(self.read_upto, limit))

@@ -366,7 +366,7 @@ class Server:
         except protocol.VersionMismatch as exc:
             error = protocol.mismatch_text(exc.theirs, "the client")
             log.warning("refused a request: %s", error)
-            self._reply(ident, protocol.ErrorReply(error=error, reason="protocol"))
+            self._reply(ident, protocol.ErrorReply(error=error, reason=protocol.RefusalReason.PROTOCOL.value))
             return
         except protocol.ProtocolError as exc:
             self.malformed.hit(str(exc))

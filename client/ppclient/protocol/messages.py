@@ -273,9 +273,19 @@ class DiscoverReply(Message):
     worker_endpoint: str = ""
 
 
+class RefusalReason(str, enum.Enum):
+    """Why a request was refused: an ErrorReply's `reason` (its value on the wire)."""
+
+    PROTOCOL = "protocol"  # another protocol version (or fingerprint)
+    JOB = "job"  # another job, or this one with other settings, while its clients live (may pass soon)
+    EPOCH = "epoch"  # an epoch the job's ranks do not read together
+    REQUEST = "request"  # a request that can never be served (malformed, say)
+
+
 @dataclass(frozen=True)
 class ErrorReply(Message):
-    """A refused request; `reason` says why (e.g. "protocol", "request")."""
+    """A refused request; `reason` says why: a RefusalReason's value ("protocol", "job", "epoch" or
+    "request")."""
 
     kind = "error_reply"
     channel = Channel.CONTROL
@@ -283,7 +293,7 @@ class ErrorReply(Message):
     receiver = (Peer.CLIENT, Peer.WORKER)
     versioned = True
     error: str = ""
-    reason: str = "request"
+    reason: str = RefusalReason.REQUEST.value
 
 
 # ---- an epoch's data (client DEALER <-> control ROUTER) --------------------------------------
