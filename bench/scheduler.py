@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict, deque
+from collections import deque
 from typing import Any, Deque, Dict, List, Tuple
 
 import numpy as np
@@ -45,6 +45,33 @@ def _items(n: int) -> List[protocol.Item]:
     ]
 
 
+class Stream:
+    """A simulated worker's run of one stream partition: one output per input, sent within its credit."""
+
+    def __init__(self, wid: bytes, partition: int, incarnation: int, credit: int, made: List[protocol.Item]):
+        self.wid, self.partition, self.incarnation = wid, partition, incarnation
+        self.credit = credit  # outputs it may send
+        self.made = made  # its outputs, in stream order
+        self.sent = 0
+        self.owed = 0  # inputs taken whose outputs are not sent yet
+        self.ended = False  # no more inputs come
+
+    def answer(self, now: float, run: int) -> List[Any]:
+        """The events its worker sends now: outputs within credit, then its end once all are out."""
+        events: List[Any] = []
+        n = min(self.credit, self.owed)
+        if n:
+            items = self.made[self.sent : self.sent + n]
+            self.sent += n
+            self.owed -= n
+            self.credit -= n
+            events.append(ev.StreamOutputsReceived(now, self.wid, run, self.partition, self.incarnation, items))
+        if self.ended and not self.owed:
+            self.ended = False
+            events.append(ev.StreamFinished(now, self.wid, run, self.partition, self.incarnation))
+        return events
+
+
 class Cluster:
     """One scheduler and everything around it, answering at once."""
 
@@ -58,6 +85,7 @@ class Cluster:
         self.events = 0
         self.now = 0.0
         self.epoch = 0
+        self.pending: Deque[Any] = deque()  # instructions not answered yet
         for k, wid in enumerate(self.wids):
             self.handle(ev.WorkerJoined(self.now, wid, "host", 1000 + k))
 
@@ -67,8 +95,6 @@ class Cluster:
         self.cpu += time.process_time() - t
         self.events += 1
         self.pending.extend(out)
-
-    pending: Deque[Any] = deque()
 
     def run_epoch(self) -> Tuple[float, int]:
         """Play one epoch; (CPU seconds in handle, events handled)."""
@@ -82,18 +108,13 @@ class Cluster:
             self.now, b"req", CONSUMER, self.epoch, direct="ipc://@x" if self.case == "direct" else ""
         )
         self.handle(req)
-        accepted = [i.msg for i in self.pending if getattr(i, "msg", None) is not None and hasattr(i.msg, "run")]
+        accepted = [i.msg for i in self.pending if isinstance(getattr(i, "msg", None), protocol.EpochAccepted)]
         self.run = accepted[-1].run
         self.pending.clear()
         self.handle(ev.RunChecked(self.now, self.run))
         self.handle(ev.CreditGranted(self.now, CONSUMER, self.run, 256))
         self.handle(ev.RunStarted(self.now, self.run, self.epoch, self.seqs))
-        outputs: Dict[Tuple[bytes, int], int] = defaultdict(int)  # stream: outputs made so far per partition
-        credit: Dict[Tuple[bytes, int], int] = defaultdict(int)
-        owed: Dict[Tuple[bytes, int], Deque[int]] = defaultdict(deque)
-        incarnation: Dict[Tuple[bytes, int], int] = {}
-        made: Dict[Tuple[bytes, int], List[protocol.Item]] = {}
-        ended: set = set()
+        streams: Dict[Tuple[bytes, int], Stream] = {}  # (worker, partition) -> what it runs
         end = -1  # the count the epoch's End gives
         guard = 0
         while self.pending:
@@ -117,25 +138,22 @@ class Cluster:
                     else:
                         self.handle(ev.ResultsReceived(self.now, wid, self.run, [results[p] for p in positions]))
                 elif isinstance(msg, protocol.StreamOpen) and msg.run == self.run:
-                    key = (wid, msg.partition)
-                    incarnation[key], credit[key] = msg.incarnation, msg.credit
-                    made[key] = _items(-(-self.seqs // self.partitions))  # the merge renumbers what it takes
-                elif isinstance(msg, protocol.StreamInputs) and msg.run == self.run:
-                    key = (wid, msg.partition)
-                    self.handle(
-                        ev.StreamAcked(self.now, wid, self.run, msg.partition, incarnation[key], len(instr.items))
-                    )
-                    owed[key].extend(it.pos for it in instr.items)
-                    self._emit(key, outputs, credit, owed, incarnation, made[key], ended)
-                elif isinstance(msg, protocol.StreamCredit) and msg.run == self.run:
-                    key = (wid, msg.partition)
-                    credit[key] += msg.n
-                    self._emit(key, outputs, credit, owed, incarnation, made[key], ended)
-                elif isinstance(msg, protocol.StreamEnd) and msg.run == self.run:
-                    ended.add((wid, msg.partition))
-                    self._emit(
-                        (wid, msg.partition), outputs, credit, owed, incarnation, made[(wid, msg.partition)], ended
-                    )
+                    made = _items(-(-self.seqs // self.partitions))  # the merge renumbers what it takes
+                    streams[wid, msg.partition] = Stream(wid, msg.partition, msg.incarnation, msg.credit, made)
+                elif isinstance(msg, (protocol.StreamInputs, protocol.StreamCredit, protocol.StreamEnd)):
+                    stream = streams[wid, msg.partition]
+                    if isinstance(msg, protocol.StreamInputs):
+                        acked = ev.StreamAcked(
+                            self.now, wid, self.run, msg.partition, stream.incarnation, len(instr.items)
+                        )
+                        self.handle(acked)
+                        stream.owed += len(instr.items)
+                    elif isinstance(msg, protocol.StreamCredit):
+                        stream.credit += msg.n
+                    else:
+                        stream.ended = True
+                    for event in stream.answer(self.now, self.run):
+                        self.handle(event)
             elif isinstance(instr, ToClient) and isinstance(instr.msg, protocol.End):
                 end = instr.msg.count
             elif isinstance(instr, ToClient) and isinstance(instr.msg, protocol.Seqs):
@@ -144,21 +162,6 @@ class Cluster:
         if end != self.seqs or self.delivered != self.seqs:
             raise RuntimeError(f"{self.case}: {self.delivered} of {self.seqs} seqs delivered, end says {end}")
         return self.cpu, self.events
-
-    def _emit(self, key, outputs, credit, owed, incarnation, results, ended) -> None:
-        wid, partition = key
-        n = min(credit[key], len(owed[key]))
-        if n:
-            first = outputs[key]
-            items = [results[first + k] for k in range(n)]
-            for _ in range(n):
-                owed[key].popleft()
-            outputs[key] += n
-            credit[key] -= n
-            self.handle(ev.StreamOutputsReceived(self.now, wid, self.run, partition, incarnation[key], items))
-        if key in ended and not owed[key]:
-            ended.discard(key)
-            self.handle(ev.StreamFinished(self.now, wid, self.run, partition, incarnation[key]))
 
 
 def main() -> int:
