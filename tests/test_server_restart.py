@@ -13,7 +13,7 @@ import gc
 import re
 import threading
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 from conftest import (
@@ -166,21 +166,27 @@ def test_remote_workers_rejoin_a_restarted_server_and_keep_nothing_of_the_old_on
             wait_for(lambda: len(mapped_segments(worker)) <= 2, 10, "the worker to map two segments at most")
 
 
+def refused_after_restart(service: Any, c: ppclient.Client, **restart: Any) -> None:
+    """A client mid-epoch whose server comes back (after 1 s) with `restart`'s other config, values or
+    code: its epoch is an error naming both fingerprints, not a wrong epoch read on."""
+    before = c.info()["fingerprint"]
+    it = c.epoch(1)
+    next(it)
+    service.restart_after(1.0, **restart)
+    service.join()
+    with ppclient.Client(service.address) as probe:
+        after = probe.info()["fingerprint"]
+    assert before != after
+    with pytest.raises(ppclient.Error, match="restarted with another config") as info:
+        collect(it)
+    assert before in str(info.value) and after in str(info.value)
+
+
 def test_a_server_with_another_config_at_the_address_is_an_error_naming_both(tmp_path):
     cfg = slow_config(tmp_path)
     other = slow_config(tmp_path, name="other.py", extra="seed = 5\n")
     with restartable(cfg, tmp_path) as service, ppclient.Client(service.address, timeout=30) as c:
-        before = c.info()["fingerprint"]
-        it = c.epoch(1)
-        next(it)
-        service.restart_after(1.0, config=other)
-        service.join()
-        with ppclient.Client(service.address) as probe:
-            after = probe.info()["fingerprint"]
-        assert before != after
-        with pytest.raises(ppclient.Error, match="restarted with another config") as info:
-            collect(it)
-        assert before in str(info.value) and after in str(info.value)
+        refused_after_restart(service, c, config=other)
 
 
 @pytest.mark.parametrize("change", ["seed from the environment", "dataset module"])
@@ -190,17 +196,7 @@ def test_a_server_restarted_with_the_same_file_but_other_values_code_or_data_is_
     FINGERPRINT_CHANGES change the same served fingerprint: test_client_misuse.py's resume test.)"""
     cfg = changing_config(tmp_path, delay=0.04)
     with restartable(cfg, tmp_path) as service, ppclient.Client(service.address, timeout=30) as c:
-        before = c.info()["fingerprint"]
-        it = c.epoch(1)
-        next(it)
-        service.restart_after(1.0, env=change_fingerprint(tmp_path, change))
-        service.join()
-        with ppclient.Client(service.address) as probe:
-            after = probe.info()["fingerprint"]
-        assert before != after
-        with pytest.raises(ppclient.Error, match="restarted with another config") as info:
-            collect(it)
-        assert before in str(info.value) and after in str(info.value)
+        refused_after_restart(service, c, env=change_fingerprint(tmp_path, change))
 
 
 def test_no_server_back_within_the_timeout_is_server_unavailable_saying_it_tried(tmp_path):
